@@ -1,0 +1,81 @@
+"""The ``kvmeta`` command: ``serve``, ``status``, ``check``, ``bench``.
+
+The only module that configures logging or prints; everything else logs through its module
+logger. Each subcommand's work lives elsewhere; this module parses and dispatches.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import sys
+import time
+from collections.abc import Sequence
+
+from kvmeta.config import add_arguments, settings_from_args
+from kvmeta.errors import KvmetaError
+
+__all__ = ["main"]
+
+
+class _JsonFormatter(logging.Formatter):
+    def format(self, record: logging.LogRecord) -> str:
+        line = {
+            "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
+            + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "msg": record.getMessage(),
+        }
+        if record.exc_info:
+            line["exc"] = self.formatException(record.exc_info)
+        return json.dumps(line)
+
+
+def configure_logging(level: str = "info", fmt: str = "text") -> None:
+    handler = logging.StreamHandler(sys.stderr)
+    if fmt == "json":
+        handler.setFormatter(_JsonFormatter())
+    else:
+        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvmeta.server.runner import serve
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_format)
+    serve(settings)
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="kvmeta",
+        description="KV-cache page metadata service for SGLang HiCache and vLLM HF3FS.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve = sub.add_parser("serve", help="run the metadata server")
+    add_arguments(serve)
+    serve.set_defaults(func=_cmd_serve)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except KvmetaError as exc:
+        print(f"kvmeta: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

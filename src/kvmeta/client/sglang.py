@@ -1,0 +1,274 @@
+"""SGLang HiCache's metadata clients, same class names and signatures, kvmeta behaviour.
+
+``Hf3fsGlobalMetadataClient`` talks to ``kvmeta serve``; ``Hf3fsLocalMetadataClient`` keeps the
+pools in this process. Every method takes ``namespace`` last (a str or a str-valued Enum),
+defaulting to the KV pool, like SGLang's own clients.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from enum import Enum
+from typing import Any, TypeVar
+
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
+from kvmeta.errors import NotInitialized
+from kvmeta.service.limits import RequestLimits
+from kvmeta.store.memory import MemoryStore
+
+__all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+NamespaceLike = str | Enum
+
+
+def _ns(namespace: NamespaceLike | None) -> str:
+    if namespace is None:
+        return DEFAULT_NAMESPACE
+    if isinstance(namespace, Enum):
+        return str(namespace.value)
+    return str(namespace)
+
+
+class Hf3fsMetadataInterface:
+    """The methods HiCache calls; both clients implement all of them."""
+
+    def initialize(
+        self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        raise NotImplementedError
+
+    def reserve_and_allocate_page_indices(
+        self,
+        rank: int,
+        keys: Sequence[tuple[str, str | None]],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> list[tuple[bool, int]]:
+        raise NotImplementedError
+
+    def confirm_write(
+        self,
+        rank: int,
+        written_keys_to_confirm: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> None:
+        raise NotImplementedError
+
+    def get_page_indices(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[int | None]:
+        raise NotImplementedError
+
+    def delete_keys(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        raise NotImplementedError
+
+    def exists(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[bool]:
+        raise NotImplementedError
+
+    def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
+        raise NotImplementedError
+
+
+class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
+    """HTTP client for ``kvmeta serve`` (or any server speaking SGLang's dialect).
+
+    ``auto_reinitialize=True``: the client remembers each pool's ``initialize`` arguments and,
+    if the server answers "not initialized" (it restarted without its state), initialises the
+    pool again once, logs a warning and repeats the call.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        max_retries: int = 3,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        auth_token: str | None = None,
+        auto_reinitialize: bool = False,
+        verify: bool | str = True,
+    ) -> None:
+        self.base_url = base_url
+        self._http = HttpTransport(
+            base_url,
+            max_retries=max_retries,
+            timeout=timeout,
+            auth_token=auth_token,
+            verify=verify,
+        )
+        self.auto_reinitialize = auto_reinitialize
+        self._known: dict[tuple[int, str], int] = {}
+
+    def _call(self, rank: int, ns: str, op: str, payload: dict[str, Any]) -> Any:
+        payload["namespace"] = ns
+        try:
+            return self._http.post(f"/{rank}/{op}", payload)
+        except NotInitialized:
+            num_pages = self._known.get((rank, ns))
+            if not self.auto_reinitialize or num_pages is None:
+                raise
+            logger.warning(
+                "kvmeta server at %s forgot rank %d namespace '%s' (restarted without its "
+                "state?); re-initialising with %d pages and retrying %s",
+                self.base_url,
+                rank,
+                ns,
+                num_pages,
+                op,
+            )
+            self._http.post(f"/{rank}/initialize", {"num_pages": num_pages, "namespace": ns})
+            return self._http.post(f"/{rank}/{op}", payload)
+
+    def initialize(
+        self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        ns = _ns(namespace)
+        self._http.post(f"/{rank}/initialize", {"num_pages": num_pages, "namespace": ns})
+        self._known[(rank, ns)] = num_pages
+
+    def reserve_and_allocate_page_indices(
+        self,
+        rank: int,
+        keys: Sequence[tuple[str, str | None]],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> list[tuple[bool, int]]:
+        reply = self._call(
+            rank,
+            _ns(namespace),
+            "reserve_and_allocate_page_indices",
+            {"keys": [list(k) for k in keys]},
+        )
+        return [(bool(hit), int(page)) for hit, page in reply["indices"]]
+
+    def confirm_write(
+        self,
+        rank: int,
+        written_keys_to_confirm: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> None:
+        self._call(
+            rank,
+            _ns(namespace),
+            "confirm_write",
+            {
+                "written_keys_to_confirm": [list(p) for p in written_keys_to_confirm],
+                "pages_to_release": list(pages_to_release),
+            },
+        )
+
+    def get_page_indices(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[int | None]:
+        reply = self._call(rank, _ns(namespace), "get_page_indices", {"keys": list(keys)})
+        return list(reply["indices"])
+
+    def delete_keys(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        self._call(rank, _ns(namespace), "delete_keys", {"keys": list(keys)})
+
+    def exists(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[bool]:
+        reply = self._call(rank, _ns(namespace), "exists", {"keys": list(keys)})
+        return list(reply["exists"])
+
+    def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
+        self._call(rank, _ns(namespace), "clear", {})
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class Hf3fsLocalMetadataClient(Hf3fsMetadataInterface):
+    """The same pools in this process, no server: for a single-node engine.
+
+    Thread-safe (one lock); state is lost when the process exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        reservation_ttl: float = 300.0,
+        read_lease: float = 5.0,
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
+        self._limits = limits or RequestLimits()
+        self._lock = threading.Lock()
+
+    def _run(self, rank: int, ns: str, fn: Callable[[PoolId], T]) -> T:
+        pid = PoolId("s", rank, ns)
+        with self._lock:
+            if pid not in self._store.pools:
+                raise NotInitialized(
+                    f"Namespace '{ns}' for rank {rank} not initialized; call "
+                    f"initialize({rank}, num_pages, namespace={ns!r}) first",
+                    rank,
+                    ns,
+                )
+            return fn(pid)
+
+    def initialize(
+        self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        ns = _ns(namespace)
+        self._limits.check_num_pages(num_pages)
+        self._limits.check_namespace(ns)
+        with self._lock:
+            self._store.initialize(PoolId("s", rank, ns), num_pages)
+
+    def reserve_and_allocate_page_indices(
+        self,
+        rank: int,
+        keys: Sequence[tuple[str, str | None]],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> list[tuple[bool, int]]:
+        plain = [k[0] for k in keys]
+        self._limits.check_keys(plain)
+        return self._run(rank, _ns(namespace), lambda pid: self._store.reserve(pid, plain))
+
+    def confirm_write(
+        self,
+        rank: int,
+        written_keys_to_confirm: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int],
+        namespace: NamespaceLike = DEFAULT_NAMESPACE,
+    ) -> None:
+        pairs = [(str(k), int(p)) for k, p in written_keys_to_confirm]
+        release = [int(p) for p in pages_to_release]
+        self._run(rank, _ns(namespace), lambda pid: self._store.confirm(pid, pairs, release))
+
+    def get_page_indices(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[int | None]:
+        plain = list(keys)
+        self._limits.check_keys(plain)
+        return self._run(rank, _ns(namespace), lambda pid: self._store.get(pid, plain))
+
+    def delete_keys(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> None:
+        plain = list(keys)
+        self._limits.check_keys(plain)
+        self._run(rank, _ns(namespace), lambda pid: self._store.delete(pid, plain))
+
+    def exists(
+        self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
+    ) -> list[bool]:
+        plain = list(keys)
+        self._limits.check_keys(plain)
+        return self._run(rank, _ns(namespace), lambda pid: self._store.exists(pid, plain))
+
+    def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
+        self._run(rank, _ns(namespace), lambda pid: self._store.clear(pid))

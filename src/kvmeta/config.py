@@ -1,0 +1,205 @@
+"""One frozen ``Settings`` for the server, merged once: defaults < ``KVMETA_*`` env < flags.
+
+Nothing else in kvmeta reads ``os.environ``. Every option is declared once in ``OPTIONS``;
+``add_arguments`` turns that table into argparse flags whose help shows the env var and default,
+and ``settings_from_args`` does the merge and validation, naming both forms on error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, fields
+from typing import Any
+
+from kvmeta.errors import InvalidRequest
+
+__all__ = ["OPTIONS", "Option", "Settings", "add_arguments", "settings_from_args"]
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything ``kvmeta serve`` can be told."""
+
+    host: str = "127.0.0.1"
+    port: int = 18000
+    reservation_ttl: float = 300.0
+    read_lease: float = 5.0
+    # durability
+    data_dir: str = "./kvmeta-data"
+    in_memory: bool = False
+    fsync: str = "batch"
+    fsync_interval: float = 0.005
+    snapshot_interval: float = 300.0
+    snapshot_min_records: int = 100_000
+    persistence_path: str | None = None
+    save_interval: float = 60.0
+    # scale-out
+    backend: str | None = None
+    workers: int = 1
+    # operations
+    auth_token: str | None = None
+    ssl_certfile: str | None = None
+    ssl_keyfile: str | None = None
+    max_body_bytes: int = 16 * 1024 * 1024
+    max_keys: int = 65536
+    max_key_length: int = 1024
+    max_namespace_length: int = 128
+    max_pages: int = 1 << 28
+    log_level: str = "info"
+    log_format: str = "text"
+    access_log: bool = False
+
+    def __repr__(self) -> str:
+        shown = {f.name: getattr(self, f.name) for f in fields(self)}
+        if shown["auth_token"]:
+            shown["auth_token"] = "***"
+        return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
+
+
+@dataclass(frozen=True)
+class Option:
+    name: str  # Settings field
+    help: str
+    parse: Callable[[str], Any] = str
+    choices: tuple[str, ...] = ()
+    flag_only: bool = False  # boolean switch
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
+    return value
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value <= 0:
+        raise ValueError("must be > 0")
+    return value
+
+
+def _bool(text: str) -> bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+        return True
+    if low in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError("must be true or false")
+
+
+OPTIONS: tuple[Option, ...] = (
+    Option("host", "address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 every interface"),
+    Option("port", "TCP port (engines' clients default to 18000)", int),
+    Option("reservation_ttl", "seconds a reserved page waits for confirm/release", _positive_float),
+    Option(
+        "read_lease",
+        "seconds a page is safe from eviction after a lookup (0: off)",
+        _positive_float,
+    ),
+    Option("data_dir", "directory for the journal and snapshots"),
+    Option("in_memory", "keep state in memory only (lost on restart)", _bool, flag_only=True),
+    Option("fsync", "when the journal is fsynced", str, ("always", "batch", "never")),
+    Option(
+        "fsync_interval", "batch mode: longest wait before a group fsync, seconds", _positive_float
+    ),
+    Option("snapshot_interval", "seconds between snapshots (0: only at shutdown)", _positive_float),
+    Option(
+        "snapshot_min_records",
+        "journal records before a periodic snapshot is worth taking",
+        _positive_int,
+    ),
+    Option(
+        "persistence_path",
+        "SGLang reference server's JSON state file: imported on first "
+        "start, rewritten every --save-interval for rollback",
+    ),
+    Option("save_interval", "seconds between writes of --persistence-path", _positive_float),
+    Option("backend", "shared state URL, e.g. redis://host:6379/0 (default: this process)"),
+    Option("workers", "server processes on one port (needs a shared --backend)", _positive_int),
+    Option("auth_token", "require this token (Bearer, or as the password in the URL)"),
+    Option("ssl_certfile", "TLS certificate (PEM) to serve https"),
+    Option("ssl_keyfile", "TLS private key (PEM)"),
+    Option("max_body_bytes", "largest request body accepted", _positive_int),
+    Option("max_keys", "most keys in one request", _positive_int),
+    Option("max_key_length", "longest key accepted, characters", _positive_int),
+    Option("max_namespace_length", "longest namespace accepted, characters", _positive_int),
+    Option("max_pages", "largest num_pages accepted", _positive_int),
+    Option("log_level", "logging level", str, ("debug", "info", "warning", "error")),
+    Option("log_format", "log line format", str, ("text", "json")),
+    Option("access_log", "log one line per request", _bool, flag_only=True),
+)
+
+
+def _flag(opt: Option) -> str:
+    return "--" + opt.name.replace("_", "-")
+
+
+def _env(opt: Option) -> str:
+    return "KVMETA_" + opt.name.upper()
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Add one flag per option; defaults stay None so the merge can tell 'not given'."""
+    defaults = Settings()
+    for opt in OPTIONS:
+        default = getattr(defaults, opt.name)
+        help_text = f"{opt.help} (env {_env(opt)}; default {default})"
+        if opt.flag_only:
+            parser.add_argument(
+                _flag(opt), action="store_const", const=True, default=None, help=help_text
+            )
+        else:
+            parser.add_argument(_flag(opt), default=None, metavar=opt.name.upper(), help=help_text)
+
+
+def settings_from_args(
+    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+) -> Settings:
+    """Merge defaults < env < flags into Settings.
+
+    Raises:
+        InvalidRequest: a value does not parse; the message names the flag and env var.
+    """
+    env = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for opt in OPTIONS:
+        given = getattr(args, opt.name, None)
+        source = _flag(opt)
+        if given is None and _env(opt) in env:
+            given, source = env[_env(opt)], f"env {_env(opt)}"
+        if given is None:
+            continue
+        if given is True and opt.flag_only:
+            values[opt.name] = True
+            continue
+        try:
+            value = opt.parse(given) if isinstance(given, str) else given
+        except ValueError as exc:
+            raise InvalidRequest(
+                f"Expected `{_flag(opt)}` ({_env(opt)}) to be a valid {opt.name} value, got "
+                f"{given!r} from {source}: {exc}",
+                opt.name,
+            ) from None
+        if opt.choices and value not in opt.choices:
+            raise InvalidRequest(
+                f"Expected `{_flag(opt)}` in {'|'.join(opt.choices)}, got {given!r} "
+                f"(from {source}; env {_env(opt)})",
+                opt.name,
+            )
+        values[opt.name] = value
+    settings = Settings(**values)
+    if settings.workers > 1 and not settings.backend:
+        raise InvalidRequest(
+            "`--workers` > 1 needs a shared `--backend` (e.g. redis://127.0.0.1:6379/0): "
+            "separate processes cannot share in-process state",
+            "workers",
+        )
+    if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
+        raise InvalidRequest(
+            "`--ssl-certfile` and `--ssl-keyfile` go together; give both to serve https",
+            "ssl_certfile",
+        )
+    return settings

@@ -1,0 +1,66 @@
+"""The page invariant, checked in full: for tests after every step and for ``kvmeta check``.
+
+FREE + RESERVED + STORED = num_pages, the three sets are disjoint, key -> page and page -> key
+agree both ways, every FREE page is handed out by the allocator exactly once, and the LRU list
+holds exactly the STORED pages. O(pool): never call it on a request path.
+"""
+
+from __future__ import annotations
+
+from kvmeta.core.pool import FREE, RESERVED, STORED, Pool
+
+__all__ = ["InvariantViolation", "check_pool"]
+
+
+class InvariantViolation(AssertionError):
+    """Raised when a pool's structures disagree; the message says where."""
+
+
+def check_pool(pool: Pool) -> None:
+    """Raise ``InvariantViolation`` naming the first inconsistency found in ``pool``."""
+    n = pool.num_pages
+    state = pool._state
+    page_key = pool._page_key
+    _expect(len(state) == n and len(page_key) == n, "per-page arrays have the wrong length")
+    counts = [state.count(FREE), state.count(RESERVED), state.count(STORED)]
+    _expect(sum(counts) == n, f"states do not add up: {counts} for {n} pages")
+    _expect(counts[STORED] == len(pool._stored), "STORED pages != stored keys")
+    _expect(counts[RESERVED] == len(pool._reserved), "RESERVED pages != reserved keys")
+    _expect(not (pool._stored.keys() & pool._reserved.keys()), "a key is both STORED and RESERVED")
+    for key, page in pool._stored.items():
+        _expect(
+            state[page] == STORED and page_key[page] == key, f"stored {key!r}->{page} disagrees"
+        )
+    for key, page in pool._reserved.items():
+        _expect(
+            state[page] == RESERVED and page_key[page] == key, f"reserved {key!r}->{page} disagrees"
+        )
+        _expect(pool._holders.get(page, 0) >= 1, f"reserved page {page} has no holder")
+        _expect(page in pool._res_deadline, f"reserved page {page} has no lease deadline")
+    reserved_pages = set(pool._reserved.values())
+    _expect(set(pool._holders) == reserved_pages, "holder table != reserved pages")
+    _expect(set(pool._res_deadline) == reserved_pages, "lease table != reserved pages")
+    allocatable = list(pool._free) + [page for _, page in pool._cooling]
+    _expect(len(allocatable) == len(set(allocatable)), "a page is in the free stack twice")
+    free_pages = {p for p in range(n) if state[p] == FREE}
+    _expect(set(allocatable) == free_pages, "free stack != FREE pages")
+    for page in free_pages:
+        _expect(page_key[page] is None, f"FREE page {page} still names a key")
+    _check_lru(pool)
+
+
+def _check_lru(pool: Pool) -> None:
+    seen: list[int] = []
+    page, prev = pool._head, -1
+    while page != -1:
+        _expect(len(seen) <= pool.num_pages, "LRU list has a cycle")
+        _expect(pool._prev[page] == prev, f"LRU back link of page {page} is wrong")
+        seen.append(page)
+        prev, page = page, pool._next[page]
+    _expect(pool._tail == prev, "LRU tail is wrong")
+    _expect(sorted(seen) == sorted(pool._stored.values()), "LRU list != STORED pages")
+
+
+def _expect(ok: bool, what: str) -> None:
+    if not ok:
+        raise InvariantViolation(what)

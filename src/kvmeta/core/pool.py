@@ -1,0 +1,488 @@
+"""One pool of pages: the state machine every dialect and backend agrees on.
+
+A page is FREE, RESERVED (handed to writers of one key, with a lease) or STORED (holds the
+confirmed bytes of one key). The structures are chosen so that every operation costs
+O(size of the request), never O(pool), and a stored key costs about 200 bytes:
+
+- ``_state``: one byte per page (FREE/RESERVED/STORED);
+- ``_page_key``: page -> key of a RESERVED or STORED page (None when FREE);
+- ``_stored`` / ``_reserved``: key -> page, one dict per state, so a key is in at most one;
+- ``_free``: a stack of free page numbers in a C int array (lowest page handed out first);
+- LRU of STORED pages: an intrusive doubly linked list over page numbers in two C int arrays,
+  so a touch is a handful of array writes and no per-key objects exist;
+- reservation leases and read leases: small dicts of the pages that have one, plus a queue in
+  deadline order so expiry is amortised O(1). Leases all have the same length, so the order in
+  which they are granted is their deadline order and a deque suffices.
+
+Time is always passed in (``now``, seconds, monotonic), so the model has no clock and no I/O.
+Durable changes (commits and removals of STORED keys) are returned to the caller, which journals
+them; see ``store``.
+"""
+
+from __future__ import annotations
+
+import heapq
+from array import array
+from collections import deque
+from dataclasses import dataclass, field
+
+from kvmeta.errors import InvalidRequest
+
+__all__ = ["FREE", "RESERVED", "STORED", "ConfirmOutcome", "Pool", "PoolCounters"]
+
+FREE = 0
+RESERVED = 1
+STORED = 2
+
+# Upper bound on LRU entries inspected per eviction: read-leased pages found at the cold end are
+# moved to the warm end (they were just read), so a normal scan inspects one or two pages.
+_EVICT_SCAN_LIMIT = 4096
+
+
+@dataclass
+class PoolCounters:
+    """Monotonic event counts for stats and metrics (never reset by ``clear``)."""
+
+    exists_hits: int = 0
+    exists_misses: int = 0
+    get_hits: int = 0
+    get_misses: int = 0
+    reservations: int = 0
+    reservations_refused: int = 0
+    reservations_expired: int = 0
+    reserve_hits: int = 0
+    commits: int = 0
+    confirms_refused: int = 0
+    releases: int = 0
+    evictions: int = 0
+    deletes: int = 0
+    clears: int = 0
+
+
+@dataclass
+class ConfirmOutcome:
+    """What a confirm did: ``committed`` pairs must be journaled; refusals are only counted."""
+
+    committed: list[tuple[str, int]] = field(default_factory=list)
+    refused: list[tuple[str, int]] = field(default_factory=list)
+    released: int = 0
+
+
+class Pool:
+    """Pages ``0..num_pages-1`` of one backing file and the keys they hold."""
+
+    __slots__ = (
+        "num_pages",
+        "reservation_ttl",
+        "read_lease",
+        "counters",
+        "_state",
+        "_page_key",
+        "_stored",
+        "_reserved",
+        "_holders",
+        "_res_deadline",
+        "_res_queue",
+        "_read_until",
+        "_read_queue",
+        "_cooling",
+        "_free",
+        "_prev",
+        "_next",
+        "_head",
+        "_tail",
+    )
+
+    def __init__(self, num_pages: int, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
+        if num_pages <= 0:
+            raise InvalidRequest(
+                f"num_pages must be a positive integer, got {num_pages}", "num_pages"
+            )
+        self.num_pages = num_pages
+        self.reservation_ttl = reservation_ttl
+        self.read_lease = read_lease
+        self.counters = PoolCounters()
+        self._state = bytearray(num_pages)
+        self._page_key: list[str | None] = [None] * num_pages
+        self._stored: dict[str, int] = {}
+        self._reserved: dict[str, int] = {}
+        self._holders: dict[int, int] = {}
+        self._res_deadline: dict[int, float] = {}
+        self._res_queue: deque[tuple[float, int]] = deque()
+        self._read_until: dict[int, float] = {}
+        self._read_queue: deque[tuple[float, int]] = deque()
+        # Pages freed while a reader still holds a lease: FREE, but not handed out until then.
+        self._cooling: list[tuple[float, int]] = []
+        self._free = array("i", range(num_pages - 1, -1, -1))
+        self._prev = array("i", bytes(4 * num_pages))
+        self._next = array("i", bytes(4 * num_pages))
+        self._head = -1
+        self._tail = -1
+
+    # ------------------------------------------------------------------ loading
+
+    @classmethod
+    def load(
+        cls,
+        num_pages: int,
+        entries: list[tuple[str, int]],
+        *,
+        reservation_ttl: float = 300.0,
+        read_lease: float = 5.0,
+    ) -> Pool:
+        """A pool whose STORED keys are ``entries``, given coldest first (recovery, import).
+
+        Raises:
+            InvalidRequest: a page is out of range or named twice, or a key appears twice.
+        """
+        pool = cls(num_pages, reservation_ttl=reservation_ttl, read_lease=read_lease)
+        state, page_key, stored = pool._state, pool._page_key, pool._stored
+        for key, page in entries:
+            if not 0 <= page < num_pages:
+                raise InvalidRequest(f"page {page} of key {key!r} is outside 0..{num_pages - 1}")
+            if state[page] != FREE or key in stored:
+                raise InvalidRequest(f"page {page} or key {key!r} appears twice")
+            state[page] = STORED
+            page_key[page] = key
+            stored[key] = page
+            pool._link_tail(page)
+        pool._free = array("i", (p for p in range(num_pages - 1, -1, -1) if state[p] == FREE))
+        return pool
+
+    # ------------------------------------------------------------------ queries
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        """Whether each key is STORED; does not count as a use."""
+        stored = self._stored
+        out = [k in stored for k in keys]
+        hits = sum(out)
+        self.counters.exists_hits += hits
+        self.counters.exists_misses += len(out) - hits
+        return out
+
+    def get(self, keys: list[str], now: float) -> list[int | None]:
+        """Page of each STORED key (else None); a use for LRU, and a read lease on the page."""
+        self._expire(now)
+        stored = self._stored
+        lease = self.read_lease
+        out: list[int | None] = []
+        append = out.append
+        hits = 0
+        if lease > 0:
+            until = now + lease
+            read_until = self._read_until
+            queue = self._read_queue
+        for key in keys:
+            page = stored.get(key)
+            append(page)
+            if page is None:
+                continue
+            hits += 1
+            if page != self._tail:
+                self._unlink(page)
+                self._link_tail(page)
+            if lease > 0:
+                read_until[page] = until
+                queue.append((until, page))
+        self.counters.get_hits += hits
+        self.counters.get_misses += len(keys) - hits
+        return out
+
+    def page_of(self, key: str) -> int | None:
+        """Page of a STORED key without touching anything (stats, tests)."""
+        return self._stored.get(key)
+
+    def state_of(self, page: int) -> int:
+        """FREE, RESERVED or STORED."""
+        return self._state[page]
+
+    def key_at(self, page: int) -> str | None:
+        """Key held by a RESERVED or STORED page."""
+        return self._page_key[page]
+
+    @property
+    def stored_count(self) -> int:
+        return len(self._stored)
+
+    @property
+    def reserved_count(self) -> int:
+        return len(self._reserved)
+
+    @property
+    def free_count(self) -> int:
+        return self.num_pages - len(self._stored) - len(self._reserved)
+
+    def stored_items(self) -> list[tuple[str, int]]:
+        """STORED (key, page) pairs, coldest first: what a snapshot writes. O(stored)."""
+        out: list[tuple[str, int]] = []
+        page_key, nxt = self._page_key, self._next
+        page = self._head
+        while page != -1:
+            key = page_key[page]
+            assert key is not None
+            out.append((key, page))
+            page = nxt[page]
+        return out
+
+    # ------------------------------------------------------------------ mutations
+
+    def reserve(
+        self, keys: list[str], now: float, evicted: list[tuple[str, int]]
+    ) -> list[tuple[bool, int]]:
+        """Per key: ``(True, page)`` if STORED, ``(False, page)`` to write, ``(False, -1)`` if none.
+
+        A key already RESERVED (by another writer, a retry or earlier in this batch) gets the
+        same page back and its lease renewed. STORED keys evicted to make room are appended to
+        ``evicted``; the caller must make their removal durable before replying.
+        """
+        self._expire(now)
+        stored, reserved, state, page_key = (
+            self._stored,
+            self._reserved,
+            self._state,
+            self._page_key,
+        )
+        holders, res_deadline, res_queue = self._holders, self._res_deadline, self._res_queue
+        deadline = now + self.reservation_ttl
+        counters = self.counters
+        out: list[tuple[bool, int]] = []
+        append = out.append
+        seen: set[str] | None = None
+        hits: set[int] = set()  # pages reported as stored by this call: never evicted by it
+        for key in keys:
+            page = stored.get(key)
+            if page is not None:
+                hits.add(page)
+                counters.reserve_hits += 1
+                if page != self._tail:
+                    self._unlink(page)
+                    self._link_tail(page)
+                append((True, page))
+                continue
+            page = reserved.get(key)
+            if page is not None:
+                if seen is None:
+                    seen = set()
+                if key not in seen:
+                    # Another writer (or a retry) joins: one more holder, lease renewed.
+                    seen.add(key)
+                    holders[page] += 1
+                    res_deadline[page] = deadline
+                    res_queue.append((deadline, page))
+                append((False, page))
+                continue
+            page = self._take_page(now, evicted, hits)
+            if page < 0:
+                counters.reservations_refused += 1
+                append((False, -1))
+                continue
+            counters.reservations += 1
+            state[page] = RESERVED
+            page_key[page] = key
+            reserved[key] = page
+            holders[page] = 1
+            res_deadline[page] = deadline
+            res_queue.append((deadline, page))
+            if seen is None:
+                seen = set()
+            seen.add(key)
+            append((False, page))
+        return out
+
+    def confirm(
+        self, pairs: list[tuple[str, int]], release: list[int], now: float
+    ) -> ConfirmOutcome:
+        """Commit written pages, give back pages whose write failed.
+
+        A pair commits only if its page is RESERVED for its key; one already STORED for its key
+        is an idempotent success; anything else is refused and changes nothing. A released page
+        returns to FREE only when it is RESERVED and its last holder lets go; releasing a STORED
+        page is ignored.
+
+        Raises:
+            InvalidRequest: a page is outside ``0..num_pages-1`` (nothing is changed).
+        """
+        self._check_pages(pairs, release)
+        self._expire(now)
+        state, page_key, stored, reserved = (
+            self._state,
+            self._page_key,
+            self._stored,
+            self._reserved,
+        )
+        outcome = ConfirmOutcome()
+        for key, page in pairs:
+            st = state[page]
+            if st == RESERVED and page_key[page] == key:
+                del reserved[key]
+                del self._holders[page]
+                del self._res_deadline[page]
+                state[page] = STORED
+                stored[key] = page
+                self._link_tail(page)
+                outcome.committed.append((key, page))
+            elif st == STORED and page_key[page] == key:
+                continue
+            else:
+                outcome.refused.append((key, page))
+        for page in release:
+            if state[page] != RESERVED:
+                continue
+            left = self._holders[page] - 1
+            if left > 0:
+                self._holders[page] = left
+                continue
+            key = page_key[page]
+            assert key is not None
+            del reserved[key]
+            self._drop_reservation(page)
+            self._free_page(page, now)
+            outcome.released += 1
+        self.counters.commits += len(outcome.committed)
+        self.counters.confirms_refused += len(outcome.refused)
+        self.counters.releases += outcome.released
+        return outcome
+
+    def delete(self, keys: list[str], now: float) -> list[tuple[str, int]]:
+        """STORED keys become FREE; returns the removed (key, page) pairs to journal."""
+        self._expire(now)
+        stored = self._stored
+        removed: list[tuple[str, int]] = []
+        for key in keys:
+            page = stored.pop(key, None)
+            if page is None:
+                continue
+            self._unlink(page)
+            self._page_key[page] = None
+            self._state[page] = FREE
+            self._free_page(page, now)
+            removed.append((key, page))
+        self.counters.deletes += len(removed)
+        return removed
+
+    def clear(self, now: float) -> int:
+        """Every STORED page becomes FREE; reservations in flight are left alone. O(stored)."""
+        self._expire(now)
+        count = len(self._stored)
+        for page in self._stored.values():
+            self._page_key[page] = None
+            self._state[page] = FREE
+            self._free_page(page, now)
+        self._stored = {}
+        self._head = self._tail = -1
+        self.counters.clears += 1
+        return count
+
+    def expire(self, now: float) -> None:
+        """Apply lease expiry up to ``now`` (every operation does this first)."""
+        self._expire(now)
+
+    # ------------------------------------------------------------------ internals
+
+    def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> None:
+        n = self.num_pages
+        for _key, page in pairs:
+            if not 0 <= page < n:
+                raise InvalidRequest(
+                    f"page {page} in `written_keys_to_confirm` is outside this pool's pages "
+                    f"0..{n - 1}; confirm only pages returned by reserve",
+                    "written_keys_to_confirm",
+                )
+        for page in release:
+            if not 0 <= page < n:
+                raise InvalidRequest(
+                    f"page {page} in `pages_to_release` is outside this pool's pages "
+                    f"0..{n - 1}; release only pages returned by reserve",
+                    "pages_to_release",
+                )
+
+    def _take_page(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
+        if self._free:
+            return self._free.pop()
+        read_until = self._read_until
+        page = self._head
+        for _ in range(min(len(self._stored), _EVICT_SCAN_LIMIT)):
+            if page == -1 or page in keep:
+                # Pages this call reported as stored sit at the warm end, after every other
+                # candidate: reaching one means nothing else can be evicted.
+                break
+            nxt = self._next[page]
+            if read_until.get(page, 0.0) > now:
+                # Being read right now: it is hot, so treat the read as a use.
+                self._unlink(page)
+                self._link_tail(page)
+                page = nxt
+                continue
+            key = self._page_key[page]
+            assert key is not None
+            del self._stored[key]
+            self._unlink(page)
+            self._page_key[page] = None
+            self._state[page] = FREE
+            evicted.append((key, page))
+            self.counters.evictions += 1
+            return page
+        return -1
+
+    def _free_page(self, page: int, now: float) -> None:
+        """Return a page (already marked FREE) to the allocator, after any live read lease."""
+        until = self._read_until.get(page, 0.0)
+        if until > now:
+            heapq.heappush(self._cooling, (until, page))
+        else:
+            self._free.append(page)
+
+    def _drop_reservation(self, page: int) -> None:
+        del self._holders[page]
+        del self._res_deadline[page]
+        self._page_key[page] = None
+        self._state[page] = FREE
+
+    def _expire(self, now: float) -> None:
+        queue = self._res_queue
+        if queue and queue[0][0] <= now:
+            deadlines = self._res_deadline
+            while queue and queue[0][0] <= now:
+                _, page = queue.popleft()
+                current = deadlines.get(page)
+                if current is None or current > now:
+                    continue  # confirmed, released, or renewed since
+                key = self._page_key[page]
+                assert key is not None
+                del self._reserved[key]
+                self._drop_reservation(page)
+                self._free_page(page, now)
+                self.counters.reservations_expired += 1
+        queue = self._read_queue
+        if queue and queue[0][0] <= now:
+            read_until = self._read_until
+            while queue and queue[0][0] <= now:
+                until, page = queue.popleft()
+                if read_until.get(page) == until:
+                    del read_until[page]
+        cooling = self._cooling
+        while cooling and cooling[0][0] <= now:
+            _, page = heapq.heappop(cooling)
+            self._free.append(page)
+
+    def _link_tail(self, page: int) -> None:
+        tail = self._tail
+        self._prev[page] = tail
+        self._next[page] = -1
+        if tail == -1:
+            self._head = page
+        else:
+            self._next[tail] = page
+        self._tail = page
+
+    def _unlink(self, page: int) -> None:
+        prev = self._prev[page]
+        nxt = self._next[page]
+        if prev == -1:
+            self._head = nxt
+        else:
+            self._next[prev] = nxt
+        if nxt == -1:
+            self._tail = prev
+        else:
+            self._prev[nxt] = prev

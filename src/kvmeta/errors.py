@@ -1,0 +1,164 @@
+"""Every error kvmeta raises, in one tree, on the server and in the clients alike.
+
+    KvmetaError (RuntimeError)             root; engines' code catches RuntimeError
+    +-- InvalidRequest (ValueError)        caller's mistake: 400, names the field and the fix
+    |   +-- PayloadTooLarge                a size limit: 413, names the limit and its flag
+    +-- NotInitialized (LookupError)       the pool/rank does not exist yet: 404
+    +-- NotFound (LookupError)             unknown route: 404
+    +-- MethodNotAllowed                   405
+    +-- Unauthorized                       missing or wrong auth token: 401
+    +-- ServerUnavailable                  client side: the server could not be reached
+    +-- ServerError                        client side: the server answered 5xx
+    +-- StorageError (OSError)             data directory / journal trouble
+    |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
+    +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
+
+All of them subclass ``RuntimeError`` because both engines' stock clients raise
+``RuntimeError`` and engine code catches exactly that. Each class has an HTTP ``status`` so the
+server maps errors to responses through one attribute, and the clients map responses back to the
+same classes (``from_status``), so a message travels unchanged from server to caller.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BackendUnavailable",
+    "InvalidRequest",
+    "JournalCorrupt",
+    "KvmetaError",
+    "MethodNotAllowed",
+    "NotFound",
+    "NotInitialized",
+    "PayloadTooLarge",
+    "ServerError",
+    "ServerUnavailable",
+    "StorageError",
+    "Unauthorized",
+    "error_for_status",
+]
+
+
+class KvmetaError(RuntimeError):
+    """Raised for any kvmeta failure; ``str(err)`` is the message a user acts on."""
+
+    status: int = 500
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+
+class InvalidRequest(KvmetaError, ValueError):
+    """Raised when a request is malformed; nothing was changed."""
+
+    status = 400
+
+    def __init__(self, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class PayloadTooLarge(InvalidRequest):
+    """Raised when a request exceeds a configured size limit."""
+
+    status = 413
+
+
+class NotInitialized(KvmetaError, LookupError):
+    """Raised when an operation names a pool or rank that was never initialised."""
+
+    status = 404
+
+    def __init__(self, message: str, rank: int | None = None, namespace: str | None = None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.namespace = namespace
+
+    @classmethod
+    def for_pool(cls, dialect: str, rank: int, namespace: str) -> NotInitialized:
+        """The not-initialised error in the wording each dialect's engines expect."""
+        if dialect == "v":
+            return cls(
+                f"Rank {rank} not initialized. POST /rank/{rank}/initialize with "
+                f'{{"role": "worker", "num_pages": N}} (N > 0) first; a server restarted '
+                "with --in-memory forgets its ranks",
+                rank,
+                None,
+            )
+        return cls(
+            f"Rank {rank} namespace '{namespace}' not initialized. "
+            f"Please call /{rank}/initialize first.",
+            rank,
+            namespace,
+        )
+
+
+class NotFound(KvmetaError, LookupError):
+    """Raised when a request names a route that does not exist."""
+
+    status = 404
+
+
+class MethodNotAllowed(KvmetaError):
+    """Raised when a route exists but not for the request's HTTP method."""
+
+    status = 405
+
+
+class Unauthorized(KvmetaError):
+    """Raised when a request lacks the configured auth token."""
+
+    status = 401
+
+
+class ServerUnavailable(KvmetaError):
+    """Raised by clients when the server cannot be reached after all retries."""
+
+    status = 503
+
+
+class ServerError(KvmetaError):
+    """Raised by clients when the server answered 5xx after all retries."""
+
+    status = 500
+
+
+class StorageError(KvmetaError, OSError):
+    """Raised when the data directory, journal or snapshot cannot be read or written."""
+
+    status = 500
+
+
+class JournalCorrupt(StorageError):
+    """Raised at start-up when a journal or snapshot is damaged beyond a torn tail."""
+
+
+class BackendUnavailable(KvmetaError):
+    """Raised when the shared backend (Redis/Valkey) cannot be reached."""
+
+    status = 503
+
+
+_BY_STATUS: dict[int, type[KvmetaError]] = {
+    400: InvalidRequest,
+    401: Unauthorized,
+    404: NotFound,
+    405: MethodNotAllowed,
+    413: PayloadTooLarge,
+    422: InvalidRequest,
+}
+
+
+def error_for_status(status: int, detail: str) -> KvmetaError:
+    """The error a client raises for an HTTP error ``status`` with the server's ``detail``."""
+    if status == 404 and "not initialized" in detail:
+        return NotInitialized(detail)
+    cls = _BY_STATUS.get(status)
+    if cls is not None:
+        return cls(detail)
+    if status >= 500:
+        return ServerError(f"Server error {status}: {detail}")
+    return KvmetaError(f"HTTP {status}: {detail}")

@@ -1,0 +1,1 @@
+"""The HTTP server: protocol, routing, and one module per wire dialect."""

@@ -1,0 +1,112 @@
+"""``kvmeta serve``: build the backend, the app and the HTTP server, run until signalled."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import ssl
+from typing import Any
+
+from kvmeta.config import Settings
+from kvmeta.server.app import App
+from kvmeta.server.http import HttpLimits, HttpServer
+from kvmeta.service.limits import RequestLimits
+from kvmeta.service.ops import Service
+from kvmeta.store.base import Backend
+from kvmeta.store.memory import MemoryBackend, MemoryStore
+
+__all__ = ["build_app", "build_backend", "run", "serve"]
+
+logger = logging.getLogger("kvmeta.server")
+
+_LOOPBACK = ("127.0.0.1", "localhost", "::1")
+
+
+def build_backend(settings: Settings) -> Backend:
+    """The backend the settings ask for."""
+    store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
+    return MemoryBackend(store)
+
+
+def build_app(settings: Settings, service: Service) -> App:
+    """Every route of every dialect on one app."""
+    from kvmeta.server import sglang
+
+    app = App()
+    sglang.add_routes(app, service)
+    return app
+
+
+def _limits(settings: Settings) -> RequestLimits:
+    return RequestLimits(
+        max_keys=settings.max_keys,
+        max_key_length=settings.max_key_length,
+        max_namespace_length=settings.max_namespace_length,
+        max_pages=settings.max_pages,
+    )
+
+
+def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
+    if not settings.ssl_certfile:
+        return None
+    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
+    return ctx
+
+
+async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
+    """Serve until SIGINT/SIGTERM; a second signal exits at once."""
+    loop = asyncio.get_running_loop()
+    backend = build_backend(settings)
+    await backend.start()
+    service = Service(backend, _limits(settings))
+    app = build_app(settings, service)
+    server = HttpServer(app, HttpLimits(max_body_bytes=settings.max_body_bytes), loop)
+    ctx = _ssl_context(settings)
+    extra: dict[str, Any] = {"ssl": ctx} if ctx else {}
+    if settings.workers > 1:
+        extra["reuse_port"] = True
+    addrs = await server.listen(settings.host, settings.port, **extra)
+    scheme = "https" if ctx else "http"
+    for host, port in addrs:
+        logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
+    logger.info("backend: %s", getattr(backend, "describe", backend.name))
+    if settings.host in _LOOPBACK:
+        logger.info(
+            "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "
+            "(and set --auth-token)"
+        )
+    stop = asyncio.Event()
+    signals = 0
+
+    def on_signal(signum: int) -> None:
+        nonlocal signals
+        signals += 1
+        if signals > 1:
+            logger.warning("second signal: exiting now")
+            os._exit(1)
+        logger.info("received %s: finishing in-flight requests", signal.Signals(signum).name)
+        stop.set()
+
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, on_signal, signum)
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await server.shutdown()
+        await backend.close()
+        logger.info("kvmeta stopped")
+
+
+def serve(settings: Settings) -> None:
+    """Run the server in this process, on uvloop when available."""
+    try:
+        import uvloop
+    except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
+        asyncio.run(run(settings))
+    else:
+        uvloop.run(run(settings))

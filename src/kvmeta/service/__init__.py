@@ -1,0 +1,6 @@
+"""Operations both dialects share, over any backend."""
+
+from kvmeta.service.limits import RequestLimits
+from kvmeta.service.ops import Service
+
+__all__ = ["RequestLimits", "Service"]

@@ -1,0 +1,82 @@
+"""The operations of both dialects, over any backend, with limits applied.
+
+Dialect modules (``server.sglang``, ``server.vllm``) only turn wire shapes into these calls and
+results back into wire shapes; embedded clients call the store directly but through the same
+limits. Everything a request may change is validated before the backend is called, so a
+rejected request changes nothing.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from kvmeta._types import PoolId
+from kvmeta.service.limits import RequestLimits
+from kvmeta.store.base import Backend, InitResult, PoolStats
+
+__all__ = ["Service"]
+
+logger = logging.getLogger(__name__)
+
+
+class Service:
+    """What the server does, independent of wire dialect and backend."""
+
+    def __init__(self, backend: Backend, limits: RequestLimits | None = None) -> None:
+        self.backend = backend
+        self.limits = limits or RequestLimits()
+
+    async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
+        self.limits.check_num_pages(num_pages)
+        if pool.dialect == "s":
+            self.limits.check_namespace(pool.namespace)
+        result = await self.backend.initialize(pool, num_pages)
+        if result.created:
+            logger.info("Created pool %s with %d pages", pool, num_pages)
+        return result
+
+    async def exists(self, pool: PoolId, keys: list[str]) -> list[bool]:
+        self.limits.check_keys(keys)
+        return await self.backend.exists(pool, keys)
+
+    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+        self.limits.check_keys(keys)
+        return await self.backend.reserve(pool, keys)
+
+    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        if len(pairs) + len(release) > self.limits.max_keys:
+            self.limits.check_keys([k for k, _ in pairs] + [""] * len(release))
+        for key, _ in pairs:
+            if len(key) > self.limits.max_key_length:
+                self.limits.check_keys([key])
+        return await self.backend.confirm(pool, pairs, release)
+
+    async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
+        self.limits.check_keys(keys)
+        return await self.backend.get(pool, keys)
+
+    async def delete(self, pool: PoolId, keys: list[str]) -> int:
+        self.limits.check_keys(keys)
+        return await self.backend.delete(pool, keys)
+
+    async def clear(self, pool: PoolId) -> int:
+        return await self.backend.clear(pool)
+
+    # vLLM's key-centric index -------------------------------------------------------------
+
+    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+        self.limits.check_num_pages(num_pages)
+        result = await self.backend.v_register(rank, num_pages, world_size)
+        if result.created:
+            logger.info("Registered vLLM worker rank %d with %d pages", rank, num_pages)
+        return result
+
+    async def v_exists(self, keys: list[str]) -> list[bool]:
+        self.limits.check_keys(keys)
+        return await self.backend.v_exists(keys)
+
+    async def v_clear(self) -> int:
+        return await self.backend.v_clear()
+
+    async def stats(self) -> list[PoolStats]:
+        return await self.backend.stats()

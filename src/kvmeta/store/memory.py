@@ -1,0 +1,268 @@
+"""State held in this process: the core pools, plus an optional journal for durability.
+
+``MemoryStore`` is synchronous (the embedded clients call it directly); ``MemoryBackend`` is the
+async face the server uses, which is also where a reply waits for its journal group to be
+durable (SEMANTICS.md's write-ahead rule: a page that held a removed key is handed to a new
+writer only after the removal is on disk).
+
+Journal records are plain tuples, encoded by ``store.journal``:
+``("pool", pool_id, num_pages)``, ``("commit", pool_id, [(key, page), ...])``,
+``("remove", pool_id, [(key, page), ...])`` (deletes and evictions), ``("clear", pool_id)``,
+``("vworld", world_size_or_None)``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvmeta._types import PoolId
+from kvmeta.core.pool import Pool
+from kvmeta.errors import NotInitialized
+from kvmeta.store.base import InitResult, PoolStats
+
+__all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
+
+logger = logging.getLogger(__name__)
+
+Record = tuple[Any, ...]
+
+
+class ChangeSink(Protocol):
+    """Where durable changes go (the journal). ``append`` must never block on disk."""
+
+    def append(self, record: Record) -> None: ...
+
+
+class MemoryStore:
+    """All pools of one server, synchronous. Not thread-safe: one event loop or one caller."""
+
+    def __init__(
+        self,
+        *,
+        reservation_ttl: float = 300.0,
+        read_lease: float = 5.0,
+        clock: Callable[[], float] = time.monotonic,
+        sink: ChangeSink | None = None,
+    ) -> None:
+        self.reservation_ttl = reservation_ttl
+        self.read_lease = read_lease
+        self.clock = clock
+        self.sink = sink
+        self.pools: dict[PoolId, Pool] = {}
+        self.size_conflicts: dict[PoolId, int] = {}
+        self.vllm_world_size: int | None = None
+
+    # ------------------------------------------------------------------ pools
+
+    def pool(self, pid: PoolId) -> Pool:
+        """The pool named ``pid``.
+
+        Raises:
+            NotInitialized: in the wording of the pool's dialect.
+        """
+        pool = self.pools.get(pid)
+        if pool is None:
+            raise NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace)
+        return pool
+
+    def initialize(self, pid: PoolId, num_pages: int) -> InitResult:
+        """Create the pool, or keep an existing one (warning when the size differs)."""
+        pool = self.pools.get(pid)
+        if pool is not None:
+            result = InitResult(created=False, num_pages=pool.num_pages, requested=num_pages)
+            if result.conflict:
+                self.size_conflicts[pid] = self.size_conflicts.get(pid, 0) + 1
+                logger.warning(
+                    "%s re-initialised with num_pages=%d but has %d pages; keeping %d. Two "
+                    "engines with different file sizes on one pool would overwrite each "
+                    "other's pages: give each its own rank or namespace.",
+                    pid,
+                    num_pages,
+                    pool.num_pages,
+                    pool.num_pages,
+                )
+            return result
+        self.pools[pid] = self._new_pool(num_pages)
+        self._record(("pool", pid, num_pages))
+        return InitResult(created=True, num_pages=num_pages, requested=num_pages)
+
+    def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
+        if entries:
+            return Pool.load(
+                num_pages, entries, reservation_ttl=self.reservation_ttl, read_lease=self.read_lease
+            )
+        return Pool(num_pages, reservation_ttl=self.reservation_ttl, read_lease=self.read_lease)
+
+    def load_pool(self, pid: PoolId, num_pages: int, entries: list[tuple[str, int]]) -> None:
+        """Install a recovered pool (entries coldest first) without journaling it."""
+        self.pools[pid] = self._new_pool(num_pages, entries)
+
+    # ------------------------------------------------------------------ operations
+
+    def exists(self, pid: PoolId, keys: list[str]) -> list[bool]:
+        return self.pool(pid).exists(keys)
+
+    def reserve(self, pid: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+        pool = self.pool(pid)
+        evicted: list[tuple[str, int]] = []
+        out = pool.reserve(keys, self.clock(), evicted)
+        if evicted:
+            self._record(("remove", pid, evicted))
+        return out
+
+    def confirm(self, pid: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        """Returns how many pairs were refused (stale or foreign pages)."""
+        outcome = self.pool(pid).confirm(pairs, release, self.clock())
+        if outcome.committed:
+            self._record(("commit", pid, outcome.committed))
+        if outcome.refused:
+            logger.warning(
+                "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
+                "or page re-used), e.g. %r; the writer's data is not mapped",
+                pid,
+                len(outcome.refused),
+                outcome.refused[0],
+            )
+        return len(outcome.refused)
+
+    def get(self, pid: PoolId, keys: list[str]) -> list[int | None]:
+        return self.pool(pid).get(keys, self.clock())
+
+    def delete(self, pid: PoolId, keys: list[str]) -> int:
+        removed = self.pool(pid).delete(keys, self.clock())
+        if removed:
+            self._record(("remove", pid, removed))
+        return len(removed)
+
+    def clear(self, pid: PoolId) -> int:
+        count = self.pool(pid).clear(self.clock())
+        self._record(("clear", pid))
+        return count
+
+    # ------------------------------------------------------------------ vLLM index
+
+    def vllm_ranks(self) -> list[int]:
+        """Registered vLLM worker ranks, ascending."""
+        return sorted(pid.rank for pid in self.pools if pid.dialect == "v")
+
+    def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+        result = self.initialize(PoolId("v", rank, ""), num_pages)
+        if world_size is not None and world_size != self.vllm_world_size:
+            self.vllm_world_size = world_size
+            self._record(("vworld", world_size))
+        return result
+
+    def v_required(self) -> list[Pool | None]:
+        """The pools a key must be stored in to be complete (None: rank not registered yet)."""
+        if self.vllm_world_size is not None:
+            return [self.pools.get(PoolId("v", r, "")) for r in range(self.vllm_world_size)]
+        return [pool for pid, pool in self.pools.items() if pid.dialect == "v"]
+
+    def v_exists(self, keys: list[str]) -> list[bool]:
+        """A key exists when every required rank has confirmed its shard."""
+        required = self.v_required()
+        if not required or any(p is None for p in required):
+            return [False] * len(keys)
+        pools = [p for p in required if p is not None]
+        return [all(p.page_of(k) is not None for p in pools) for k in keys]
+
+    def v_clear(self) -> int:
+        """Drop every vLLM key; rank registrations stay so running workers keep working."""
+        return sum(self.clear(pid) for pid in list(self.pools) if pid.dialect == "v")
+
+    # ------------------------------------------------------------------ stats
+
+    def stats(self) -> list[PoolStats]:
+        now = self.clock()
+        out = []
+        for pid, pool in sorted(self.pools.items()):
+            pool.expire(now)
+            out.append(
+                PoolStats(
+                    pool=pid,
+                    num_pages=pool.num_pages,
+                    free=pool.free_count,
+                    reserved=pool.reserved_count,
+                    stored=pool.stored_count,
+                    counters=dict(vars(pool.counters)),
+                    size_conflicts=self.size_conflicts.get(pid, 0),
+                )
+            )
+        return out
+
+    def _record(self, record: Record) -> None:
+        if self.sink is not None:
+            self.sink.append(record)
+
+
+class MemoryBackend:
+    """The async ``Backend`` over a ``MemoryStore``; every call runs to completion on the loop,
+    so calls are atomic without locks."""
+
+    name = "memory"
+
+    def __init__(self, store: MemoryStore) -> None:
+        self.store = store
+
+    async def start(self) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+    async def ready(self) -> bool:
+        return True
+
+    async def _durable(self) -> None:
+        """Wait until every change made so far is durable (no-op without a journal)."""
+        return None
+
+    async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
+        result = self.store.initialize(pool, num_pages)
+        await self._durable()
+        return result
+
+    async def exists(self, pool: PoolId, keys: list[str]) -> list[bool]:
+        return self.store.exists(pool, keys)
+
+    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+        out = self.store.reserve(pool, keys)
+        await self._durable()
+        return out
+
+    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        refused = self.store.confirm(pool, pairs, release)
+        await self._durable()
+        return refused
+
+    async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
+        return self.store.get(pool, keys)
+
+    async def delete(self, pool: PoolId, keys: list[str]) -> int:
+        count = self.store.delete(pool, keys)
+        await self._durable()
+        return count
+
+    async def clear(self, pool: PoolId) -> int:
+        count = self.store.clear(pool)
+        await self._durable()
+        return count
+
+    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+        result = self.store.v_register(rank, num_pages, world_size)
+        await self._durable()
+        return result
+
+    async def v_exists(self, keys: list[str]) -> list[bool]:
+        return self.store.v_exists(keys)
+
+    async def v_clear(self) -> int:
+        count = self.store.v_clear()
+        await self._durable()
+        return count
+
+    async def stats(self) -> list[PoolStats]:
+        return self.store.stats()

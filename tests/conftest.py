@@ -1,0 +1,39 @@
+"""Shared fixtures. Every test runs with no ``KVMETA_*`` variables from the outer environment."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Iterator
+
+import pytest
+
+from tests.support import ServerProcess
+
+
+@pytest.fixture(autouse=True)
+def _clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
+    for name in list(os.environ):
+        if name.startswith("KVMETA_"):
+            monkeypatch.delenv(name)
+
+
+@pytest.fixture
+def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., ServerProcess]]:
+    """Start ``kvmeta serve`` with the given flags; every server is stopped after the test."""
+    started: list[ServerProcess] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> ServerProcess:
+        cwd = tmp_path_factory.mktemp("server")
+        server = ServerProcess(*args, env=env, cwd=cwd).start()
+        started.append(server)
+        return server
+
+    yield start
+    for server in started:
+        server.kill()
+
+
+@pytest.fixture
+def server(make_server: Callable[..., ServerProcess]) -> ServerProcess:
+    """A fresh in-memory server with short leases."""
+    return make_server("--in-memory", "--read-lease", "0")

@@ -1,0 +1,128 @@
+"""Test support: a real ``kvmeta serve`` subprocess on an ephemeral port."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import requests
+
+_LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\d+)")
+
+
+class ServerProcess:
+    """``kvmeta serve`` in a child process; ``url`` is set once it listens."""
+
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None
+    ) -> None:
+        self.args = list(args)
+        self.env = env
+        self.cwd = cwd
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self.url = ""
+        self.port = 0
+        self._reader: threading.Thread | None = None
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def start(self, timeout: float = 20.0) -> ServerProcess:
+        args = list(self.args)
+        if "--port" not in args:
+            args += ["--port", "0"]
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
+        env.update(self.env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "kvmeta", "serve", *args],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=env,
+            cwd=self.cwd,
+        )
+        self.lines = []
+        self.url = ""
+        self._reader = threading.Thread(target=self._read, daemon=True)
+        self._reader.start()
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.url:
+                return self
+            if self.proc.poll() is not None:
+                self._reader.join(2)
+                raise RuntimeError(f"kvmeta serve exited with {self.proc.returncode}:\n{self.log}")
+            time.sleep(0.02)
+        self.kill()
+        raise RuntimeError(f"kvmeta serve did not start within {timeout}s:\n{self.log}")
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        for line in self.proc.stderr:
+            self.lines.append(line)
+            match = _LISTEN_RE.search(line)
+            if match and not self.url:
+                host = match.group(2)
+                self.port = int(match.group(3))
+                self.url = f"{match.group(1)}://{host}:{self.port}"
+
+    def wait_for_log(self, needle: str, timeout: float = 10.0) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if needle in self.log:
+                return
+            time.sleep(0.02)
+        raise AssertionError(f"{needle!r} not in server log:\n{self.log}")
+
+    def post(self, path: str, body: Any = None, **kwargs: Any) -> requests.Response:
+        if body is not None and not isinstance(body, (bytes, str)):
+            return requests.post(self.url + path, json=body, timeout=30, **kwargs)
+        return requests.post(self.url + path, data=body, timeout=30, **kwargs)
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
+        """Signal the server and wait for it; returns its exit code."""
+        if self.proc is None:
+            return 0
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+                raise AssertionError(f"server ignored {sig} for {timeout}s:\n{self.log}") from None
+        self._close_pipes()
+        return self.proc.returncode
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait(10)
+        self._close_pipes()
+
+    def _close_pipes(self) -> None:
+        if self._reader is not None:
+            self._reader.join(5)
+        if self.proc is not None and self.proc.stderr is not None:
+            self.proc.stderr.close()
+
+    def cpu_seconds(self) -> float:
+        """User + system CPU time of the server process so far, from /proc."""
+        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
+        ticks = int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")

@@ -1,0 +1,113 @@
+"""Random operation sequences with the full page invariant checked after every step, plus a
+shadow model of what must be true of keys (a confirmed key maps to the page it was written to,
+until it is deleted, cleared or evicted)."""
+
+from __future__ import annotations
+
+from hypothesis import settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from kvmeta.core import FREE, STORED, Pool, check_pool
+from kvmeta.errors import InvalidRequest
+
+KEYS = st.sampled_from([f"k{i}" for i in range(12)])
+N = 6
+
+
+class PoolMachine(RuleBasedStateMachine):
+    def __init__(self) -> None:
+        super().__init__()
+        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0)
+        self.now = 0.0
+        self.written: dict[str, int] = {}  # shadow: confirmed key -> page
+        self.handed: list[tuple[str, int]] = []  # (key, page) given to a writer
+
+    @rule(dt=st.floats(min_value=0.0, max_value=4.0))
+    def advance(self, dt: float) -> None:
+        self.now += dt
+        self.pool.expire(self.now)
+
+    @rule(keys=st.lists(KEYS, max_size=8))
+    def reserve(self, keys: list[str]) -> None:
+        evicted: list[tuple[str, int]] = []
+        got = self.pool.reserve(keys, self.now, evicted)
+        assert len(got) == len(keys)
+        for key, page in evicted:
+            assert self.written.pop(key) == page
+        pages: dict[str, int] = {}
+        for key, (hit, page) in zip(keys, got, strict=True):
+            if hit:
+                assert self.written[key] == page
+            elif page >= 0:
+                assert pages.setdefault(key, page) == page  # duplicates share a page
+                self.handed.append((key, page))
+        new_pages = [p for _, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
+        distinct = {k: p for k, (h, p) in zip(keys, got, strict=True) if not h and p >= 0}
+        assert len(set(distinct.values())) == len(distinct)  # one page per key
+        assert set(new_pages) <= set(distinct.values())
+
+    @precondition(lambda self: self.handed)
+    @rule(data=st.data(), fail=st.booleans())
+    def confirm_or_release(self, data: st.DataObject, fail: bool) -> None:
+        key, page = data.draw(st.sampled_from(self.handed))
+        before_state = self.pool.state_of(page)
+        before_key = self.pool.key_at(page)
+        if fail:
+            self.pool.confirm([], [page], self.now)
+            if before_state == STORED:
+                assert self.pool.key_at(page) == before_key  # never frees a STORED page
+            return
+        outcome = self.pool.confirm([(key, page)], [], self.now)
+        if outcome.committed:
+            assert before_key == key
+            self.written[key] = page
+        elif not outcome.refused:
+            assert self.written.get(key) == page  # idempotent repeat
+        else:
+            assert before_key != key or before_state == FREE
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def get(self, keys: list[str]) -> None:
+        got = self.pool.get(keys, self.now)
+        for key, page in zip(keys, got, strict=True):
+            assert page == self.written.get(key)
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def exists(self, keys: list[str]) -> None:
+        assert self.pool.exists(keys) == [k in self.written for k in keys]
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def delete(self, keys: list[str]) -> None:
+        removed = self.pool.delete(keys, self.now)
+        for key, page in removed:
+            assert self.written.pop(key) == page
+        assert not any(k in self.written for k in keys)
+
+    @rule()
+    def clear(self) -> None:
+        self.pool.clear(self.now)
+        self.written.clear()
+
+    @rule(page=st.integers(min_value=-3, max_value=N + 3))
+    def bad_page(self, page: int) -> None:
+        if 0 <= page < N:
+            return
+        snapshot = (bytes(self.pool._state), list(self.pool._page_key))
+        try:
+            self.pool.confirm([("k0", page)], [page], self.now)
+        except InvalidRequest:
+            pass
+        else:
+            raise AssertionError("out-of-range page accepted")
+        assert snapshot == (bytes(self.pool._state), list(self.pool._page_key))
+
+    @invariant()
+    def page_invariant(self) -> None:
+        check_pool(self.pool)
+        for key, page in self.written.items():
+            assert self.pool.page_of(key) == page
+
+
+TestPoolMachine = PoolMachine.TestCase
+TestPoolMachine.settings = settings(max_examples=300, stateful_step_count=40, deadline=None)
