@@ -14,6 +14,7 @@ from typing import Any
 
 import requests
 
+SRC = Path(__file__).resolve().parents[1] / "src"
 _LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\d+)")
 
 
@@ -46,6 +47,8 @@ class ServerProcess:
         if "--port" not in args:
             args += ["--port", "0"]
         env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
+        # The server runs this checkout's source, installed or not.
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
         env.update(self.env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmeta", "serve", *args],
