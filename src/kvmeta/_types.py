@@ -4,9 +4,21 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_NAMESPACE", "PoolId", "sglang_pool", "vllm_pool"]
+__all__ = ["DEFAULT_NAMESPACE", "PoolId", "normalize_namespace", "sglang_pool", "vllm_pool"]
 
 DEFAULT_NAMESPACE = "kv"
+
+# SGLang's stock client sends ``str(PoolName.KV)``, which for its str-valued Enum is the member
+# name ("PoolName.KV"), while clients up to 0.5.10 send nothing (meaning "kv") and kvmeta's
+# clients send the value. The enum's values are its lower-cased member names.
+_ENUM_PREFIX = "PoolName."
+
+
+def normalize_namespace(namespace: str) -> str:
+    """The pool name a namespace means: ``PoolName.KV`` -> ``kv``; anything else unchanged."""
+    if namespace.startswith(_ENUM_PREFIX):
+        return namespace[len(_ENUM_PREFIX) :].lower()
+    return namespace
 
 
 class PoolId(NamedTuple):

@@ -13,7 +13,7 @@ from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
-from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
 from kvmeta.errors import NotInitialized
 from kvmeta.service.limits import RequestLimits
@@ -32,7 +32,7 @@ def _ns(namespace: NamespaceLike | None) -> str:
         return DEFAULT_NAMESPACE
     if isinstance(namespace, Enum):
         return str(namespace.value)
-    return str(namespace)
+    return normalize_namespace(str(namespace))
 
 
 class Hf3fsMetadataInterface:

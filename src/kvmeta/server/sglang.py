@@ -9,7 +9,7 @@ from typing import Annotated
 
 import msgspec
 
-from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.server.app import NO_CONTENT, App, decode_body, json_response
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
@@ -19,29 +19,28 @@ __all__ = ["add_routes"]
 Namespace = str
 
 
-class InitializeBody(msgspec.Struct):
+class NamespaceBody(msgspec.Struct, kw_only=True):
+    namespace: Namespace = DEFAULT_NAMESPACE
+
+    def __post_init__(self) -> None:
+        self.namespace = normalize_namespace(self.namespace)
+
+
+class InitializeBody(NamespaceBody, kw_only=True):
     num_pages: Annotated[int, msgspec.Meta(gt=0)]
-    namespace: Namespace = DEFAULT_NAMESPACE
 
 
-class KeysBody(msgspec.Struct):
+class KeysBody(NamespaceBody, kw_only=True):
     keys: list[str]
-    namespace: Namespace = DEFAULT_NAMESPACE
 
 
-class ReserveBody(msgspec.Struct):
+class ReserveBody(NamespaceBody, kw_only=True):
     keys: list[tuple[str, str | None]]
-    namespace: Namespace = DEFAULT_NAMESPACE
 
 
-class ConfirmBody(msgspec.Struct):
+class ConfirmBody(NamespaceBody, kw_only=True):
     written_keys_to_confirm: list[tuple[str, int]] = []
     pages_to_release: list[int] = []
-    namespace: Namespace = DEFAULT_NAMESPACE
-
-
-class NamespaceBody(msgspec.Struct):
-    namespace: Namespace = DEFAULT_NAMESPACE
 
 
 _USAGE = {

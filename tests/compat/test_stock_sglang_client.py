@@ -1,0 +1,52 @@
+"""SGLang's own released ``Hf3fsGlobalMetadataClient``, unmodified, against ``kvmeta serve``."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from tests.compat.stock_clients import PoolName, load
+from tests.integration.test_sglang_clients import hicache_cycle
+from tests.support import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def stock() -> types.ModuleType:
+    return load("sglang")
+
+
+def test_stock_client_runs_the_hicache_cycle(
+    stock: types.ModuleType, server: ServerProcess, tmp_path: Path
+) -> None:
+    client = stock.Hf3fsGlobalMetadataClient(server.url)
+    hicache_cycle(client, tmp_path / "hicache.0.bin", 0, 32)
+    hicache_cycle(client, tmp_path / "hicache.0.mamba.bin", 0, 16, PoolName.MAMBA)
+    hicache_cycle(client, tmp_path / "hicache.1.bin", 1, 16)
+
+
+def test_stock_enum_namespace_is_the_plain_pool_name(
+    stock: types.ModuleType, server: ServerProcess
+) -> None:
+    """The stock client sends ``str(PoolName.KV)`` ('PoolName.KV'); kvmeta files it under 'kv',
+    the pool old clients (no namespace) and kvmeta's own client use too."""
+    stock_client = stock.Hf3fsGlobalMetadataClient(server.url)
+    stock_client.initialize(0, 8, PoolName.KV)
+    got = stock_client.reserve_and_allocate_page_indices(0, [("a", None)], PoolName.KV)
+    stock_client.confirm_write(0, [("a", got[0][1])], [], PoolName.KV)
+    assert server.post("/0/exists", {"keys": ["a"]}).json() == {"exists": [True]}
+    assert server.post("/0/exists", {"keys": ["a"], "namespace": "kv"}).json() == {"exists": [True]}
+
+
+def test_stock_client_sees_not_initialized_as_runtime_error_without_retries(
+    stock: types.ModuleType, server: ServerProcess
+) -> None:
+    client = stock.Hf3fsGlobalMetadataClient(server.url)
+    with pytest.raises(RuntimeError, match="404"):
+        client.exists(9, ["a"])
+    with pytest.raises(RuntimeError, match="400"):
+        client.initialize(0, 0)
+    client.initialize(0, 4)
+    with pytest.raises(RuntimeError, match="400"):
+        client.confirm_write(0, [("a", 99)], [])
