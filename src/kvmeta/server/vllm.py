@@ -20,7 +20,13 @@ from kvmeta.errors import InvalidRequest
 from kvmeta.server.app import NO_CONTENT, App, json_response
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
-from kvmeta.service.vllm import INIT_ERROR, SCHEDULER_MESSAGE, check_initialize, worker_message
+from kvmeta.service.vllm import (
+    INIT_ERROR,
+    SCHEDULER_MESSAGE,
+    check_initialize,
+    confirm_error,
+    worker_message,
+)
 
 __all__ = ["add_routes"]
 
@@ -121,21 +127,15 @@ def _init_fields(raw: bytes) -> dict[str, Any]:
     try:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
-        raise _not_json(exc, _INIT_USAGE) from None
+        raise InvalidRequest(
+            f"{INIT_ERROR}the body is not valid JSON ({exc}); send {_INIT_USAGE}"
+        ) from None
     if not isinstance(data, dict):
         raise InvalidRequest(
             f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; "
             f"send {_INIT_USAGE}"
         )
     return data
-
-
-def _confirm_error(exc: InvalidRequest) -> InvalidRequest:
-    """The core names dialect S's field; say `confirmations` to a vLLM caller."""
-    if exc.field != "written_keys_to_confirm":
-        return exc
-    message = str(exc).replace("`written_keys_to_confirm`", "`confirmations`")
-    return InvalidRequest(message, "confirmations")
 
 
 def add_routes(app: App, service: Service) -> None:
@@ -172,7 +172,7 @@ def add_routes(app: App, service: Service) -> None:
                 PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
             )
         except InvalidRequest as exc:
-            raise _confirm_error(exc) from None
+            raise confirm_error(exc) from None
         return NO_CONTENT
 
     async def batch_exists(req: Request, _: int) -> Response:

@@ -22,6 +22,7 @@ __all__ = [
     "VALID_INIT",
     "WorkerInit",
     "check_initialize",
+    "confirm_error",
     "worker_message",
 ]
 
@@ -109,3 +110,11 @@ def worker_message(rank: int, num_pages: int, requested: int) -> str:
             "ignored: resizing would make workers overwrite each other's pages)"
         )
     return message
+
+
+def confirm_error(exc: InvalidRequest) -> InvalidRequest:
+    """The core names dialect S's field; say `confirmations` to a vLLM caller."""
+    if exc.field != "written_keys_to_confirm":
+        return exc
+    message = str(exc).replace("`written_keys_to_confirm`", "`confirmations`")
+    return InvalidRequest(message, "confirmations")
