@@ -23,6 +23,7 @@ from kvmeta.service.ops import Service
 from kvmeta.service.vllm import (
     INIT_ERROR,
     SCHEDULER_MESSAGE,
+    VALID_INIT,
     check_initialize,
     confirm_error,
     worker_message,
@@ -70,7 +71,6 @@ _CONFIRM = _Op(
 )
 _EXISTS = _Op(("keys",), "keys", '{"keys": ["<key>", ...]}')
 _LOCATIONS = _Op(("rank", "keys"), "keys", '{"rank": <int>, "keys": ["<key>", ...]}')
-_INIT_USAGE = '{"role": "worker", "num_pages": <int > 0>} or {"role": "scheduler"}'
 
 
 def _body(raw: bytes) -> bytes:
@@ -128,12 +128,11 @@ def _init_fields(raw: bytes) -> dict[str, Any]:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         raise InvalidRequest(
-            f"{INIT_ERROR}the body is not valid JSON ({exc}); send {_INIT_USAGE}"
+            f"{INIT_ERROR}the body is not valid JSON ({exc}); {VALID_INIT}"
         ) from None
     if not isinstance(data, dict):
         raise InvalidRequest(
-            f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; "
-            f"send {_INIT_USAGE}"
+            f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; " + VALID_INIT
         )
     return data
 
