@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import inspect
+import json
 import os
 import random
 import socket
@@ -13,8 +14,12 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
+import requests
+from requests.adapters import HTTPAdapter
+from urllib3.util.retry import Retry
 
 from kvmeta.core.invariants import check_pool
 from kvmeta.errors import InvalidRequest, KvmetaError, NotInitialized, ServerUnavailable
@@ -147,6 +152,79 @@ def test_vllm_cycle_two_ranks_through_http_client(
 def test_vllm_cycle_two_ranks_through_local_client(tmp_path: Path) -> None:
     shared = Hf3fsLocalMetadataClient()
     vllm_cycle(lambda: shared, tmp_path)
+
+
+class StockShapedClient(Hf3fsMetadataInterface):
+    """Talks exactly as vLLM's stock client does: a bare ``requests`` session whose adapter
+    retries 5xx on POST, JSON bytes in, ``raise_for_status``, 204 -> {}, results unconverted."""
+
+    def __init__(self, base_url: str) -> None:
+        self.base_url = base_url
+        self.session = requests.Session()
+        retry = Retry(
+            total=3,
+            backoff_factor=0.3,
+            status_forcelist=[500, 502, 503, 504],
+            allowed_methods=["POST"],
+        )
+        self.session.mount("http://", HTTPAdapter(max_retries=retry))
+
+    def _post(self, path: str, body: dict[str, Any]) -> Any:
+        resp = self.session.post(
+            f"{self.base_url}/{path}",
+            data=json.dumps(body).encode(),
+            headers={"Content-Type": "application/json"},
+        )
+        resp.raise_for_status()
+        return {} if resp.status_code == 204 or not resp.content else resp.json()
+
+    def initialize(
+        self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
+    ) -> None:
+        self._post(f"rank/{rank}/initialize", {"num_pages": num_pages, "role": role})
+
+    def allocate_pages_for_keys(self, rank: int, keys: Any) -> Any:
+        return self._post("keys/batch_allocate", {"rank": rank, "keys": keys}).get("results", {})
+
+    def confirm_write_for_keys(
+        self, rank: int, key_confirmations: Any, pages_to_release: Any = None
+    ) -> None:
+        body = {
+            "rank": rank,
+            "confirmations": key_confirmations,
+            "pages_to_release": pages_to_release or [],
+        }
+        self._post("keys/confirm_write", body)
+
+    def batch_key_exists(self, keys: Any) -> Any:
+        return self._post("keys/batch_exists", {"keys": keys}).get("exists", [])
+
+    def get_key_locations(self, rank: int, keys: Any) -> Any:
+        return self._post("keys/get_locations", {"rank": rank, "keys": keys}).get("locations", [])
+
+    def clear(self) -> None:
+        self._post("clear", {})
+
+
+def test_vllm_cycle_two_ranks_with_stock_shaped_client(
+    server: ServerProcess, tmp_path: Path
+) -> None:
+    made: list[StockShapedClient] = []
+
+    def make() -> StockShapedClient:
+        made.append(StockShapedClient(server.url))
+        return made[-1]
+
+    try:
+        vllm_cycle(make, tmp_path)
+        # An uninitialised rank is a 404 the stock adapter does not retry, not a retried 500.
+        with pytest.raises(requests.HTTPError) as info:
+            made[0].get_key_locations(9, ["a"])
+        assert info.value.response.status_code == 404
+        assert info.value.response.raw.retries.history == ()  # answered once, not retried
+    finally:
+        for client in made:
+            client.session.close()
 
 
 def test_signatures_match_vllm_client() -> None:
