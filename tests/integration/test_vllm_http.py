@@ -359,3 +359,17 @@ def test_both_dialects_at_once_with_the_same_rank_numbers(server: ServerProcess)
     assert server.post("/5/initialize", {"num_pages": 2}).status_code == 204
     r = server.post("/keys/batch_allocate", {"rank": 5, "keys": [["a", ""]]})
     assert r.status_code == 404
+
+
+def test_confirm_for_another_keys_page_is_refused_and_bare_keys_allocate(
+    server: ServerProcess,
+) -> None:
+    init(server, 0, 4)
+    r = server.post("/keys/batch_allocate", {"rank": 0, "keys": ["a", ["b", None]]})
+    assert r.json() == {"rank": 0, "results": [["a", 0], ["b", 1]]}
+    confirm(server, 0, [("a", 0)])
+    confirm(server, 0, [("z", 0), ("y", 1), ("x", 2)])  # not reserved for these keys
+    assert locations(server, 0, ["a", "z", "y", "x"]) == [0, None, None, None]
+    server.wait_for_log("refused 3 confirm(s)")
+    confirm(server, 0, [("b", 1)])  # b's reservation is intact
+    assert locations(server, 0, ["b"]) == [1]
