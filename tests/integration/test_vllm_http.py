@@ -3,11 +3,14 @@ regression tests for SEMANTICS.md failures 3, 6, 13 and 14 on vLLM's routes."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Callable
 from typing import Any
 
 import pytest
 import requests
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from tests.support import ServerProcess
 
@@ -373,3 +376,37 @@ def test_confirm_for_another_keys_page_is_refused_and_bare_keys_allocate(
     server.wait_for_log("refused 3 confirm(s)")
     confirm(server, 0, [("b", 1)])  # b's reservation is intact
     assert locations(server, 0, ["b"]) == [1]
+
+
+JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | st.text(max_size=8),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=6), inner),
+    max_leaves=12,
+)
+FIELDS = ["rank", "keys", "confirmations", "pages_to_release", "role", "num_pages", "world_size"]
+V_PATHS = [
+    "/rank/0/initialize",
+    "/keys/batch_allocate",
+    "/keys/confirm_write",
+    "/keys/batch_exists",
+    "/keys/get_locations",
+    "/clear",
+]
+
+
+@settings(
+    max_examples=300,
+    deadline=None,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
+@given(
+    path=st.sampled_from(V_PATHS),
+    body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4) | JSON,
+)
+def test_failure12_fuzzed_bodies_never_get_a_5xx(
+    server: ServerProcess, path: str, body: Any
+) -> None:
+    r = server.post(path, json.dumps(body).encode())
+    assert r.status_code < 500, (path, body, r.text)
+    if r.status_code >= 400:
+        assert r.json()["detail"]
