@@ -32,10 +32,11 @@ def build_backend(settings: Settings) -> Backend:
 
 def build_app(settings: Settings, service: Service) -> App:
     """Every route of every dialect on one app."""
-    from kvmeta.server import sglang
+    from kvmeta.server import sglang, vllm
 
     app = App()
     sglang.add_routes(app, service)
+    vllm.add_routes(app, service)
     return app
 
 

@@ -1,0 +1,236 @@
+"""vLLM's HF3FS metadata clients, same class names and signatures, kvmeta behaviour.
+
+``Hf3fsGlobalMetadataClient`` talks to ``kvmeta serve`` (dialect V); ``Hf3fsLocalMetadataClient``
+keeps the same index in this process. Both raise kvmeta's error classes (all ``RuntimeError``,
+which is what vLLM's connector catches) carrying the server's message, time out, and retry only
+what is safe to retry, exactly like the SGLang clients in ``client.sglang``.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+from kvmeta._types import PoolId
+from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
+from kvmeta.errors import InvalidRequest, NotInitialized
+from kvmeta.service.limits import RequestLimits
+from kvmeta.service.vllm import INIT_ERROR, check_initialize, confirm_error
+from kvmeta.store.memory import MemoryStore
+
+__all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
+
+logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+KeyLike = tuple[str, str | None] | list[Any] | str
+
+
+def _key(entry: KeyLike) -> str:
+    """vLLM passes ``(key, prefix_key)`` pairs; a bare key is accepted too."""
+    return entry if isinstance(entry, str) else str(entry[0])
+
+
+class Hf3fsMetadataInterface:
+    """The methods vLLM's HF3FS connector calls; both clients implement all of them."""
+
+    def initialize(
+        self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
+    ) -> None:
+        """Register a worker rank's page file, or do nothing for ``role="scheduler"``.
+
+        ``world_size`` (a kvmeta extension) pins which ranks make a key complete: 0..N-1.
+        """
+        raise NotImplementedError
+
+    def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
+        """One ``(key, page)`` per requested key, in order; page -1 when none can be had."""
+        raise NotImplementedError
+
+    def confirm_write_for_keys(
+        self,
+        rank: int,
+        key_confirmations: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int] | None = None,
+    ) -> None:
+        raise NotImplementedError
+
+    def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
+        """Whether each key is stored on every worker rank."""
+        raise NotImplementedError
+
+    def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
+        raise NotImplementedError
+
+    def clear(self) -> None:
+        """Drop every key; worker registrations stay (a kvmeta addition to vLLM's client)."""
+        raise NotImplementedError
+
+
+class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
+    """HTTP client for ``kvmeta serve`` (or any server speaking vLLM's dialect).
+
+    ``auto_reinitialize=True``: the client remembers each worker rank's ``initialize`` arguments
+    and, if the server answers "not initialized" (it restarted without its state), registers the
+    rank again once, logs a warning and repeats the call.
+    """
+
+    def __init__(
+        self,
+        base_url: str = "http://localhost:18000",
+        max_retries: int = 3,
+        timeout: float | None = DEFAULT_TIMEOUT,
+        *,
+        auth_token: str | None = None,
+        auto_reinitialize: bool = False,
+        verify: bool | str = True,
+    ) -> None:
+        self.base_url = base_url
+        self._http = HttpTransport(
+            base_url,
+            max_retries=max_retries,
+            timeout=timeout,
+            auth_token=auth_token,
+            verify=verify,
+        )
+        self.auto_reinitialize = auto_reinitialize
+        self._known: dict[int, dict[str, Any]] = {}
+
+    def _call(self, rank: int, path: str, payload: dict[str, Any]) -> Any:
+        try:
+            return self._http.post(path, payload)
+        except NotInitialized:
+            init = self._known.get(rank)
+            if not self.auto_reinitialize or init is None:
+                raise
+            logger.warning(
+                "kvmeta server at %s forgot vLLM rank %d (restarted without its state?); "
+                "re-registering it with %d pages and retrying %s",
+                self.base_url,
+                rank,
+                init["num_pages"],
+                path,
+            )
+            self._http.post(f"/rank/{rank}/initialize", init)
+            return self._http.post(path, payload)
+
+    def initialize(
+        self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
+    ) -> None:
+        payload: dict[str, Any] = {"num_pages": num_pages, "role": role}
+        if world_size is not None:
+            payload["world_size"] = world_size
+        self._http.post(f"/rank/{rank}/initialize", payload)
+        if role == "worker":
+            self._known[rank] = payload
+
+    def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
+        pairs = [[k, None] if isinstance(k, str) else list(k) for k in keys]
+        reply = self._call(rank, "/keys/batch_allocate", {"rank": rank, "keys": pairs})
+        return [(str(key), int(page)) for key, page in reply["results"]]
+
+    def confirm_write_for_keys(
+        self,
+        rank: int,
+        key_confirmations: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int] | None = None,
+    ) -> None:
+        payload = {
+            "rank": rank,
+            "confirmations": [list(p) for p in key_confirmations],
+            "pages_to_release": list(pages_to_release or []),
+        }
+        self._call(rank, "/keys/confirm_write", payload)
+
+    def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
+        reply = self._http.post("/keys/batch_exists", {"keys": list(keys)})
+        return list(reply["exists"])
+
+    def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
+        reply = self._call(rank, "/keys/get_locations", {"rank": rank, "keys": list(keys)})
+        return list(reply["locations"])
+
+    def clear(self) -> None:
+        self._http.post("/clear", {})
+
+    def close(self) -> None:
+        self._http.close()
+
+
+class Hf3fsLocalMetadataClient(Hf3fsMetadataInterface):
+    """The same index in this process, no server: for a single-node engine.
+
+    Thread-safe (one lock); state is lost when the process exits.
+    """
+
+    def __init__(
+        self,
+        *,
+        reservation_ttl: float = 300.0,
+        read_lease: float = 5.0,
+        limits: RequestLimits | None = None,
+    ) -> None:
+        self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
+        self._limits = limits or RequestLimits()
+        self._lock = threading.Lock()
+
+    def _run(self, rank: int, fn: Callable[[PoolId], T]) -> T:
+        pid = PoolId("v", rank, "")
+        with self._lock:
+            if pid not in self._store.pools:
+                raise NotInitialized(
+                    f"Rank {rank} not initialized; call initialize({rank}, num_pages) with role "
+                    "'worker' and num_pages > 0 first",
+                    rank,
+                )
+            return fn(pid)
+
+    def initialize(
+        self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
+    ) -> None:
+        worker = check_initialize(rank, role, num_pages, world_size)
+        if worker is None:
+            return
+        try:
+            self._limits.check_num_pages(worker.num_pages)
+        except InvalidRequest as exc:
+            raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
+        with self._lock:
+            self._store.v_register(rank, worker.num_pages, worker.world_size)
+
+    def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
+        plain = [_key(k) for k in keys]
+        self._limits.check_keys(plain)
+        out = self._run(rank, lambda pid: self._store.reserve(pid, plain))
+        return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
+
+    def confirm_write_for_keys(
+        self,
+        rank: int,
+        key_confirmations: Sequence[tuple[str, int]],
+        pages_to_release: Sequence[int] | None = None,
+    ) -> None:
+        pairs = [(str(k), int(p)) for k, p in key_confirmations]
+        release = [int(p) for p in pages_to_release or []]
+        self._limits.check_keys([k for k, _ in pairs], "confirmations")
+        try:
+            self._run(rank, lambda pid: self._store.confirm(pid, pairs, release))
+        except InvalidRequest as exc:
+            raise confirm_error(exc) from None
+
+    def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
+        plain = list(keys)
+        self._limits.check_keys(plain)
+        with self._lock:
+            return self._store.v_exists(plain)
+
+    def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
+        plain = list(keys)
+        self._limits.check_keys(plain)
+        return self._run(rank, lambda pid: self._store.get(pid, plain))
+
+    def clear(self) -> None:
+        with self._lock:
+            self._store.v_clear()
