@@ -137,3 +137,13 @@ def test_tls_with_token(make_server: Callable[..., ServerProcess], tmp_path: Pat
     # plain http to the TLS port does not work
     with pytest.raises(requests.RequestException):
         requests.get(server.url.replace("https://", "http://") + "/health", timeout=5)
+
+
+def test_plain_requests_with_url_credentials_like_stock_clients(authed: ServerProcess) -> None:
+    """The stock engine clients are plain `requests.post(base_url + path, json=...)` calls."""
+    base = with_token_in_url(authed.url)
+    resp = requests.post(base + "/0/initialize", json={"num_pages": 8}, timeout=10)
+    assert resp.status_code == 204
+    resp = requests.post(base + "/0/exists", json={"keys": ["a"]}, timeout=10)
+    assert resp.json() == {"exists": [False]}
+    assert requests.post(authed.url + "/0/exists", json={"keys": []}, timeout=10).status_code == 401
