@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -53,6 +54,30 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_status(args: argparse.Namespace) -> int:
+    from kvmeta.status import status
+
+    token = args.token or os.environ.get("KVMETA_AUTH_TOKEN") or None
+    code, text = status(args.url, token, args.json)
+    print(text, file=sys.stdout if code == 0 else sys.stderr)
+    return code
+
+
+def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    cmd = sub.add_parser(
+        "status",
+        help="show a server's readiness and pools (exit 1: not ready, 2: unreachable)",
+    )
+    cmd.add_argument("--url", default="http://127.0.0.1:18000", help="server base URL")
+    cmd.add_argument(
+        "--token",
+        default=None,
+        help="auth token (default: env KVMETA_AUTH_TOKEN; or put it in the URL as the password)",
+    )
+    cmd.add_argument("--json", action="store_true", help="print the raw JSON instead")
+    cmd.set_defaults(func=_cmd_status)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmeta",
@@ -62,6 +87,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the metadata server")
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+    _add_status(sub)
     return parser
 
 

@@ -50,6 +50,7 @@ class HttpTransport:
             raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
         self.session = requests.Session()
         self.session.verify = verify
+        self.verify = verify
         if parts.username is not None or parts.password is not None:
             user = unquote(parts.username or "")
             password = unquote(parts.password or "")
@@ -85,7 +86,10 @@ class HttpTransport:
             if attempt:
                 time.sleep(min(self.backoff * (2 ** (attempt - 1)), 2.0))
             try:
-                resp = self.session.request(method, url, json=payload, timeout=self.timeout)
+                # verify per request: requests lets REQUESTS_CA_BUNDLE override session.verify
+                resp = self.session.request(
+                    method, url, json=payload, timeout=self.timeout, verify=self.verify
+                )
             except requests.RequestException as exc:
                 last = ServerUnavailable(
                     f"kvmeta server at {self.base_url} did not answer {method} {path} "

@@ -14,7 +14,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
-from kvmeta.errors import InvalidRequest, KvmetaError, MethodNotAllowed, NotFound
+from kvmeta.errors import InvalidRequest, KvmetaError, MethodNotAllowed, NotFound, Unauthorized
 from kvmeta.server.http import Request, Response
 
 __all__ = [
@@ -47,6 +47,10 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 def error_response(status: int, detail: str) -> Response:
     return Response(status, _encode({"detail": detail}))
+
+
+# RFC 9110: a 401 names the schemes it accepts; both work with the same token.
+_CHALLENGE = ((b"www-authenticate", b'Bearer realm="kvmeta", Basic realm="kvmeta"'),)
 
 
 def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, usage: str) -> T:
@@ -137,6 +141,14 @@ class App:
             out.extend((method, pattern) for method in route.handlers)
         return sorted(out)
 
+    def wrap_handlers(self, wrap: Callable[[str, str, RouteHandler], RouteHandler]) -> None:
+        """Replace every handler ``h`` of ``(method, pattern)`` with ``wrap(method, pattern, h)``
+        (metrics, access checks); call after all routes are added."""
+        for route in list(self._static.values()) + [r for b in self._ranked.values() for r in b]:
+            pattern = "/" + "/".join(route.segments)
+            for method, handler in route.handlers.items():
+                route.handlers[method] = wrap(method, pattern, handler)
+
     def _match(self, path: str) -> tuple[_Route, int, str]:
         route = self._static.get(path)
         if route is not None:
@@ -162,6 +174,8 @@ class App:
             if self.authorize is not None and pattern not in self._public:
                 self.authorize(request)
             return await handler(request, rank)
+        except Unauthorized as exc:
+            return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
         except KvmetaError as exc:
             return error_response(exc.status, str(exc))
         except Exception:

@@ -37,18 +37,26 @@ _MAX_PIPELINED = 64
 
 
 class Request:
-    """One parsed request. ``path`` excludes the query string."""
+    """One parsed request. ``path`` excludes the query string; ``peer`` is the client's
+    address (host, port) when known, for warnings about two engines on one pool."""
 
-    __slots__ = ("method", "path", "query", "body", "authorization")
+    __slots__ = ("method", "path", "query", "body", "authorization", "peer")
 
     def __init__(
-        self, method: str, path: str, query: str, body: bytes, authorization: bytes | None
+        self,
+        method: str,
+        path: str,
+        query: str,
+        body: bytes,
+        authorization: bytes | None,
+        peer: Any = None,
     ) -> None:
         self.method = method
         self.path = path
         self.query = query
         self.body = body
         self.authorization = authorization
+        self.peer = peer
 
 
 class Response:
@@ -160,11 +168,13 @@ class HttpProtocol(asyncio.Protocol):
         self._closing = False
         self._reading_paused = False
         self._writing_paused = False
+        self._peer: Any = None
 
     # -------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        self._peer = transport.get_extra_info("peername")
         self.server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -255,6 +265,7 @@ class HttpProtocol(asyncio.Protocol):
             query.decode("latin-1"),
             body,
             self._auth,
+            self._peer,
         )
         coro = self.handler(request)
         try:

@@ -37,6 +37,10 @@ def build_app(settings: Settings, service: Service) -> App:
     app = App()
     sglang.add_routes(app, service)
     vllm.add_routes(app, service)
+    # Operator routes, auth and metrics: keep this last so it wraps every route above.
+    from kvmeta.server import ops_routes
+
+    ops_routes.install(app, service, settings)
     return app
 
 
@@ -64,7 +68,10 @@ async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
     await backend.start()
     service = Service(backend, _limits(settings))
     app = build_app(settings, service)
-    server = HttpServer(app, HttpLimits(max_body_bytes=settings.max_body_bytes), loop)
+    from kvmeta.server.oplog import access_logged, log_startup
+
+    handler = access_logged(app) if settings.access_log else app
+    server = HttpServer(handler, HttpLimits(max_body_bytes=settings.max_body_bytes), loop)
     ctx = _ssl_context(settings)
     extra: dict[str, Any] = {"ssl": ctx} if ctx else {}
     if settings.workers > 1:
@@ -73,7 +80,7 @@ async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
-    logger.info("backend: %s", getattr(backend, "describe", backend.name))
+    log_startup(settings, str(getattr(backend, "describe", backend.name)))
     if settings.host in _LOOPBACK:
         logger.info(
             "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "

@@ -45,10 +45,12 @@ class Service:
 
     async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
         if len(pairs) + len(release) > self.limits.max_keys:
-            self.limits.check_keys([k for k, _ in pairs] + [""] * len(release))
+            self.limits.check_keys(
+                [k for k, _ in pairs] + [""] * len(release), "confirmations + pages_to_release"
+            )
         for key, _ in pairs:
             if len(key) > self.limits.max_key_length:
-                self.limits.check_keys([key])
+                self.limits.check_keys([key], "confirmations")
         return await self.backend.confirm(pool, pairs, release)
 
     async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:

@@ -1,0 +1,281 @@
+"""The OpenAPI 3.1 document served at ``/openapi.json``.
+
+Written by hand from the wire contract (``PROTOCOL.md``) rather than generated, because the
+contract is the engines' clients, not our structs: the document says what a stock client may
+send and what it gets back, errors included. ``CATALOGUE`` describes every route kvmeta knows;
+``build_document`` publishes the ones the running app really serves, and a test checks that
+every served route is described, so the document cannot silently fall behind the server.
+The fuzz test (``tests/fuzz``) generates requests from it and validates every answer against it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__all__ = ["CATALOGUE", "build_document"]
+
+Schema = dict[str, Any]
+
+
+def _ref(name: str) -> Schema:
+    return {"$ref": f"#/components/schemas/{name}"}
+
+
+def _obj(props: dict[str, Schema], required: tuple[str, ...] = (), closed: bool = False) -> Schema:
+    out: Schema = {"type": "object", "properties": props}
+    if required:
+        out["required"] = list(required)
+    if closed:
+        out["additionalProperties"] = False
+    return out
+
+
+def _pair(first: Schema, second: Schema) -> Schema:
+    return {"type": "array", "prefixItems": [first, second], "minItems": 2, "maxItems": 2}
+
+
+def _list(items: Schema) -> Schema:
+    return {"type": "array", "items": items}
+
+
+STR: Schema = {"type": "string"}
+INT: Schema = {"type": "integer"}
+BOOL: Schema = {"type": "boolean"}
+NUM: Schema = {"type": "number"}
+INT_OR_NULL: Schema = {"type": ["integer", "null"]}
+NAMESPACE: Schema = {
+    "type": "string",
+    "default": "kv",
+    "pattern": "^[A-Za-z0-9_.:-]+$",
+    "description": "SGLang pool name (kv, mamba, indexer, swa, ...); clients up to 0.5.10 omit it",
+}
+KEY_PAIR = _pair(STR, {"type": ["string", "null"], "description": "prefix key (ignored)"})
+KEY_PAGE = _pair(STR, INT)
+
+SCHEMAS: dict[str, Schema] = {
+    "Error": _obj({"detail": STR}, ("detail",)),
+    # dialect S
+    "SInitialize": _obj(
+        {"num_pages": {"type": "integer", "minimum": 1}, "namespace": NAMESPACE}, ("num_pages",)
+    ),
+    "SKeys": _obj({"keys": _list(STR), "namespace": NAMESPACE}, ("keys",)),
+    "SReserve": _obj({"keys": _list(KEY_PAIR), "namespace": NAMESPACE}, ("keys",)),
+    "SConfirm": _obj(
+        {
+            "written_keys_to_confirm": {**_list(KEY_PAGE), "default": []},
+            "pages_to_release": {**_list(INT), "default": []},
+            "namespace": NAMESPACE,
+        }
+    ),
+    "SNamespace": _obj({"namespace": NAMESPACE}),
+    "Exists": _obj({"exists": _list(BOOL)}, ("exists",), closed=True),
+    "SReserved": _obj({"indices": _list(_pair(BOOL, INT))}, ("indices",), closed=True),
+    "SIndices": _obj({"indices": _list(INT_OR_NULL)}, ("indices",), closed=True),
+    # dialect V
+    "VInitialize": _obj(
+        {
+            "role": {"type": "string", "enum": ["worker", "scheduler"], "default": "worker"},
+            "num_pages": {"type": "integer", "default": 0},
+        }
+    ),
+    "VMessage": _obj({"message": STR}, ("message",), closed=True),
+    "VAllocate": _obj({"rank": INT, "keys": _list(KEY_PAIR)}, ("rank", "keys")),
+    "VAllocated": _obj({"rank": INT, "results": _list(KEY_PAGE)}, ("rank", "results"), closed=True),
+    "VConfirm": _obj(
+        {
+            "rank": INT,
+            "confirmations": _list(KEY_PAGE),
+            "pages_to_release": {**_list(INT), "default": []},
+        },
+        ("rank", "confirmations"),
+    ),
+    "VKeys": _obj({"keys": _list(STR)}, ("keys",)),
+    "VRankKeys": _obj({"rank": INT, "keys": _list(STR)}, ("rank", "keys")),
+    "VLocations": _obj({"locations": _list(INT_OR_NULL)}, ("locations",), closed=True),
+    # operations
+    "Health": _obj({"status": {"const": "ok"}, "version": STR, "uptime_seconds": NUM}, ("status",)),
+    "Ready": _obj({"ready": BOOL, "backend": STR}, ("ready",)),
+    "NotReady": _obj({"detail": STR, "ready": BOOL}, ("detail",)),
+    "Pool": _obj(
+        {
+            "dialect": {"enum": ["s", "v"]},
+            "rank": INT,
+            "namespace": STR,
+            "num_pages": INT,
+            "free": INT,
+            "reserved": INT,
+            "stored": INT,
+            "occupancy": NUM,
+            "hit_rate": {"type": ["number", "null"]},
+            "exists_hit_rate": {"type": ["number", "null"]},
+            "size_conflicts": INT,
+            "counters": {"type": "object", "additionalProperties": INT},
+        },
+        ("dialect", "rank", "namespace", "num_pages", "free", "reserved", "stored"),
+    ),
+    "Pools": _obj({"server": {"type": "object"}, "pools": _list(_ref("Pool"))}, ("pools",)),
+    "Check": _obj(
+        {"ok": BOOL, "checked": INT, "problems": _list(STR), "supported": BOOL},
+        ("ok", "problems"),
+    ),
+}
+
+
+def _json(schema: Schema, description: str) -> dict[str, Any]:
+    return {"description": description, "content": {"application/json": {"schema": schema}}}
+
+
+_ERRORS = {
+    "400": "malformed body or a value out of range; `detail` names the field and the fix",
+    "401": "--auth-token is set and the request lacks it",
+    "404": "pool/rank not initialised (detail says how), or unknown path",
+    "413": "a size limit (body bytes, keys per request); `detail` names the flag to raise it",
+}
+
+
+def _op(
+    summary: str, body: str | None, ok: tuple[str, str | None], errors: tuple[str, ...]
+) -> dict[str, Any]:
+    """One operation; ``ok`` is (status, response schema name or None for no content)."""
+    status, schema = ok
+    responses: dict[str, Any] = {
+        status: _json(_ref(schema), "success") if schema else {"description": "success, no body"}
+    }
+    for code in errors:
+        responses[code] = _json(_ref("Error"), _ERRORS.get(code, "error"))
+    op: dict[str, Any] = {"summary": summary, "responses": responses}
+    if body is not None:
+        op["requestBody"] = {
+            "required": False,
+            "description": "JSON object; Content-Type is ignored; an empty body means {}",
+            "content": {"application/json": {"schema": _ref(body)}},
+        }
+    return op
+
+
+_S = ("400", "401", "404", "413", "422")
+_V = ("400", "401", "404", "413")
+_AUTH = ("401",)
+
+CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
+    ("POST", "/{rank}/initialize"): _op(
+        "SGLang: create the pool (idempotent; another size keeps the pool and warns)",
+        "SInitialize",
+        ("204", None),
+        ("400", "401", "413", "422"),
+    ),
+    ("POST", "/{rank}/exists"): _op(
+        "SGLang: which keys are stored", "SKeys", ("200", "Exists"), _S
+    ),
+    ("POST", "/{rank}/reserve_and_allocate_page_indices"): _op(
+        "SGLang: reserve a page per key ([true, p] stored, [false, p] write, [false, -1] none)",
+        "SReserve",
+        ("200", "SReserved"),
+        _S,
+    ),
+    ("POST", "/{rank}/confirm_write"): _op(
+        "SGLang: commit written pages, release failed ones", "SConfirm", ("204", None), _S
+    ),
+    ("POST", "/{rank}/get_page_indices"): _op(
+        "SGLang: page of each key or null (grants a read lease)", "SKeys", ("200", "SIndices"), _S
+    ),
+    ("POST", "/{rank}/delete_keys"): _op("SGLang: forget keys", "SKeys", ("204", None), _S),
+    ("POST", "/{rank}/clear"): _op(
+        "SGLang: empty one pool (reservations in flight stay)", "SNamespace", ("204", None), _S
+    ),
+    ("POST", "/rank/{rank}/initialize"): _op(
+        "vLLM: register a worker rank (or acknowledge the scheduler)",
+        "VInitialize",
+        ("200", "VMessage"),
+        ("400", "401", "413", "422"),
+    ),
+    ("POST", "/keys/batch_allocate"): _op(
+        "vLLM: a page per key on one rank (-1: none)", "VAllocate", ("200", "VAllocated"), _V
+    ),
+    ("POST", "/keys/confirm_write"): _op(
+        "vLLM: commit written pages, release failed ones", "VConfirm", ("204", None), _V
+    ),
+    ("POST", "/keys/batch_exists"): _op(
+        "vLLM: keys confirmed by every registered rank", "VKeys", ("200", "Exists"), _V
+    ),
+    ("POST", "/keys/get_locations"): _op(
+        "vLLM: page of each key on one rank, or null", "VRankKeys", ("200", "VLocations"), _V
+    ),
+    ("POST", "/clear"): _op(
+        "vLLM: drop every key (rank registrations stay)", None, ("204", None), ("401",)
+    ),
+    ("GET", "/health"): _op("process is up (never needs auth)", None, ("200", "Health"), ()),
+    ("GET", "/ready"): _op("backend loaded and reachable", None, ("200", "Ready"), _AUTH),
+    ("GET", "/metrics"): {
+        "summary": "Prometheus text exposition",
+        "responses": {
+            "200": {"description": "metrics", "content": {"text/plain": {"schema": STR}}},
+            "401": _json(_ref("Error"), _ERRORS["401"]),
+        },
+    },
+    ("GET", "/v1/pools"): _op(
+        "every pool's size, occupancy, hit rate and counters, and the server settings",
+        None,
+        ("200", "Pools"),
+        _AUTH,
+    ),
+    ("GET", "/v1/check"): _op(
+        "full page-invariant check of every pool: O(pool size), diagnostics only",
+        None,
+        ("200", "Check"),
+        _AUTH,
+    ),
+    ("GET", "/openapi.json"): {
+        "summary": "this document",
+        "responses": {
+            "200": _json({"type": "object"}, "OpenAPI 3.1 document"),
+            "401": _json(_ref("Error"), _ERRORS["401"]),
+        },
+    },
+}
+CATALOGUE[("GET", "/ready")]["responses"]["503"] = _json(_ref("NotReady"), "not ready, and why")
+
+_RANK_PARAM = {
+    "name": "rank",
+    "in": "path",
+    "required": True,
+    "description": "integer rank (-1 and 007 parse as integers); anything else is 422",
+    "schema": INT,
+}
+
+
+def build_document(routes: list[tuple[str, str]], version: str, auth: bool) -> dict[str, Any]:
+    """The document for the (method, pattern) routes an app serves.
+
+    Raises:
+        KeyError: a served route has no description in ``CATALOGUE`` (a test catches it).
+    """
+    paths: dict[str, dict[str, Any]] = {}
+    for method, pattern in routes:
+        op = dict(CATALOGUE[(method, pattern)])
+        if "{rank}" in pattern:
+            op["parameters"] = [_RANK_PARAM]
+        paths.setdefault(pattern, {})[method.lower()] = op
+    doc: dict[str, Any] = {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "kvmeta",
+            "version": version,
+            "description": (
+                "KV-cache page metadata server speaking SGLang HiCache's and vLLM HF3FS's "
+                "metadata protocols on one port, plus operator routes. Errors are "
+                '{"detail": "..."}; unknown paths 404, wrong methods 405.'
+            ),
+        },
+        "paths": paths,
+        "components": {"schemas": SCHEMAS},
+    }
+    if auth:
+        doc["components"]["securitySchemes"] = {
+            "bearer": {"type": "http", "scheme": "bearer"},
+            "basic": {"type": "http", "scheme": "basic", "description": "token as the password"},
+        }
+        doc["security"] = [{"bearer": []}, {"basic": []}]
+        if "/health" in paths:
+            paths["/health"]["get"]["security"] = []
+    return doc

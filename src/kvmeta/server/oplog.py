@@ -1,0 +1,143 @@
+"""What the server tells its operator in the log: one line per start-up fact, a warning when a
+second engine seems to share a pool, and the opt-in access log (one line per request).
+
+No per-request logging happens unless ``--access-log`` is given: at tens of thousands of
+requests per second a log line costs more than the request.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Coroutine
+from time import perf_counter
+from typing import Any
+
+import msgspec
+
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta.config import Settings
+from kvmeta.server.app import RouteHandler
+from kvmeta.server.http import Request, Response
+
+__all__ = ["InitWatcher", "access_logged", "log_startup"]
+
+logger = logging.getLogger("kvmeta.server")
+access_logger = logging.getLogger("kvmeta.access")
+
+
+class _InitFields(msgspec.Struct):
+    namespace: str = DEFAULT_NAMESPACE
+    role: str = "worker"
+
+
+_init_decoder = msgspec.json.Decoder(_InitFields)
+
+
+class InitWatcher:
+    """Remembers which client host first initialised each pool and warns when another host
+    initialises it again: two engines on one pool overwrite each other's pages.
+
+    Hosts, not ports: stock clients open a new connection per call. Only successful
+    initialisations are remembered, so the table is bounded by the number of pools.
+    """
+
+    def __init__(self) -> None:
+        self.first_host: dict[PoolId, str] = {}
+
+    def wrap(self, method: str, pattern: str, handler: RouteHandler) -> RouteHandler:
+        if not pattern.endswith("/initialize"):
+            return handler
+        dialect = "v" if pattern.startswith("/rank/") else "s"
+
+        async def watched(request: Request, rank: int) -> Response:
+            response = await handler(request, rank)
+            if response.status < 300:
+                self.seen(dialect, rank, request)
+            return response
+
+        return watched
+
+    def seen(self, dialect: str, rank: int, request: Request) -> None:
+        try:
+            fields = _init_decoder.decode(request.body or b"{}")
+        except msgspec.DecodeError:
+            return
+        if dialect == "v":
+            if fields.role == "scheduler":
+                return
+            pool = PoolId("v", rank, "")
+        else:
+            pool = PoolId("s", rank, fields.namespace)
+        host = str(request.peer[0]) if request.peer else "unknown"
+        first = self.first_host.setdefault(pool, host)
+        if first != host:
+            logger.warning(
+                "%s initialised again from %s (first from %s): if two engines use this pool they "
+                "overwrite each other's pages; give each engine its own rank/namespace or server",
+                pool,
+                host,
+                first,
+            )
+
+
+def log_startup(settings: Settings, backend_description: str) -> None:
+    """One INFO line per fact an operator checks first; never the token."""
+    logger.info("backend: %s", backend_description)
+    if settings.backend:
+        logger.info("state: shared backend (see the backend line)")
+    elif settings.in_memory:
+        logger.info("state: in memory only (--in-memory): lost on restart")
+    else:
+        logger.info("state: data directory %s, fsync %s", settings.data_dir, settings.fsync)
+    logger.info(
+        "leases: reservation_ttl=%gs read_lease=%gs", settings.reservation_ttl, settings.read_lease
+    )
+    logger.info(
+        "limits: max_body_bytes=%d max_keys=%d max_key_length=%d max_namespace_length=%d "
+        "max_pages=%d",
+        settings.max_body_bytes,
+        settings.max_keys,
+        settings.max_key_length,
+        settings.max_namespace_length,
+        settings.max_pages,
+    )
+    if settings.auth_token:
+        logger.info("auth: on (Bearer token, or the token as the URL password); /health is open")
+    else:
+        logger.info("auth: off (set --auth-token / KVMETA_AUTH_TOKEN to require a token)")
+        if settings.host not in ("127.0.0.1", "localhost", "::1"):
+            logger.warning(
+                "serving %s without --auth-token: anyone who can reach this port can read and "
+                "change the page maps",
+                settings.host,
+            )
+    if settings.ssl_certfile:
+        logger.info("tls: on (cert %s)", settings.ssl_certfile)
+    else:
+        logger.info("tls: off (plain http; engines' stock clients speak only http)")
+    if settings.access_log:
+        logger.info("access log: on (one line per request, logger kvmeta.access)")
+
+
+Handler = Callable[[Request], Coroutine[Any, Any, Response]]
+
+
+def access_logged(handler: Handler) -> Handler:
+    """Wrap the whole app so every request, unknown routes and 401s included, is logged."""
+
+    async def logged(request: Request) -> Response:
+        start = perf_counter()
+        response = await handler(request)
+        peer = request.peer[0] if request.peer else "-"
+        access_logger.info(
+            "%s %s %s %d %dB %.3fms",
+            peer,
+            request.method,
+            request.path,
+            response.status,
+            len(response.body),
+            (perf_counter() - start) * 1000,
+        )
+        return response
+
+    return logged

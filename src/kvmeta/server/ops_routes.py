@@ -1,0 +1,200 @@
+"""Operator routes: ``/health``, ``/ready``, ``/metrics``, ``/v1/pools``, ``/v1/check`` and
+``/openapi.json``, plus ``install``, which also turns on auth, metrics and the
+initialize watcher for an app once every dialect's routes are on it.
+
+Only ``/health`` is public: a load balancer may probe it without the token. Everything here is
+read-only; ``/v1/check`` is O(pool size) and meant for diagnostics, not for a probe loop.
+"""
+
+from __future__ import annotations
+
+import inspect
+import time
+from typing import Any
+
+import msgspec
+
+from kvmeta import __version__
+from kvmeta.config import Settings
+from kvmeta.server.app import App, json_response
+from kvmeta.server.auth import TokenAuth
+from kvmeta.server.http import Request, Response
+from kvmeta.server.metrics import CONTENT_TYPE, RequestMetrics, new_snapshot, render_metrics
+from kvmeta.server.openapi import build_document
+from kvmeta.server.oplog import InitWatcher
+from kvmeta.service.ops import Service
+from kvmeta.store.base import Backend, PoolStats
+
+__all__ = ["OpsState", "install", "pool_view"]
+
+
+class OpsState:
+    """What the operator routes share: the service, settings, counters and start time."""
+
+    def __init__(self, app: App, service: Service, settings: Settings) -> None:
+        self.app = app
+        self.service = service
+        self.backend: Backend = service.backend
+        self.settings = settings
+        self.metrics = RequestMetrics()
+        self.auth = TokenAuth(settings.auth_token) if settings.auth_token else None
+        self.started = time.monotonic()
+        self._openapi: bytes | None = None
+
+    async def ready(self) -> tuple[bool, str]:
+        """(ready, reason) without raising: a backend error is a reason, not a 500."""
+        try:
+            ok = await self.backend.ready()
+        except Exception as exc:  # noqa: BLE001 - any backend failure means not ready
+            return False, f"backend {self.backend.name} failed its readiness check: {exc}"
+        if not ok:
+            return False, (
+                f"backend {self.backend.name} is not ready (still loading its state, or its "
+                "store cannot be reached); see the server log"
+            )
+        return True, ""
+
+    async def durability(self) -> dict[str, float]:
+        stats = getattr(self.backend, "durability_stats", None)
+        if stats is None:
+            return {}
+        result = stats()
+        if inspect.isawaitable(result):
+            result = await result
+        return dict(result)
+
+    def openapi(self) -> bytes:
+        if self._openapi is None:
+            doc = build_document(self.app.routes(), __version__, self.auth is not None)
+            self._openapi = msgspec.json.encode(doc)
+        return self._openapi
+
+
+def _rate(hits: int, misses: int) -> float | None:
+    total = hits + misses
+    return round(hits / total, 4) if total else None
+
+
+def pool_view(st: PoolStats) -> dict[str, Any]:
+    """One pool as ``/v1/pools`` shows it."""
+    c = st.counters
+    return {
+        "dialect": st.pool.dialect,
+        "rank": st.pool.rank,
+        "namespace": st.pool.namespace,
+        "num_pages": st.num_pages,
+        "free": st.free,
+        "reserved": st.reserved,
+        "stored": st.stored,
+        "occupancy": round(st.stored / st.num_pages, 4) if st.num_pages else 0.0,
+        "hit_rate": _rate(c.get("get_hits", 0), c.get("get_misses", 0)),
+        "exists_hit_rate": _rate(c.get("exists_hits", 0), c.get("exists_misses", 0)),
+        "size_conflicts": st.size_conflicts,
+        "counters": c,
+    }
+
+
+def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
+    """Settings an operator wants next to the pools (never the token)."""
+    return {
+        "version": __version__,
+        "backend": str(getattr(backend, "describe", backend.name)),
+        "durability": "in-memory" if settings.in_memory else settings.data_dir,
+        "fsync": settings.fsync,
+        "reservation_ttl": settings.reservation_ttl,
+        "read_lease": settings.read_lease,
+        "auth": bool(settings.auth_token),
+        "tls": bool(settings.ssl_certfile),
+        "limits": {
+            "max_body_bytes": settings.max_body_bytes,
+            "max_keys": settings.max_keys,
+            "max_key_length": settings.max_key_length,
+            "max_namespace_length": settings.max_namespace_length,
+            "max_pages": settings.max_pages,
+        },
+    }
+
+
+async def check_pools(backend: Backend) -> dict[str, Any]:
+    """Run the full invariant check: ``backend.check()`` if it has one, else the core check
+    over an in-process store's pools."""
+    check = getattr(backend, "check", None)
+    if check is not None:
+        result = check()
+        if inspect.isawaitable(result):
+            result = await result
+        problems = [str(p) for p in result]
+        return {"ok": not problems, "problems": problems, "supported": True}
+    pools = getattr(getattr(backend, "store", None), "pools", None)
+    if not isinstance(pools, dict):
+        return {"ok": True, "checked": 0, "problems": [], "supported": False}
+    from kvmeta.core.invariants import InvariantViolation, check_pool
+
+    problems = []
+    for pid, pool in sorted(pools.items()):
+        try:
+            check_pool(pool)
+        except InvariantViolation as exc:
+            problems.append(f"{pid}: {exc}")
+    return {"ok": not problems, "checked": len(pools), "problems": problems, "supported": True}
+
+
+def add_routes(app: App, state: OpsState) -> None:
+    """Register the operator routes on ``app``."""
+
+    async def health(req: Request, rank: int) -> Response:
+        uptime = round(time.monotonic() - state.started, 3)
+        return json_response({"status": "ok", "version": __version__, "uptime_seconds": uptime})
+
+    async def ready(req: Request, rank: int) -> Response:
+        ok, reason = await state.ready()
+        if not ok:
+            return json_response({"detail": reason, "ready": False}, 503)
+        return json_response({"ready": True, "backend": state.backend.name})
+
+    async def metrics(req: Request, rank: int) -> Response:
+        ok, _ = await state.ready()
+        snapshot = new_snapshot(
+            pools=await state.service.stats(),
+            durability=await state.durability(),
+            requests=state.metrics.routes,
+            auth_failures=state.auth.failures if state.auth else None,
+            info={"version": __version__, "backend": state.backend.name},
+            ready=ok,
+        )
+        return Response(200, render_metrics(snapshot), CONTENT_TYPE)
+
+    async def pools(req: Request, rank: int) -> Response:
+        stats = await state.service.stats()
+        return json_response(
+            {
+                "server": settings_view(state.settings, state.backend),
+                "pools": [pool_view(st) for st in stats],
+            }
+        )
+
+    async def check(req: Request, rank: int) -> Response:
+        return json_response(await check_pools(state.backend))
+
+    async def openapi(req: Request, rank: int) -> Response:
+        return Response(200, state.openapi())
+
+    app.add("GET", "/health", health, public=True)
+    app.add("GET", "/ready", ready)
+    app.add("GET", "/metrics", metrics)
+    app.add("GET", "/v1/pools", pools)
+    app.add("GET", "/v1/check", check)
+    app.add("GET", "/openapi.json", openapi)
+
+
+def install(app: App, service: Service, settings: Settings) -> OpsState:
+    """Add the operator routes, then auth, metrics and the initialize watcher to every route.
+
+    Call it last in ``build_app``: handlers added afterwards are not instrumented.
+    """
+    state = OpsState(app, service, settings)
+    add_routes(app, state)
+    app.authorize = state.auth
+    app.wrap_handlers(InitWatcher().wrap)
+    app.wrap_handlers(state.metrics.wrap)
+    return state

@@ -1,0 +1,97 @@
+"""``kvmeta status``: a server's readiness and pools as a table a person reads at a glance.
+
+Returns text and an exit code instead of printing (``cli`` prints): 0 ready, 1 reachable but
+not ready, 2 unreachable or refused (wrong token). Scripts may use ``--json``.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from kvmeta.client.http import HttpTransport
+from kvmeta.errors import KvmetaError, ServerError, ServerUnavailable, Unauthorized
+
+__all__ = ["EXIT_NOT_READY", "EXIT_OK", "EXIT_UNREACHABLE", "format_table", "status"]
+
+EXIT_OK = 0
+EXIT_NOT_READY = 1
+EXIT_UNREACHABLE = 2
+
+_BAR = 20
+
+
+def status(
+    url: str, token: str | None = None, as_json: bool = False, timeout: float = 5.0
+) -> tuple[int, str]:
+    """(exit code, text to print) for the server at ``url``."""
+    http = HttpTransport(url, max_retries=0, timeout=timeout, auth_token=token)
+    try:
+        try:
+            ready: dict[str, Any] = http.get("/ready")
+        except ServerError as exc:
+            return EXIT_NOT_READY, f"kvmeta at {http.base_url} is NOT READY: {exc}"
+        pools = http.get("/v1/pools")
+    except Unauthorized as exc:
+        return EXIT_UNREACHABLE, f"kvmeta at {http.base_url} refused the request: {exc}"
+    except ServerUnavailable as exc:
+        return EXIT_UNREACHABLE, str(exc)
+    except KvmetaError as exc:
+        return EXIT_UNREACHABLE, f"kvmeta at {http.base_url}: unexpected answer: {exc}"
+    finally:
+        http.close()
+    if as_json:
+        return EXIT_OK, json.dumps({"ready": ready, **pools}, indent=2)
+    return EXIT_OK, format_table(http.base_url, pools)
+
+
+def _bar(fraction: float, reserved: float) -> str:
+    stored = round(fraction * _BAR)
+    held = min(_BAR - stored, round(reserved * _BAR))
+    return "[" + "#" * stored + "+" * held + "." * (_BAR - stored - held) + "]"
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value * 100:.1f}%"
+
+
+def _pool_name(pool: dict[str, Any]) -> str:
+    if pool["dialect"] == "v":
+        return f"vllm rank {pool['rank']}"
+    return f"sglang rank {pool['rank']} {pool['namespace']}"
+
+
+def format_table(url: str, doc: dict[str, Any]) -> str:
+    """The server line, then one row per pool: occupancy bar (# stored, + reserved), hit rate."""
+    server = doc.get("server", {})
+    lines = [
+        f"kvmeta {server.get('version', '?')} at {url}: ready; backend {server.get('backend')}, "
+        f"state {server.get('durability')}, auth {'on' if server.get('auth') else 'off'}, "
+        f"tls {'on' if server.get('tls') else 'off'}"
+    ]
+    pools = doc.get("pools", [])
+    if not pools:
+        lines.append("no pools yet (engines create them with initialize)")
+        return "\n".join(lines)
+    header = (
+        f"{'POOL':<28} {'PAGES':>9}  {'OCCUPANCY (#stored +reserved)':<29} "
+        f"{'STORED':>9} {'RESERVED':>8} {'HIT RATE':>8} {'EVICTED':>8} {'WARN':<4}"
+    )
+    lines.append(header)
+    for pool in pools:
+        n = pool["num_pages"] or 1
+        occupancy = pool["stored"] / n
+        counters = pool.get("counters", {})
+        warn = "SIZE" if pool.get("size_conflicts") else ""
+        lines.append(
+            f"{_pool_name(pool):<28} {pool['num_pages']:>9}  "
+            f"{_bar(occupancy, pool['reserved'] / n)} {occupancy * 100:5.1f}% "
+            f"{pool['stored']:>9} {pool['reserved']:>8} {_pct(pool.get('hit_rate')):>8} "
+            f"{counters.get('evictions', 0):>8} {warn:<4}"
+        )
+    if any(p.get("size_conflicts") for p in pools):
+        lines.append(
+            "SIZE: an engine re-initialised the pool with another num_pages (two engines on "
+            "one pool?); see the server log"
+        )
+    return "\n".join(lines)
