@@ -53,6 +53,20 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvmeta.store.check import check_data_dir
+
+    report = check_data_dir(Path(args.data_dir))
+    for line in report.lines:
+        print(line)
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    print("ok" if report.ok else f"{len(report.problems)} problem(s) found")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmeta",
@@ -62,6 +76,9 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the metadata server")
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+    check = sub.add_parser("check", help="verify a data directory offline (exit 1 on problems)")
+    check.add_argument("--data-dir", default="./kvmeta-data", help="directory to check")
+    check.set_defaults(func=_cmd_check)
     return parser
 
 

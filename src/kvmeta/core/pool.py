@@ -28,7 +28,15 @@ from dataclasses import dataclass, field
 
 from kvmeta.errors import InvalidRequest
 
-__all__ = ["FREE", "RESERVED", "STORED", "ConfirmOutcome", "Pool", "PoolCounters"]
+__all__ = [
+    "FREE",
+    "RESERVED",
+    "STORED",
+    "ConfirmOutcome",
+    "Pool",
+    "PoolCounters",
+    "lru_items",
+]
 
 FREE = 0
 RESERVED = 1
@@ -223,6 +231,14 @@ class Pool:
             out.append((key, page))
             page = nxt[page]
         return out
+
+    def lru_copy(self) -> tuple[list[str | None], array[int], int]:
+        """Copies of the page->key table, the LRU next-links and the LRU head.
+
+        Two memcpy-speed copies (milliseconds at 10^6 pages), so a snapshot can take them on
+        the event loop and walk them (``lru_items``) in a thread while the pool keeps changing.
+        """
+        return self._page_key[:], array("i", self._next), self._head
 
     # ------------------------------------------------------------------ mutations
 
@@ -486,3 +502,16 @@ class Pool:
             self._tail = prev
         else:
             self._prev[nxt] = prev
+
+
+def lru_items(page_key: list[str | None], nxt: array[int], head: int) -> list[tuple[str, int]]:
+    """STORED (key, page) pairs, coldest first, from the copies ``Pool.lru_copy`` returns."""
+    out: list[tuple[str, int]] = []
+    append = out.append
+    page = head
+    while page != -1:
+        key = page_key[page]
+        assert key is not None
+        append((key, page))
+        page = nxt[page]
+    return out

@@ -1,0 +1,170 @@
+"""Snapshots: the whole durable state as of one journal position, in one checksummed file.
+
+``snapshot-<N>.snap`` holds every pool and the vLLM world size as of the start of journal
+segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
+
+    b"KVMS" + u8 version (=1) + 3 zero bytes + u64 payload length + u32 crc32(payload) + payload
+    payload = msgpack map {"segment": N, "vworld": int|nil,
+                           "pools": [[dialect, rank, namespace, num_pages, [key...], pages]]}
+
+``pages`` is a little-endian int32 array in bytes, parallel to the key list, coldest first.
+
+Taking one never stops the server: ``capture`` runs on the event loop and only copies each
+pool's page->key table and LRU links (memcpy speed: ~15 ms at 10^6 pages); ``write_snapshot``
+walks the copies, encodes and writes in a worker thread. The file is written to a temporary
+name, fsynced, renamed and the directory fsynced, so a crash leaves the old snapshot or the new
+one, never a torn one (SEMANTICS.md failure 9).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvmeta._types import PoolId
+from kvmeta.core.pool import lru_items
+from kvmeta.store.journal import fsync_dir
+from kvmeta.store.memory import MemoryStore
+
+__all__ = [
+    "PoolImage",
+    "SnapshotData",
+    "SnapshotError",
+    "StoreImage",
+    "capture",
+    "read_snapshot",
+    "snapshot_path",
+    "write_snapshot",
+]
+
+VERSION = 1
+_MAGIC = b"KVMS"
+_HEAD = struct.Struct("<4sB3xQI")
+
+
+def snapshot_path(directory: Path, segment: int) -> Path:
+    return directory / f"snapshot-{segment:012d}.snap"
+
+
+@dataclass
+class PoolImage:
+    """One pool frozen at capture time (copies, not live structures)."""
+
+    pid: PoolId
+    num_pages: int
+    page_key: list[str | None]
+    nxt: array[int]
+    head: int
+
+    def items(self) -> list[tuple[str, int]]:
+        return lru_items(self.page_key, self.nxt, self.head)
+
+
+@dataclass
+class StoreImage:
+    """Everything durable, captured in one event-loop step."""
+
+    pools: list[PoolImage]
+    vworld: int | None
+    capture_seconds: float = 0.0
+
+
+@dataclass
+class SnapshotData:
+    """A snapshot as read back: pools as (pid, num_pages, entries coldest first)."""
+
+    segment: int
+    vworld: int | None
+    pools: list[tuple[PoolId, int, list[tuple[str, int]]]] = field(default_factory=list)
+
+
+class SnapshotError(Exception):
+    """A snapshot file that fails its checks; the reason says which."""
+
+
+def capture(store: MemoryStore) -> StoreImage:
+    """Copy the durable state; call on the event loop, between two operations."""
+    started = time.perf_counter()
+    pools = [PoolImage(pid, pool.num_pages, *pool.lru_copy()) for pid, pool in store.pools.items()]
+    return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started)
+
+
+def _pages_bytes(items: list[tuple[str, int]]) -> bytes:
+    pages = array("i", [page for _, page in items])
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        pages.byteswap()
+    return pages.tobytes()
+
+
+def encode_image(image: StoreImage, segment: int) -> bytes:
+    """The snapshot file's bytes (walks the copies: O(stored), run it off the loop)."""
+    pools: list[list[Any]] = []
+    for img in image.pools:
+        items = img.items()
+        keys = [key for key, _ in items]
+        pid = img.pid
+        pools.append(
+            [pid.dialect, pid.rank, pid.namespace, img.num_pages, keys, _pages_bytes(items)]
+        )
+    payload = msgspec.msgpack.encode({"segment": segment, "vworld": image.vworld, "pools": pools})
+    return _HEAD.pack(_MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
+
+
+def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
+    """Write ``snapshot-<segment>.snap`` atomically; returns its path."""
+    data = encode_image(image, segment)
+    final = snapshot_path(directory, segment)
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        fh.write(data)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    return final
+
+
+def read_snapshot(path: Path) -> SnapshotData:
+    """Load a snapshot file.
+
+    Raises:
+        SnapshotError: truncated, checksum mismatch, unknown version or malformed content.
+    """
+    data = path.read_bytes()
+    if len(data) < _HEAD.size:
+        raise SnapshotError("file shorter than its header")
+    magic, version, length, crc = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise SnapshotError("not a kvmeta snapshot (bad magic)")
+    if version > VERSION:
+        raise SnapshotError(f"snapshot format {version} is newer than this kvmeta ({VERSION})")
+    payload = data[_HEAD.size :]
+    if len(payload) != length:
+        raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    if zlib.crc32(payload) != crc:
+        raise SnapshotError("checksum mismatch")
+    try:
+        body = msgspec.msgpack.decode(payload)
+        out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        for dialect, rank, namespace, num_pages, keys, raw in body["pools"]:
+            pages = array("i")
+            pages.frombytes(raw)
+            if sys.byteorder != "little":  # pragma: no cover
+                pages.byteswap()
+            if len(pages) != len(keys):
+                raise SnapshotError(f"pool {rank}/{namespace}: keys and pages differ in length")
+            out.pools.append(
+                (PoolId(dialect, rank, namespace), num_pages, list(zip(keys, pages, strict=True)))
+            )
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
+        raise SnapshotError(f"malformed content ({exc})") from None
+    return out
