@@ -31,7 +31,7 @@ from typing import Any
 import msgspec
 
 from kvmeta._types import PoolId
-from kvmeta.core.pool import lru_items
+from kvmeta.core.pool import lru_order
 from kvmeta.store.journal import fsync_dir
 from kvmeta.store.memory import MemoryStore
 
@@ -65,8 +65,13 @@ class PoolImage:
     nxt: array[int]
     head: int
 
+    def order(self) -> tuple[list[str], list[int]]:
+        """Stored keys and pages, coldest first (O(stored): call it off the loop)."""
+        return lru_order(self.page_key, self.nxt, self.head)
+
     def items(self) -> list[tuple[str, int]]:
-        return lru_items(self.page_key, self.nxt, self.head)
+        keys, pages = self.order()
+        return list(zip(keys, pages, strict=True))
 
 
 @dataclass
@@ -80,11 +85,11 @@ class StoreImage:
 
 @dataclass
 class SnapshotData:
-    """A snapshot as read back: pools as (pid, num_pages, entries coldest first)."""
+    """A snapshot as read back: pools as (pid, num_pages, keys, pages), coldest first."""
 
     segment: int
     vworld: int | None
-    pools: list[tuple[PoolId, int, list[tuple[str, int]]]] = field(default_factory=list)
+    pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
 
 
 class SnapshotError(Exception):
@@ -98,8 +103,8 @@ def capture(store: MemoryStore) -> StoreImage:
     return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started)
 
 
-def _pages_bytes(items: list[tuple[str, int]]) -> bytes:
-    pages = array("i", [page for _, page in items])
+def _pages_bytes(page_list: list[int]) -> bytes:
+    pages = array("i", page_list)
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
         pages.byteswap()
     return pages.tobytes()
@@ -109,11 +114,10 @@ def encode_image(image: StoreImage, segment: int) -> bytes:
     """The snapshot file's bytes (walks the copies: O(stored), run it off the loop)."""
     pools: list[list[Any]] = []
     for img in image.pools:
-        items = img.items()
-        keys = [key for key, _ in items]
+        keys, pages = img.order()
         pid = img.pid
         pools.append(
-            [pid.dialect, pid.rank, pid.namespace, img.num_pages, keys, _pages_bytes(items)]
+            [pid.dialect, pid.rank, pid.namespace, img.num_pages, keys, _pages_bytes(pages)]
         )
     payload = msgspec.msgpack.encode({"segment": segment, "vworld": image.vworld, "pools": pools})
     return _HEAD.pack(_MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
@@ -162,9 +166,7 @@ def read_snapshot(path: Path) -> SnapshotData:
                 pages.byteswap()
             if len(pages) != len(keys):
                 raise SnapshotError(f"pool {rank}/{namespace}: keys and pages differ in length")
-            out.pools.append(
-                (PoolId(dialect, rank, namespace), num_pages, list(zip(keys, pages, strict=True)))
-            )
+            out.pools.append((PoolId(dialect, rank, namespace), num_pages, keys, pages))
     except (msgspec.DecodeError, KeyError, TypeError, ValueError) as exc:
         raise SnapshotError(f"malformed content ({exc})") from None
     return out
