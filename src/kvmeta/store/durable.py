@@ -38,6 +38,8 @@ __all__ = ["DurabilityOptions", "DurableBackend"]
 
 logger = logging.getLogger(__name__)
 
+_IMPORT_CHUNK = 4096
+
 
 @dataclass(frozen=True)
 class DurabilityOptions:
@@ -147,9 +149,11 @@ class DurableBackend(MemoryBackend):
             if pid not in self.store.pools:
                 self.store.initialize(pid, num_pages)
                 if entries:
-                    # Journal the import as commits so replay rebuilds it exactly.
+                    # Journal the import as commits so replay rebuilds it exactly; chunks keep
+                    # every record far below the codec's size limit.
                     self.store.load_pool(pid, num_pages, entries)
-                    self.store._record(("commit", pid, entries))
+                    for i in range(0, len(entries), _IMPORT_CHUNK):
+                        self.store._record(("commit", pid, entries[i : i + _IMPORT_CHUNK]))
         logger.info(
             "imported %d pools, %d keys from SGLang persistence file %s",
             len(pools),
@@ -167,7 +171,10 @@ class DurableBackend(MemoryBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         if self.journal is not None:
-            await self.snapshot()
+            try:
+                await self.snapshot()
+            except OSError as exc:
+                logger.error("final snapshot failed (%s); the journal still has every change", exc)
             await self.journal.close()
         if self.options.persistence_path is not None:
             await self.save_legacy()

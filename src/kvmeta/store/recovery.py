@@ -26,7 +26,7 @@ from typing import Any
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
-from kvmeta.store.codec import FrameError, decode_frames
+from kvmeta.store.codec import HEADER, FrameError, decode_frames
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.snapshot import SnapshotError, read_snapshot
 
@@ -138,6 +138,12 @@ def _recover(directory: Path, repair: bool) -> Recovered:
     last_nonempty = _last_nonempty(directory, segments)
     for segment in segments:
         path = directory / f"journal-{segment:012d}.log"
+        if segment == segments[-1] and path.stat().st_size < len(HEADER):
+            # Created, but the crash came before its header was written: nothing in it.
+            logger.warning("%s: removing a journal file cut short before its header", path)
+            if repair:
+                path.unlink()
+            continue
         _replay_segment(directory, path, out, repair, is_last=segment == last_nonempty)
         out.segments += 1
     top = max([*listing.segments, *listing.snapshots, 0])
@@ -147,8 +153,6 @@ def _recover(directory: Path, repair: bool) -> Recovered:
 
 
 def _last_nonempty(directory: Path, segments: list[int]) -> int | None:
-    from kvmeta.store.codec import HEADER
-
     for segment in reversed(segments):
         if (directory / f"journal-{segment:012d}.log").stat().st_size > len(HEADER):
             return segment

@@ -234,3 +234,20 @@ def test_never_mode_does_not_wait(tmp_path: Path) -> None:
             await b.close()
 
     asyncio.run(main())
+
+
+def test_journal_file_cut_before_its_header_is_dropped(tmp_path: Path) -> None:
+    before = asyncio.run(_workload(tmp_path))
+    last = list_data_dir(tmp_path).segments[-1]
+    stub = tmp_path / f"journal-{last + 1:012d}.log"
+    stub.write_bytes(b"KVM")  # crash between creating the file and writing its header
+
+    async def main() -> None:
+        b = await open_backend(tmp_path)
+        try:
+            assert state(b) == before
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+    assert not stub.exists()

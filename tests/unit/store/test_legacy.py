@@ -76,3 +76,27 @@ def test_imported_on_first_start_only_and_rewritten_at_shutdown(tmp_path: Path) 
             await b.close()
 
     asyncio.run(main())
+
+
+def test_in_memory_mode_imports_at_every_start_and_writes_back(tmp_path: Path) -> None:
+    from kvmeta.store.durable import DurabilityOptions, DurableBackend
+    from kvmeta.store.memory import MemoryStore
+
+    legacy = tmp_path / "state.json"
+    legacy.write_text(json.dumps(LEGACY))
+
+    async def main() -> None:
+        b = DurableBackend(
+            MemoryStore(read_lease=0.0),
+            DurabilityOptions(data_dir=None, persistence_path=legacy, save_interval=0.05),
+        )
+        await b.start()
+        try:
+            assert b.journal is None and state(b)[S0] == (4, [("old", 1), ("new", 0)])
+            await cycle(b, S0, ["x"])
+            await asyncio.sleep(0.2)  # a periodic save runs
+            assert ["x", 2] in json.loads(legacy.read_text())["0"]["key_to_index"]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
