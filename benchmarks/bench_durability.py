@@ -11,6 +11,7 @@ the ratios compare like with like.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import multiprocessing
 import os
 import shutil
@@ -29,6 +30,7 @@ from tests.support import ServerProcess  # noqa: E402
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.core.pool import Pool  # noqa: E402
 from kvmeta.store.codec import HEADER, encode_record  # noqa: E402
+from kvmeta.store.durable import DurabilityOptions, DurableBackend  # noqa: E402
 from kvmeta.store.memory import MemoryStore  # noqa: E402
 from kvmeta.store.recovery import install, recover  # noqa: E402
 from kvmeta.store.snapshot import capture, write_snapshot  # noqa: E402
@@ -71,6 +73,44 @@ def bench_recovery(n: int, scratch: Path) -> None:
             fh.write(encode_record(("commit", PID, entries[i : i + 64])))
     took, count = _recover(journal_dir)
     print(f"recovery from journal only (64-key commits): {count:,} keys in {took:.2f} s")
+
+
+async def _live_snapshot(n: int, directory: Path) -> tuple[float, float, float]:
+    """(copy stall, longest event-loop gap while the snapshot ran, snapshot seconds)."""
+    store = MemoryStore()
+    backend = DurableBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0))
+    await backend.start()
+    store.pools[PID] = Pool.from_lru(n, {k: i for i, k in enumerate(_keys(n))})
+    gaps: list[float] = []
+    done = False
+
+    async def ticker() -> None:
+        last = time.perf_counter()
+        while not done:
+            await asyncio.sleep(0.001)
+            now = time.perf_counter()
+            gaps.append(now - last)
+            last = now
+
+    tick = asyncio.create_task(ticker())
+    await asyncio.sleep(0.05)
+    started = time.perf_counter()
+    await backend.snapshot()
+    took = time.perf_counter() - started
+    done = True
+    await tick
+    stall = backend.snapshot_stall_max
+    await backend.close()
+    return stall, max(gaps), took
+
+
+def bench_live_snapshot(n: int, scratch: Path) -> None:
+    directory = scratch / "live"
+    stall, gap, took = asyncio.run(_live_snapshot(n, directory))
+    print(
+        f"live snapshot of {n:,} keys: copy stall {stall * 1e3:.1f} ms, longest event-loop gap "
+        f"{gap * 1e3:.1f} ms (1 ms ticker) over {took:.2f} s of snapshotting"
+    )
 
 
 def _mb(directory: Path) -> str:
@@ -131,6 +171,7 @@ def main() -> None:
     scratch = Path(tempfile.mkdtemp(prefix="kvmeta-bench-"))
     try:
         bench_recovery(args.keys, scratch)
+        bench_live_snapshot(args.keys, scratch)
         modes = {
             "in-memory": ["--in-memory"],
             "fsync never": ["--fsync", "never"],

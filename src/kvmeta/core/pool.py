@@ -552,10 +552,10 @@ class Pool:
 
 def lru_order(
     page_key: list[str | None], nxt: array[int], head: int
-) -> tuple[list[str], list[int]]:
+) -> tuple[list[str], array[int]]:
     """STORED keys and their pages, coldest first, from the copies ``Pool.lru_copy`` returns."""
     keys: list[str] = []
-    pages: list[int] = []
+    pages = array("i")
     add_key, add_page = keys.append, pages.append
     page = head
     while page != -1:

@@ -31,7 +31,7 @@ from kvmeta.errors import StorageError
 from kvmeta.store.journal import Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.recovery import install, list_data_dir, recover
+from kvmeta.store.recovery import gc_paused, install, list_data_dir, recover
 from kvmeta.store.snapshot import StoreImage, capture, snapshot_path, write_snapshot
 
 __all__ = ["DurabilityOptions", "DurableBackend"]
@@ -204,22 +204,26 @@ class DurableBackend(MemoryBackend):
         if journal is None or directory is None:
             return None
         async with self._snapshot_lock:
-            # Rotation and capture in one loop step: the image is exactly segments < segment.
-            segment = journal.rotate()
-            image = capture(self.store)
-            self._snapshot_records = journal.records
-            self.snapshot_stall_max = max(self.snapshot_stall_max, image.capture_seconds)
-            started = time.perf_counter()
-            path = await asyncio.to_thread(self._write_and_compact, directory, segment, image)
-            self.snapshots += 1
-            logger.info(
-                "snapshot %s written: %d pools, %.3f s (event loop paused %.1f ms to copy)",
-                path.name,
-                len(image.pools),
-                time.perf_counter() - started,
-                image.capture_seconds * 1e3,
-            )
-            return path
+            with gc_paused():  # see store.snapshot: a full collection would stall the loop
+                return await self._snapshot(journal, directory)
+
+    async def _snapshot(self, journal: Journal, directory: Path) -> Path:
+        # Rotation and capture in one loop step: the image is exactly segments < segment.
+        segment = journal.rotate()
+        image = capture(self.store)
+        self._snapshot_records = journal.records
+        self.snapshot_stall_max = max(self.snapshot_stall_max, image.capture_seconds)
+        started = time.perf_counter()
+        path = await asyncio.to_thread(self._write_and_compact, directory, segment, image)
+        self.snapshots += 1
+        logger.info(
+            "snapshot %s written: %d pools, %.3f s (event loop paused %.1f ms to copy)",
+            path.name,
+            len(image.pools),
+            time.perf_counter() - started,
+            image.capture_seconds * 1e3,
+        )
+        return path
 
     @staticmethod
     def _write_and_compact(directory: Path, segment: int, image: StoreImage) -> Path:
@@ -238,8 +242,9 @@ class DurableBackend(MemoryBackend):
         path = self.options.persistence_path
         if path is None:
             return
-        image = capture(self.store)
-        await asyncio.to_thread(_write_legacy_image, path, image)
+        with gc_paused():
+            image = capture(self.store)
+            await asyncio.to_thread(_write_legacy_image, path, image)
 
     # ------------------------------------------------------------------ waits
 
