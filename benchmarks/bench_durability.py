@@ -167,15 +167,18 @@ def main() -> None:
     parser.add_argument("--cycles", type=int, default=300)
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=2, help="runs per mode (median of CPU)")
+    parser.add_argument("--skip-recovery", action="store_true", help="only the server modes")
     args = parser.parse_args()
     scratch = Path(tempfile.mkdtemp(prefix="kvmeta-bench-"))
     try:
-        bench_recovery(args.keys, scratch)
-        bench_live_snapshot(args.keys, scratch)
+        if not args.skip_recovery:
+            bench_recovery(args.keys, scratch)
+            bench_live_snapshot(args.keys, scratch)
         modes = {
             "in-memory": ["--in-memory"],
             "fsync never": ["--fsync", "never"],
             "fsync batch": ["--fsync", "batch"],
+            "batch 20ms": ["--fsync", "batch", "--fsync-interval", "0.02"],
             "fsync always": ["--fsync", "always"],
         }
         results: dict[str, list[tuple[float, float]]] = {m: [] for m in modes}
