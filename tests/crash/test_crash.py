@@ -63,11 +63,14 @@ def _big_round(
     session: requests.Session, url: str, ledger: Ledger, tag: str, rng: random.Random
 ) -> None:
     keys = [f"b{tag}-{j}" for j in range(8)]
+    assert _post(session, url, "exists", {"keys": keys}) == {"exists": [False] * 8}
     out = _post(
         session, url, "reserve_and_allocate_page_indices", {"keys": [[k, None] for k in keys]}
     )
     pairs = [[k, page] for k, (_, page) in zip(keys, out["indices"], strict=True)]  # type: ignore[index]
     _post(session, url, "confirm_write", {"written_keys_to_confirm": pairs})
+    got = _post(session, url, "get_page_indices", {"keys": keys})
+    assert got == {"indices": [p for _, p in pairs]}
     with ledger.lock:
         ledger.acked.update((k, p) for k, p in pairs)
         doomed = rng.sample(sorted(ledger.acked.keys() - ledger.deleted), 2)
