@@ -78,6 +78,20 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     cmd.set_defaults(func=_cmd_status)
 
 
+def _cmd_check(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from kvmeta.store.check import check_data_dir
+
+    report = check_data_dir(Path(args.data_dir))
+    for line in report.lines:
+        print(line)
+    for problem in report.problems:
+        print(f"PROBLEM: {problem}", file=sys.stderr)
+    print("ok" if report.ok else f"{len(report.problems)} problem(s) found")
+    return 0 if report.ok else 1
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmeta",
@@ -88,6 +102,9 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     _add_status(sub)
+    check = sub.add_parser("check", help="verify a data directory offline (exit 1 on problems)")
+    check.add_argument("--data-dir", default="./kvmeta-data", help="directory to check")
+    check.set_defaults(func=_cmd_check)
     return parser
 
 

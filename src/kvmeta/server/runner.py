@@ -7,6 +7,7 @@ import logging
 import os
 import signal
 import ssl
+from pathlib import Path
 from typing import Any
 
 from kvmeta.config import Settings
@@ -27,7 +28,21 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings ask for."""
     store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
-    return MemoryBackend(store)
+    if settings.in_memory and not settings.persistence_path:
+        return MemoryBackend(store)
+    from kvmeta.store.durable import DurabilityOptions, DurableBackend
+
+    legacy = Path(settings.persistence_path) if settings.persistence_path else None
+    options = DurabilityOptions(
+        data_dir=None if settings.in_memory else Path(settings.data_dir),
+        fsync=settings.fsync,
+        fsync_interval=settings.fsync_interval,
+        snapshot_interval=settings.snapshot_interval,
+        snapshot_min_records=settings.snapshot_min_records,
+        persistence_path=legacy,
+        save_interval=settings.save_interval,
+    )
+    return DurableBackend(store, options)
 
 
 def build_app(settings: Settings, service: Service) -> App:

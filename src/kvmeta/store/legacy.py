@@ -1,0 +1,105 @@
+"""SGLang reference server's JSON state file (``--persistence-path``): import and rollback.
+
+Format (one object; pool names ``"<rank>"`` mean namespace ``kv``)::
+
+    {"<rank>:<namespace>" | "<rank>": {"num_pages": n, "free_pages": [...],
+                                       "key_to_index": [[key, page], ...]}}
+
+``key_to_index`` is in LRU order, oldest first (an object mapping key -> page is accepted too).
+``free_pages`` is ignored on import: every page not mapped is free, which is what it must say.
+Only SGLang pools (dialect S) have a place in this format; vLLM pools are not written.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta.errors import StorageError
+
+__all__ = ["LegacyPool", "read_legacy", "write_legacy"]
+
+LegacyPool = tuple[PoolId, int, list[tuple[str, int]]]
+
+
+def _bad(path: Path, where: str, problem: str) -> StorageError:
+    return StorageError(
+        f"{path}: {problem} - at `{where}`. The SGLang persistence file must map "
+        '"<rank>" or "<rank>:<namespace>" to {"num_pages": N, "key_to_index": [[key, page], '
+        "...]}; fix or move the file (or drop --persistence-path) and start again."
+    )
+
+
+def _pool_id(path: Path, name: str) -> PoolId:
+    rank_text, _, namespace = name.partition(":")
+    try:
+        rank = int(rank_text)
+    except ValueError:
+        raise _bad(path, name, f"pool name {name!r} does not start with an integer rank") from None
+    if rank < 0:
+        raise _bad(path, name, f"rank {rank} is negative")
+    return PoolId("s", rank, namespace or DEFAULT_NAMESPACE)
+
+
+def _entries(path: Path, name: str, raw: Any) -> list[tuple[str, int]]:
+    pairs = list(raw.items()) if isinstance(raw, dict) else raw
+    if not isinstance(pairs, list):
+        raise _bad(path, f"{name}.key_to_index", "expected a list of [key, page] pairs")
+    out: list[tuple[str, int]] = []
+    for i, pair in enumerate(pairs):
+        ok = isinstance(pair, (list, tuple)) and len(pair) == 2
+        if not ok or not isinstance(pair[0], str) or type(pair[1]) is not int:
+            raise _bad(path, f"{name}.key_to_index[{i}]", f"expected [key, page], got {pair!r}")
+        out.append((pair[0], pair[1]))
+    return out
+
+
+def read_legacy(path: Path) -> list[LegacyPool]:
+    """Pools of an SGLang persistence file.
+
+    Raises:
+        StorageError: unreadable JSON or a malformed pool, naming the place and the fix.
+    """
+    try:
+        doc = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise _bad(path, "$", f"cannot read it as JSON ({exc})") from None
+    if not isinstance(doc, dict):
+        raise _bad(path, "$", "expected an object of pools")
+    out: list[LegacyPool] = []
+    for name, body in doc.items():
+        pid = _pool_id(path, name)
+        if not isinstance(body, dict):
+            raise _bad(path, name, "expected an object")
+        num_pages = body.get("num_pages")
+        if type(num_pages) is not int or num_pages <= 0:
+            raise _bad(path, f"{name}.num_pages", f"expected a positive integer, got {num_pages!r}")
+        out.append((pid, num_pages, _entries(path, name, body.get("key_to_index", []))))
+    return out
+
+
+def write_legacy(path: Path, pools: list[LegacyPool]) -> None:
+    """Write the file atomically (temp file, fsync, rename), SGLang pools only."""
+    doc: dict[str, Any] = {}
+    for pid, num_pages, entries in sorted(pools, key=lambda p: p[0]):
+        if pid.dialect != "s":
+            continue
+        name = f"{pid.rank}:{pid.namespace}"
+        if pid.namespace == DEFAULT_NAMESPACE:
+            name = str(pid.rank)
+        used = {page for _, page in entries}
+        doc[name] = {
+            "num_pages": num_pages,
+            "free_pages": [p for p in range(num_pages) if p not in used],
+            "key_to_index": [[key, page] for key, page in entries],
+        }
+    tmp = path.with_name(path.name + ".tmp")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(tmp, "w") as fh:
+        json.dump(doc, fh, separators=(",", ":"))
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)

@@ -1,0 +1,198 @@
+"""Snapshots: the whole durable state as of one journal position, in one checksummed file.
+
+``snapshot-<N>.snap`` holds every pool and the vLLM world size as of the start of journal
+segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
+
+    head    = b"KVMS" + u8 version (=1) + 3 zero bytes + u64 len(payload) + u32 crc32(payload)
+    payload = u32 len(meta) + meta + blobs
+    meta    = msgpack map {"segment": N, "vworld": int|nil,
+                           "pools": [[dialect, rank, namespace, num_pages, [chunk_len...],
+                                      pages_len]]}
+    blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
+              then its pages (little-endian int32, parallel to the keys, coldest first)
+
+Taking one never stops the server: ``capture`` runs on the event loop and only copies each
+pool's page->key table and LRU links (memcpy speed: ~15 ms at 10^6 pages); ``write_snapshot``
+walks the copies, encodes and writes in a worker thread, in pieces small enough that no single
+C call holds the GIL for long (one msgspec call over 66 MB of keys would stall the loop ~80 ms).
+The cyclic GC is paused meanwhile: a full collection over the 10^6-entry copies stalls the loop
+too. The file is written to a temporary
+name, fsynced, renamed and the directory fsynced, so a crash leaves the old snapshot or the new
+one, never a torn one (SEMANTICS.md failure 9).
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+import time
+import zlib
+from array import array
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+
+from kvmeta._types import PoolId
+from kvmeta.core.pool import lru_order
+from kvmeta.store.journal import fsync_dir
+from kvmeta.store.memory import MemoryStore
+
+__all__ = [
+    "PoolImage",
+    "SnapshotData",
+    "SnapshotError",
+    "StoreImage",
+    "capture",
+    "read_snapshot",
+    "snapshot_path",
+    "write_snapshot",
+]
+
+VERSION = 1
+_MAGIC = b"KVMS"
+_HEAD = struct.Struct("<4sB3xQI")
+_U32 = struct.Struct("<I")
+_KEY_CHUNK = 32768
+_encode = msgspec.msgpack.Encoder().encode
+_decode = msgspec.msgpack.Decoder(list[str]).decode
+
+
+def snapshot_path(directory: Path, segment: int) -> Path:
+    return directory / f"snapshot-{segment:012d}.snap"
+
+
+@dataclass
+class PoolImage:
+    """One pool frozen at capture time (copies, not live structures)."""
+
+    pid: PoolId
+    num_pages: int
+    page_key: list[str | None]
+    nxt: array[int]
+    head: int
+
+    def order(self) -> tuple[list[str], list[int]]:
+        """Stored keys and pages, coldest first (O(stored): call it off the loop)."""
+        return lru_order(self.page_key, self.nxt, self.head)
+
+    def items(self) -> list[tuple[str, int]]:
+        keys, pages = self.order()
+        return list(zip(keys, pages, strict=True))
+
+
+@dataclass
+class StoreImage:
+    """Everything durable, captured in one event-loop step."""
+
+    pools: list[PoolImage]
+    vworld: int | None
+    capture_seconds: float = 0.0
+
+
+@dataclass
+class SnapshotData:
+    """A snapshot as read back: pools as (pid, num_pages, keys, pages), coldest first."""
+
+    segment: int
+    vworld: int | None
+    pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
+
+
+class SnapshotError(Exception):
+    """A snapshot file that fails its checks; the reason says which."""
+
+
+def capture(store: MemoryStore) -> StoreImage:
+    """Copy the durable state; call on the event loop, between two operations."""
+    started = time.perf_counter()
+    pools = [PoolImage(pid, pool.num_pages, *pool.lru_copy()) for pid, pool in store.pools.items()]
+    return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started)
+
+
+def _pages_bytes(pages: array[int]) -> bytes:
+    if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
+        pages = array("i", pages)
+        pages.byteswap()
+    return pages.tobytes()
+
+
+def encode_image(image: StoreImage, segment: int) -> list[bytes]:
+    """The snapshot file as a list of pieces, head first (O(stored): run it off the loop)."""
+    pools: list[list[Any]] = []
+    blobs: list[bytes] = []
+    for img in image.pools:
+        keys, pages = img.order()
+        chunks = [_encode(keys[i : i + _KEY_CHUNK]) for i in range(0, len(keys), _KEY_CHUNK)]
+        page_blob = _pages_bytes(pages)
+        blobs += chunks
+        blobs.append(page_blob)
+        pid = img.pid
+        lengths = [len(c) for c in chunks]
+        pools.append([pid.dialect, pid.rank, pid.namespace, img.num_pages, lengths, len(page_blob)])
+    meta = _encode({"segment": segment, "vworld": image.vworld, "pools": pools})
+    pieces = [_U32.pack(len(meta)), meta, *blobs]
+    crc = 0
+    for piece in pieces:
+        crc = zlib.crc32(piece, crc)
+    size = sum(len(piece) for piece in pieces)
+    return [_HEAD.pack(_MAGIC, VERSION, size, crc), *pieces]
+
+
+def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
+    """Write ``snapshot-<segment>.snap`` atomically; returns its path."""
+    pieces = encode_image(image, segment)
+    final = snapshot_path(directory, segment)
+    tmp = final.with_suffix(".tmp")
+    with open(tmp, "wb") as fh:
+        for piece in pieces:
+            fh.write(piece)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, final)
+    fsync_dir(directory)
+    return final
+
+
+def read_snapshot(path: Path) -> SnapshotData:
+    """Load a snapshot file.
+
+    Raises:
+        SnapshotError: truncated, checksum mismatch, unknown version or malformed content.
+    """
+    data = path.read_bytes()
+    if len(data) < _HEAD.size:
+        raise SnapshotError("file shorter than its header")
+    magic, version, length, crc = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise SnapshotError("not a kvmeta snapshot (bad magic)")
+    if version > VERSION:
+        raise SnapshotError(f"snapshot format {version} is newer than this kvmeta ({VERSION})")
+    payload = memoryview(data)[_HEAD.size :]
+    if len(payload) != length:
+        raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    if zlib.crc32(payload) != crc:
+        raise SnapshotError("checksum mismatch")
+    try:
+        (meta_len,) = _U32.unpack_from(payload)
+        pos = _U32.size + meta_len
+        body = msgspec.msgpack.decode(payload[_U32.size : pos])
+        out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        for dialect, rank, namespace, num_pages, chunk_lengths, pages_len in body["pools"]:
+            keys: list[str] = []
+            for length in chunk_lengths:
+                keys.extend(_decode(payload[pos : pos + length]))
+                pos += length
+            pages = array("i")
+            pages.frombytes(payload[pos : pos + pages_len])
+            pos += pages_len
+            if sys.byteorder != "little":  # pragma: no cover
+                pages.byteswap()
+            if len(pages) != len(keys):
+                raise SnapshotError(f"pool {rank}/{namespace}: keys and pages differ in length")
+            out.pools.append((PoolId(dialect, rank, namespace), num_pages, keys, pages))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
+        raise SnapshotError(f"malformed content ({exc})") from None
+    return out

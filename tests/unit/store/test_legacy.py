@@ -1,0 +1,102 @@
+"""SGLang persistence file: both pool-name forms import; kvmeta writes it back for rollback."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from kvmeta._types import PoolId
+from kvmeta.errors import StorageError
+from kvmeta.store.legacy import read_legacy, write_legacy
+from tests.unit.store.durable_support import S0, cycle, open_backend, state
+
+LEGACY = {
+    "0": {"num_pages": 4, "free_pages": [2, 3], "key_to_index": [["old", 1], ["new", 0]]},
+    "1:mamba": {"num_pages": 2, "free_pages": [1], "key_to_index": [["m", 0]]},
+}
+
+
+def test_reads_both_pool_name_forms(tmp_path: Path) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(LEGACY))
+    assert read_legacy(path) == [
+        (S0, 4, [("old", 1), ("new", 0)]),
+        (PoolId("s", 1, "mamba"), 2, [("m", 0)]),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("doc", "where"),
+    [
+        ({"x": {"num_pages": 1}}, "`x`"),
+        ({"0": {"num_pages": 0}}, "`0.num_pages`"),
+        ({"0": {"num_pages": 2, "key_to_index": [["a"]]}}, "`0.key_to_index[0]`"),
+    ],
+)
+def test_bad_file_names_the_place(tmp_path: Path, doc: object, where: str) -> None:
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(doc))
+    with pytest.raises(StorageError, match=re.escape(where)):
+        read_legacy(path)
+
+
+def test_write_round_trips_and_skips_vllm_pools(tmp_path: Path) -> None:
+    path = tmp_path / "out.json"
+    write_legacy(path, [(S0, 3, [("a", 2)]), (PoolId("v", 0, ""), 3, [("h", 0)])])
+    assert json.loads(path.read_text()) == {
+        "0": {"num_pages": 3, "free_pages": [0, 1], "key_to_index": [["a", 2]]}
+    }
+
+
+def test_imported_on_first_start_only_and_rewritten_at_shutdown(tmp_path: Path) -> None:
+    legacy = tmp_path / "state.json"
+    legacy.write_text(json.dumps(LEGACY))
+    data = tmp_path / "data"
+
+    async def main() -> None:
+        b = await open_backend(data, persistence_path=legacy)
+        try:
+            assert state(b)[S0] == (4, [("old", 1), ("new", 0)])
+            assert b.store.pool(PoolId("s", 1, "mamba")).page_of("m") == 0
+            await cycle(b, S0, ["x"])
+        finally:
+            await b.close()
+        written = json.loads(legacy.read_text())
+        assert written["0"]["key_to_index"] == [["old", 1], ["new", 0], ["x", 2]]
+        assert written["1:mamba"]["key_to_index"] == [["m", 0]]
+        legacy.write_text(json.dumps({"0": {"num_pages": 4, "key_to_index": [["z", 0]]}}))
+        b = await open_backend(data, persistence_path=legacy)  # data dir wins now
+        try:
+            assert state(b)[S0] == (4, [("old", 1), ("new", 0), ("x", 2)])
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_in_memory_mode_imports_at_every_start_and_writes_back(tmp_path: Path) -> None:
+    from kvmeta.store.durable import DurabilityOptions, DurableBackend
+    from kvmeta.store.memory import MemoryStore
+
+    legacy = tmp_path / "state.json"
+    legacy.write_text(json.dumps(LEGACY))
+
+    async def main() -> None:
+        b = DurableBackend(
+            MemoryStore(read_lease=0.0),
+            DurabilityOptions(data_dir=None, persistence_path=legacy, save_interval=0.05),
+        )
+        await b.start()
+        try:
+            assert b.journal is None and state(b)[S0] == (4, [("old", 1), ("new", 0)])
+            await cycle(b, S0, ["x"])
+            await asyncio.sleep(0.2)  # a periodic save runs
+            assert ["x", 2] in json.loads(legacy.read_text())["0"]["key_to_index"]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
