@@ -53,6 +53,14 @@ def _cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvmeta.bench.commands import run as run_bench
+
+    configure_logging("info")
+    print(run_bench(args))
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmeta",
@@ -62,6 +70,11 @@ def build_parser() -> argparse.ArgumentParser:
     serve = sub.add_parser("serve", help="run the metadata server")
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
+    bench = sub.add_parser("bench", help="benchmark a server (either dialect) or the core")
+    from kvmeta.bench.commands import add_arguments as add_bench_arguments
+
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
     return parser
 
 
