@@ -58,11 +58,19 @@ class BenchResult:
     cpu_us_per_request: float | None = None
     cpu_us_per_key: float | None = None
     server_rss_mb: float | None = None
-    errors: int = 0
+    refused_keys: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass
+class _ClientReport:
+    latencies: list[float]  # seconds, one per measured request
+    keys: int
+    refused: int
+    error: str
 
 
 def _client_main(
@@ -70,7 +78,7 @@ def _client_main(
     index: int,
     phase: Synchronized[int],
     quota: int,
-    out: mp.Queue[tuple[int, list[float], int, str]],
+    out: mp.Queue[_ClientReport],
 ) -> None:
     client = HttpClient(cfg.url)
     chain = KeyChain(f"{cfg.seed}-{os.getpid()}-{index}")
@@ -79,6 +87,7 @@ def _client_main(
     record = latencies.append
     keys = 0
     error = ""
+    refused = 0
     perf = time.perf_counter
 
     def timed(path: str, body: object) -> object:
@@ -95,12 +104,14 @@ def _client_main(
         while phase.value != _STOP:
             if quota and len(latencies) >= quota:
                 break
-            cycle(cfg.rank, timed, chain.batch(cfg.batch))
+            missed = cycle(cfg.rank, timed, chain.batch(cfg.batch))
+            if phase.value == _MEASURE:
+                refused += missed
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
         error = f"{type(exc).__name__}: {exc}"
     finally:
         client.close()
-    out.put((index, latencies, keys, error))
+    out.put(_ClientReport(latencies, keys, refused, error))
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -131,7 +142,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     _setup(cfg)
     ctx = mp.get_context("spawn")
     phase = ctx.Value("i", _WARMUP, lock=False)
-    out: mp.Queue[tuple[int, list[float], int, str]] = ctx.Queue()
+    out: mp.Queue[_ClientReport] = ctx.Queue()
     quota = -(-cfg.requests // cfg.clients) if cfg.requests else 0
     procs = [
         ctx.Process(target=_client_main, args=(cfg, i, phase, quota, out), daemon=True)
@@ -139,7 +150,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     ]
     for proc in procs:
         proc.start()
-    results: list[tuple[int, list[float], int, str]] = []
+    results: list[_ClientReport] = []
     try:
         time.sleep(cfg.warmup)
         cpu0 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
@@ -164,23 +175,25 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
                 proc.join()
         out.close()
         out.join_thread()
-    errors = [err for _, _, _, err in results if err]
+    errors = [r.error for r in results if r.error]
     if errors:
         raise RuntimeError(f"{len(errors)} benchmark client(s) failed, e.g. {errors[0]}")
-    return _summarise(cfg, results, t1 - t0, cpu0, cpu1, rss)
+    result = _summarise(cfg, results, t1 - t0, cpu0, cpu1, rss)
+    result.refused_keys = sum(r.refused for r in results)
+    return result
 
 
 def _summarise(
     cfg: BenchConfig,
-    results: list[tuple[int, list[float], int, str]],
+    results: list[_ClientReport],
     seconds: float,
     cpu0: float | None,
     cpu1: float | None,
     rss: int | None,
 ) -> BenchResult:
-    lat = sorted(x for _, lats, _, _ in results for x in lats)
+    lat = sorted(x for r in results for x in r.latencies)
     n = len(lat)
-    keys = sum(k for _, _, k, _ in results)
+    keys = sum(r.keys for r in results)
     res = BenchResult(
         config=asdict(cfg),
         requests=n,

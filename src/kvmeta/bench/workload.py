@@ -153,7 +153,8 @@ class KeyChain:
         return out
 
 
-# A cycle runs one engine round trip set and calls ``timed(path, body)`` for each request.
+# A cycle runs one engine round trip set, calling ``timed(path, body)`` for each request, and
+# returns how many of its keys got no page (refused: nothing evictable, e.g. all read-leased).
 Timed = Callable[[str, object], object]
 
 
@@ -165,7 +166,7 @@ def _s_cycle(rank: int, timed: Timed, pairs: list[tuple[str, str | None]]) -> in
     written = [[k, p] for k, (hit, p) in zip(keys, indices, strict=True) if not hit and p >= 0]
     timed(f"/{rank}/confirm_write", {"written_keys_to_confirm": written, "pages_to_release": []})
     timed(f"/{rank}/get_page_indices", {"keys": keys})
-    return 4
+    return len(keys) - len(written)
 
 
 def _v_cycle(rank: int, timed: Timed, pairs: list[tuple[str, str | None]]) -> int:
@@ -179,7 +180,7 @@ def _v_cycle(rank: int, timed: Timed, pairs: list[tuple[str, str | None]]) -> in
         {"rank": rank, "confirmations": confirmations, "pages_to_release": []},
     )
     timed("/keys/get_locations", {"rank": rank, "keys": keys})
-    return 4
+    return len(keys) - len(confirmations)
 
 
 def cycle_for(dialect: str) -> Callable[[int, Timed, list[tuple[str, str | None]]], int]:

@@ -27,6 +27,7 @@ import heapq
 from array import array
 from collections import deque
 from dataclasses import dataclass, field
+from operator import itemgetter
 
 from kvmeta.errors import InvalidRequest
 
@@ -428,6 +429,10 @@ class Pool:
 
     def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> None:
         n = self.num_pages
+        pages = list(map(itemgetter(1), pairs))
+        pages += release
+        if not pages or (min(pages) >= 0 and max(pages) < n):
+            return  # the common case, checked in C; the loops below name the culprit
         for _key, page in pairs:
             if not 0 <= page < n:
                 raise InvalidRequest(
