@@ -25,11 +25,14 @@ class LaunchedServer:
     """``kvmeta serve`` in ``mode`` "memory" (``--in-memory``) or "durable" (the default,
     journal in a temporary data directory); a context manager that stops it on exit."""
 
-    def __init__(self, mode: str = "durable", extra: list[str] | None = None) -> None:
+    def __init__(
+        self, mode: str = "durable", extra: list[str] | None = None, src: str | None = None
+    ) -> None:
         if mode not in ("memory", "durable"):
             raise ValueError(f"launch mode must be 'memory' or 'durable', got {mode!r}")
         self.mode = mode
         self.extra = list(extra or [])
+        self.src = src or _SRC  # another checkout's src/ serves before/after comparisons
         self.url = ""
         self.pid = 0
         self.lines: list[str] = []
@@ -52,7 +55,7 @@ class LaunchedServer:
         else:
             args += ["--data-dir", os.path.join(self._tmp.name, "data")]
         env = dict(os.environ)
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [_SRC, env.get("PYTHONPATH")]))
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.src, env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
             [sys.executable, "-m", "kvmeta", "serve", *args],
             stdin=subprocess.DEVNULL,

@@ -263,6 +263,7 @@ class Pool:
         holders, res_deadline, res_queue = self._holders, self._res_deadline, self._res_queue
         reserved_before = len(reserved)
         read_until = self._read_until
+        prev, nxt = self._prev, self._next
         evictions = 0
         deadline = now + self.reservation_ttl
         counters = self.counters
@@ -297,12 +298,21 @@ class Pool:
                 page = free.pop()
             else:
                 page = self._head
-                if page != -1 and page not in hits and read_until.get(page, 0.0) <= now:
+                if (
+                    page != -1
+                    and page not in hits
+                    and (not read_until or read_until.get(page, 0.0) <= now)
+                ):
                     # The common eviction, inlined: the coldest page is not being read.
                     old = page_key[page]
                     assert old is not None
                     del stored[old]
-                    self._unlink(page)
+                    after = nxt[page]  # _unlink of the head, inlined
+                    self._head = after
+                    if after == -1:
+                        self._tail = -1
+                    else:
+                        prev[after] = -1
                     evicted.append((old, page))
                     evictions += 1
                 else:
