@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import queue
 import statistics
 import time
 from dataclasses import asdict, dataclass, field
@@ -114,6 +115,22 @@ def _client_main(
     out.put(_ClientReport(latencies, keys, refused, error))
 
 
+def _collect(out: mp.Queue[_ClientReport], procs: list[Any], timeout: float) -> list[_ClientReport]:
+    """Every client's report; fails fast when a client process died without one."""
+    results: list[_ClientReport] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=0.5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a benchmark client process exited with {dead[0]}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"benchmark clients did not report within {timeout}s") from None
+    return results
+
+
 def _percentile(sorted_values: list[float], q: float) -> float:
     if not sorted_values:
         return 0.0
@@ -157,7 +174,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         t0 = time.perf_counter()
         phase.value = _MEASURE
         if quota:
-            results = [out.get() for _ in procs]
+            results = _collect(out, procs, 3600.0)
         else:
             time.sleep(cfg.duration)
         phase.value = _STOP
@@ -165,7 +182,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         cpu1 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
         rss = procstat.rss_bytes(cfg.server_pid) if cfg.server_pid else None
         if not quota:
-            results = [out.get(timeout=60) for _ in procs]
+            results = _collect(out, procs, 60.0)
     finally:
         phase.value = _STOP
         for proc in procs:
