@@ -14,6 +14,8 @@ import time
 import tracemalloc
 from typing import Any
 
+import msgspec
+
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.store.memory import MemoryStore
@@ -88,6 +90,74 @@ def key_ops_per_s(batch: int, pool_pages: int, cycles: int, layer: str) -> float
     return best
 
 
+def _app_caller() -> Any:
+    """A fresh in-memory app (default limits, read leases off) and a function that runs one
+    request through it to the response bytes, exactly as ``server.http`` does, minus sockets."""
+    from kvmeta.config import Settings
+    from kvmeta.server.http import Request, render
+    from kvmeta.server.runner import build_app, build_backend
+    from kvmeta.service.ops import Service
+
+    settings = Settings(in_memory=True, read_lease=0.0)
+    app = build_app(settings, Service(build_backend(settings)))
+
+    def call(path: str, body: bytes) -> bytes:
+        coro = app(Request("POST", path, "", body, None))
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            return render(stop.value, True)
+        raise RuntimeError(f"{path} suspended: the in-memory app should never wait")
+
+    return call
+
+
+def app_us_per_request(batch: int, pool_pages: int, cycles: int) -> float:
+    """Server-side CPU per request of the S cycle without the socket layer: routing, JSON
+    decoding, limits, service, store, pool, encoding and rendering. Request bodies are recorded
+    on one app and replayed on a second, identically prefilled one, so only server work is
+    timed (the pool is deterministic when leases are off). Best of three passes."""
+    enc = msgspec.json.encode
+    dec = msgspec.json.decode
+    recorder = _app_caller()
+    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
+    recorder(*script[0])
+    fill = _keys(pool_pages, "app-fill")
+    for i in range(0, pool_pages, 8192):
+        chunk = fill[i : i + 8192]
+        body = enc({"keys": [[k, None] for k in chunk]})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+    setup = len(script)
+    for i in range(3 * cycles):
+        keys = _keys(batch, f"app-{i}")
+        script.append(("/0/exists", enc({"keys": keys})))
+        recorder(*script[-1])
+        body = enc({"keys": [[k, None] for k in keys]})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+        script.append(("/0/get_page_indices", enc({"keys": keys})))
+        recorder(*script[-1])
+    replay = _app_caller()
+    for path, body in script[:setup]:
+        replay(path, body)
+    best = float("inf")
+    per_pass = 4 * cycles
+    for n in range(3):
+        part = script[setup + n * per_pass : setup + (n + 1) * per_pass]
+        t0 = time.process_time()
+        for path, body in part:
+            replay(path, body)
+        best = min(best, (time.process_time() - t0) / per_pass)
+    return best * 1e6
+
+
 def memory_per_key(n: int = 200_000) -> dict[str, float]:
     """Traced bytes of a full pool of ``n`` pages divided by ``n`` (keys created inside)."""
     gc.collect()
@@ -118,6 +188,7 @@ def run(batch: int = 64, pool_pages: int = 65536, out: str | None = None) -> dic
         "cycles": cycles,
         "pool_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "pool"),
         "store_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "store"),
+        "app_us_per_request": app_us_per_request(batch, pool_pages, 1000),
         "memory": memory_per_key(),
         "targets": {"key_ops_per_s": 1_000_000, "bytes_per_stored_key": 230},
     }
@@ -135,6 +206,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"  Pool        {result['pool_key_ops_per_s']:>12,.0f} key-ops/s",
             f"  MemoryStore {result['store_key_ops_per_s']:>12,.0f} key-ops/s "
             "(target >= 1,000,000)",
+            f"  app         {result['app_us_per_request']:>12.1f} us CPU per request "
+            "(HTTP layer excluded)",
             f"  memory      {mem['bytes_per_stored_key']:>12.1f} bytes per stored key "
             f"(64-hex key, structures included; target <= 230)",
         ]
