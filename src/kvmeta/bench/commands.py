@@ -87,6 +87,13 @@ def measure(cfg: BenchConfig, launch: str | None, server_args: list[str], repeat
         )
     result = median_result(runs)
     result["config"]["launch"] = launch
+    if result["refused_keys"]:
+        logger.warning(
+            "%d keys got no page: every page was busy (read-leased or reserved), so these runs "
+            "time refusals, not eviction. Use a larger --pool-pages or start the server with "
+            "--read-lease 0 (see benchmarks/README.md, 'Read leases and this workload')",
+            result["refused_keys"],
+        )
     return result
 
 

@@ -22,6 +22,7 @@ _COLUMNS = (
     ("cpu us/req", "cpu_us_per_request", "{:.1f}"),
     ("cpu us/key", "cpu_us_per_key", "{:.2f}"),
     ("requests", "requests", "{}"),
+    ("refused", "refused_keys", "{:.0f}"),
 )
 
 
