@@ -44,13 +44,12 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
-def _cmd_serve(args: argparse.Namespace) -> int:
-    from kvmeta.server.runner import serve
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvmeta.bench.commands import add_arguments as add_bench_arguments
 
-    settings = settings_from_args(args)
-    configure_logging(settings.log_level, settings.log_format)
-    serve(settings)
-    return 0
+    bench = sub.add_parser("bench", help="benchmark a server (either dialect) or the core")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
 
 
 def _cmd_bench(args: argparse.Namespace) -> int:
@@ -61,20 +60,25 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     return 0
 
 
+def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvmeta.server.runner import serve
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_level, settings.log_format)
+    serve(settings)
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="kvmeta",
         description="KV-cache page metadata service for SGLang HiCache and vLLM HF3FS.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_bench(sub)
     serve = sub.add_parser("serve", help="run the metadata server")
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
-    bench = sub.add_parser("bench", help="benchmark a server (either dialect) or the core")
-    from kvmeta.bench.commands import add_arguments as add_bench_arguments
-
-    add_bench_arguments(bench)
-    bench.set_defaults(func=_cmd_bench)
     return parser
 
 

@@ -9,7 +9,6 @@ rejected request changes nothing.
 from __future__ import annotations
 
 import logging
-from operator import itemgetter
 
 from kvmeta._types import PoolId
 from kvmeta.service.limits import RequestLimits
@@ -47,8 +46,9 @@ class Service:
     async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
         if len(pairs) + len(release) > self.limits.max_keys:
             self.limits.check_keys([k for k, _ in pairs] + [""] * len(release))
-        if pairs and max(map(len, map(itemgetter(0), pairs))) > self.limits.max_key_length:
-            self.limits.check_keys([k for k, _ in pairs])
+        for key, _ in pairs:
+            if len(key) > self.limits.max_key_length:
+                self.limits.check_keys([key])
         return await self.backend.confirm(pool, pairs, release)
 
     async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
