@@ -45,6 +45,22 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
+def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from kvmeta.bench.commands import add_arguments as add_bench_arguments
+
+    bench = sub.add_parser("bench", help="benchmark a server (either dialect) or the core")
+    add_bench_arguments(bench)
+    bench.set_defaults(func=_cmd_bench)
+
+
+def _cmd_bench(args: argparse.Namespace) -> int:
+    from kvmeta.bench.commands import run as run_bench
+
+    configure_logging("info")
+    print(run_bench(args))
+    return 0
+
+
 def _cmd_serve(args: argparse.Namespace) -> int:
     from kvmeta.server.runner import serve
 
@@ -98,6 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="KV-cache page metadata service for SGLang HiCache and vLLM HF3FS.",
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    _add_bench(sub)
     serve = sub.add_parser("serve", help="run the metadata server")
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)

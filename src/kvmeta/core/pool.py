@@ -12,7 +12,9 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
   so a touch is a handful of array writes and no per-key objects exist;
 - reservation leases and read leases: small dicts of the pages that have one, plus a queue in
   deadline order so expiry is amortised O(1). Leases all have the same length, so the order in
-  which they are granted is their deadline order and a deque suffices.
+  which they are granted is their deadline order and a deque suffices. One queue entry holds
+  every page one call leased, ``(deadline, [page, ...])``: a tuple and a float per key would
+  cost ~80 bytes per key for as long as the lease lasts, more than the key's own structures.
 
 Time is always passed in (``now``, seconds, monotonic), so the model has no clock and no I/O.
 Durable changes (commits and removals of STORED keys) are returned to the caller, which journals
@@ -26,6 +28,7 @@ from array import array
 from collections import deque
 from dataclasses import dataclass, field
 from itertools import compress
+from operator import itemgetter
 
 from kvmeta.errors import InvalidRequest
 
@@ -119,9 +122,9 @@ class Pool:
         self._reserved: dict[str, int] = {}
         self._holders: dict[int, int] = {}
         self._res_deadline: dict[int, float] = {}
-        self._res_queue: deque[tuple[float, int]] = deque()
+        self._res_queue: deque[tuple[float, list[int]]] = deque()
         self._read_until: dict[int, float] = {}
-        self._read_queue: deque[tuple[float, int]] = deque()
+        self._read_queue: deque[tuple[float, list[int]]] = deque()
         # Pages freed while a reader still holds a lease: FREE, but not handed out until then.
         self._cooling: list[tuple[float, int]] = []
         self._free = array("i", range(num_pages - 1, -1, -1))
@@ -179,22 +182,37 @@ class Pool:
         out: list[int | None] = []
         append = out.append
         hits = 0
-        if lease > 0:
-            until = now + lease
-            read_until = self._read_until
-            queue = self._read_queue
+        leased: list[int] = []
+        prev, nxt = self._prev, self._next
+        tail = self._tail
         for key in keys:
             page = stored.get(key)
             append(page)
             if page is None:
                 continue
             hits += 1
-            if page != self._tail:
-                self._unlink(page)
-                self._link_tail(page)
+            if page != tail:
+                # _unlink + _link_tail, inlined (once per key). page is not the tail, so it
+                # has a successor, and the list is not empty.
+                before, after = prev[page], nxt[page]
+                if before == -1:
+                    self._head = after
+                else:
+                    nxt[before] = after
+                prev[after] = before
+                prev[page] = tail
+                nxt[page] = -1
+                nxt[tail] = page
+                tail = page
             if lease > 0:
+                leased.append(page)
+        self._tail = tail
+        if leased:
+            until = now + lease
+            read_until = self._read_until
+            for page in leased:
                 read_until[page] = until
-                queue.append((until, page))
+            self._read_queue.append((until, leased))
         self.counters.get_hits += hits
         self.counters.get_misses += len(keys) - hits
         return out
@@ -305,12 +323,19 @@ class Pool:
             self._page_key,
         )
         holders, res_deadline, res_queue = self._holders, self._res_deadline, self._res_queue
+        reserved_before = len(reserved)
+        read_until = self._read_until
+        prev, nxt = self._prev, self._next
+        evictions = 0
         deadline = now + self.reservation_ttl
         counters = self.counters
         out: list[tuple[bool, int]] = []
         append = out.append
-        seen: set[str] | None = None
+        free = self._free
+        leased: list[int] = []  # pages whose lease this call grants or renews
+        seen: set[str] = set()  # keys this call reserved or joined: one holder per call
         hits: set[int] = set()  # pages reported as stored by this call: never evicted by it
+        refused = 0
         for key in keys:
             page = stored.get(key)
             if page is not None:
@@ -323,32 +348,54 @@ class Pool:
                 continue
             page = reserved.get(key)
             if page is not None:
-                if seen is None:
-                    seen = set()
                 if key not in seen:
                     # Another writer (or a retry) joins: one more holder, lease renewed.
                     seen.add(key)
                     holders[page] += 1
                     res_deadline[page] = deadline
-                    res_queue.append((deadline, page))
+                    leased.append(page)
                 append((False, page))
                 continue
-            page = self._take_page(now, evicted, hits)
+            if free:
+                page = free.pop()
+            else:
+                page = self._head
+                if (
+                    page != -1
+                    and page not in hits
+                    and (not read_until or read_until.get(page, 0.0) <= now)
+                ):
+                    # The common eviction, inlined: the coldest page is not being read.
+                    old = page_key[page]
+                    assert old is not None
+                    del stored[old]
+                    after = nxt[page]  # _unlink of the head, inlined
+                    self._head = after
+                    if after == -1:
+                        self._tail = -1
+                    else:
+                        prev[after] = -1
+                    evicted.append((old, page))
+                    evictions += 1
+                else:
+                    page = self._take_page(now, evicted, hits)
             if page < 0:
-                counters.reservations_refused += 1
+                refused += 1
                 append((False, -1))
                 continue
-            counters.reservations += 1
             state[page] = RESERVED
             page_key[page] = key
             reserved[key] = page
             holders[page] = 1
             res_deadline[page] = deadline
-            res_queue.append((deadline, page))
-            if seen is None:
-                seen = set()
+            leased.append(page)
             seen.add(key)
             append((False, page))
+        if leased:
+            res_queue.append((deadline, leased))
+        counters.reservations += len(reserved) - reserved_before
+        counters.reservations_refused += refused
+        counters.evictions += evictions
         return out
 
     def confirm(
@@ -373,16 +420,27 @@ class Pool:
             self._reserved,
         )
         outcome = ConfirmOutcome()
+        committed = outcome.committed
+        holders, res_deadline = self._holders, self._res_deadline
+        prev, nxt = self._prev, self._next
         for key, page in pairs:
             st = state[page]
             if st == RESERVED and page_key[page] == key:
                 del reserved[key]
-                del self._holders[page]
-                del self._res_deadline[page]
+                del holders[page]
+                del res_deadline[page]
                 state[page] = STORED
                 stored[key] = page
-                self._link_tail(page)
-                outcome.committed.append((key, page))
+                # _link_tail, inlined: this loop runs once per written page.
+                tail = self._tail
+                prev[page] = tail
+                nxt[page] = -1
+                if tail == -1:
+                    self._head = page
+                else:
+                    nxt[tail] = page
+                self._tail = page
+                committed.append((key, page))
             elif st == STORED and page_key[page] == key:
                 continue
             else:
@@ -443,6 +501,10 @@ class Pool:
 
     def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> None:
         n = self.num_pages
+        pages = list(map(itemgetter(1), pairs))
+        pages += release
+        if not pages or (min(pages) >= 0 and max(pages) < n):
+            return  # the common case, checked in C; the loops below name the culprit
         for _key, page in pairs:
             if not 0 <= page < n:
                 raise InvalidRequest(
@@ -459,6 +521,7 @@ class Pool:
                 )
 
     def _take_page(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
+        """A page for a new reservation: a free one, else the coldest evictable STORED one."""
         if self._free:
             return self._free.pop()
         read_until = self._read_until
@@ -505,23 +568,24 @@ class Pool:
         if queue and queue[0][0] <= now:
             deadlines = self._res_deadline
             while queue and queue[0][0] <= now:
-                _, page = queue.popleft()
-                current = deadlines.get(page)
-                if current is None or current > now:
-                    continue  # confirmed, released, or renewed since
-                key = self._page_key[page]
-                assert key is not None
-                del self._reserved[key]
-                self._drop_reservation(page)
-                self._free_page(page, now)
-                self.counters.reservations_expired += 1
+                for page in queue.popleft()[1]:
+                    current = deadlines.get(page)
+                    if current is None or current > now:
+                        continue  # confirmed, released, or renewed since
+                    key = self._page_key[page]
+                    assert key is not None
+                    del self._reserved[key]
+                    self._drop_reservation(page)
+                    self._free_page(page, now)
+                    self.counters.reservations_expired += 1
         queue = self._read_queue
         if queue and queue[0][0] <= now:
             read_until = self._read_until
             while queue and queue[0][0] <= now:
-                until, page = queue.popleft()
-                if read_until.get(page) == until:
-                    del read_until[page]
+                until, pages = queue.popleft()
+                for page in pages:
+                    if read_until.get(page) == until:
+                        del read_until[page]
         cooling = self._cooling
         while cooling and cooling[0][0] <= now:
             _, page = heapq.heappop(cooling)

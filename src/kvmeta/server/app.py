@@ -115,6 +115,8 @@ class App:
         self._ranked: dict[tuple[int, str], list[_Route]] = {}
         self._public: set[str] = set()
         self.authorize = authorize
+        # path -> match, for ranked paths: engines send the same few paths all day.
+        self._matched: dict[str, tuple[_Route, int, str]] = {}
 
     def add(self, method: str, pattern: str, handler: RouteHandler, public: bool = False) -> None:
         segments = tuple(pattern.strip("/").split("/"))
@@ -132,6 +134,7 @@ class App:
                 route = _Route(segments, rank_at)
                 bucket.append(route)
         route.handlers[method] = handler
+        self._matched.clear()
 
     def routes(self) -> list[tuple[str, str]]:
         """(method, pattern) of every route, for the OpenAPI document and tests."""
@@ -150,6 +153,9 @@ class App:
                 route.handlers[method] = wrap(method, pattern, handler)
 
     def _match(self, path: str) -> tuple[_Route, int, str]:
+        hit = self._matched.get(path)
+        if hit is not None:
+            return hit
         route = self._static.get(path)
         if route is not None:
             return route, 0, path
@@ -162,7 +168,11 @@ class App:
             )
             if ok:
                 rank = parse_rank(segments[route.rank_at])
-                return route, rank, "/" + "/".join(route.segments)
+                hit = route, rank, "/" + "/".join(route.segments)
+                if len(self._matched) >= 4096:
+                    self._matched.clear()
+                self._matched[path] = hit
+                return hit
         raise NotFound("Not Found")
 
     async def __call__(self, request: Request) -> Response:

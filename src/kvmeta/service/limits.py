@@ -31,6 +31,8 @@ class RequestLimits:
                 field,
             )
         limit = self.max_key_length
+        if not keys or max(map(len, keys)) <= limit:
+            return  # the common case, checked in C; the loop below names the culprit
         for key in keys:
             if len(key) > limit:
                 raise InvalidRequest(

@@ -1,0 +1,214 @@
+"""The engine cycle directly on ``core.pool.Pool`` and ``MemoryStore``: no HTTP, no JSON.
+
+Key-ops per second counts every key of every call (exists, reserve, confirm, get), as the HTTP
+benchmark does. Memory per stored key is measured with tracemalloc over a pool filled with
+64-hex-character keys: everything the pool allocates for it, the key string included.
+"""
+
+from __future__ import annotations
+
+import gc
+import hashlib
+import json
+import time
+import tracemalloc
+from typing import Any
+
+import msgspec
+
+from kvmeta._types import PoolId
+from kvmeta.core.pool import Pool
+from kvmeta.store.memory import MemoryStore
+
+__all__ = ["format_report", "memory_per_key", "run"]
+
+
+def _keys(n: int, seed: str) -> list[str]:
+    last = hashlib.sha256(seed.encode()).digest()
+    out = []
+    for _ in range(n):
+        last = hashlib.sha256(last).digest()
+        out.append(last.hex())
+    return out
+
+
+def _pool_cycle(pool: Pool, batches: list[list[str]], clock: list[float]) -> int:
+    ops = 0
+    for keys in batches:
+        now = clock[0] = clock[0] + 1e-4
+        pool.exists(keys)
+        evicted: list[tuple[str, int]] = []
+        indices = pool.reserve(keys, now, evicted)
+        pairs = [(k, p) for k, (hit, p) in zip(keys, indices, strict=True) if not hit and p >= 0]
+        pool.confirm(pairs, [], now)
+        pool.get(keys, now)
+        ops += 4 * len(keys)
+    return ops
+
+
+def _store_cycle(store: MemoryStore, pid: PoolId, batches: list[list[str]]) -> int:
+    ops = 0
+    for keys in batches:
+        store.exists(pid, keys)
+        indices = store.reserve(pid, keys)
+        pairs = [(k, p) for k, (hit, p) in zip(keys, indices, strict=True) if not hit and p >= 0]
+        store.confirm(pid, pairs, [])
+        store.get(pid, keys)
+        ops += 4 * len(keys)
+    return ops
+
+
+def _fill(pool: Pool, keys: list[str], now: float) -> None:
+    step = 8192
+    for i in range(0, len(keys), step):
+        chunk = keys[i : i + step]
+        evicted: list[tuple[str, int]] = []
+        indices = pool.reserve(chunk, now, evicted)
+        pool.confirm([(k, p) for k, (_, p) in zip(chunk, indices, strict=True)], [], now)
+
+
+def key_ops_per_s(batch: int, pool_pages: int, cycles: int, layer: str) -> float:
+    """Best of five timed passes of ``cycles`` cycles on a prefilled pool (so every reserve
+    evicts); read leases are off, as in the HTTP benchmark."""
+    best = 0.0
+    for rep in range(5):
+        batches = [_keys(batch, f"{rep}-{i}") for i in range(cycles)]
+        if layer == "pool":
+            pool = Pool(pool_pages, read_lease=0.0)
+            _fill(pool, _keys(pool_pages, f"fill-{rep}"), 0.0)
+            clock = [1.0]
+            t0 = time.process_time()
+            ops = _pool_cycle(pool, batches, clock)
+        else:
+            store = MemoryStore(read_lease=0.0)
+            pid = PoolId("s", 0, "kv")
+            store.initialize(pid, pool_pages)
+            _fill(store.pools[pid], _keys(pool_pages, f"fill-{rep}"), time.monotonic())
+            t0 = time.process_time()
+            ops = _store_cycle(store, pid, batches)
+        best = max(best, ops / (time.process_time() - t0))
+    return best
+
+
+def _app_caller() -> Any:
+    """A fresh in-memory app (default limits, read leases off) and a function that runs one
+    request through it to the response bytes, exactly as ``server.http`` does, minus sockets."""
+    from kvmeta.config import Settings
+    from kvmeta.server.http import Request, render
+    from kvmeta.server.runner import build_app, build_backend
+    from kvmeta.service.ops import Service
+
+    settings = Settings(in_memory=True, read_lease=0.0)
+    app = build_app(settings, Service(build_backend(settings)))
+
+    def call(path: str, body: bytes) -> bytes:
+        coro = app(Request("POST", path, "", body, None))
+        try:
+            coro.send(None)
+        except StopIteration as stop:
+            return render(stop.value, True)
+        raise RuntimeError(f"{path} suspended: the in-memory app should never wait")
+
+    return call
+
+
+def app_us_per_request(batch: int, pool_pages: int, cycles: int) -> float:
+    """Server-side CPU per request of the S cycle without the socket layer: routing, JSON
+    decoding, limits, service, store, pool, encoding and rendering. Request bodies are recorded
+    on one app and replayed on a second, identically prefilled one, so only server work is
+    timed (the pool is deterministic when leases are off). Best of three passes."""
+    enc = msgspec.json.encode
+    dec = msgspec.json.decode
+    recorder = _app_caller()
+    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
+    recorder(*script[0])
+    fill = _keys(pool_pages, "app-fill")
+    for i in range(0, pool_pages, 8192):
+        chunk = fill[i : i + 8192]
+        body = enc({"keys": [[k, None] for k in chunk]})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+    setup = len(script)
+    for i in range(3 * cycles):
+        keys = _keys(batch, f"app-{i}")
+        script.append(("/0/exists", enc({"keys": keys})))
+        recorder(*script[-1])
+        body = enc({"keys": [[k, None] for k in keys]})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+        script.append(("/0/get_page_indices", enc({"keys": keys})))
+        recorder(*script[-1])
+    replay = _app_caller()
+    for path, body in script[:setup]:
+        replay(path, body)
+    best = float("inf")
+    per_pass = 4 * cycles
+    for n in range(3):
+        part = script[setup + n * per_pass : setup + (n + 1) * per_pass]
+        t0 = time.process_time()
+        for path, body in part:
+            replay(path, body)
+        best = min(best, (time.process_time() - t0) / per_pass)
+    return best * 1e6
+
+
+def memory_per_key(n: int = 200_000) -> dict[str, float]:
+    """Traced bytes of a full pool of ``n`` pages divided by ``n`` (keys created inside)."""
+    gc.collect()
+    tracemalloc.start()
+    try:
+        base = tracemalloc.get_traced_memory()[0]
+        pool = Pool(n, read_lease=0.0)
+        empty = tracemalloc.get_traced_memory()[0] - base
+        _fill(pool, _keys(n, "memory"), 0.0)
+        gc.collect()
+        full = tracemalloc.get_traced_memory()[0] - base
+    finally:
+        tracemalloc.stop()
+    assert pool.stored_count == n
+    return {
+        "pages": n,
+        "bytes_per_stored_key": full / n,
+        "bytes_per_page_empty": empty / n,
+        "key_str_bytes": 49 + 64,
+    }
+
+
+def run(batch: int = 64, pool_pages: int = 65536, out: str | None = None) -> dict[str, Any]:
+    cycles = 2000
+    result: dict[str, Any] = {
+        "batch": batch,
+        "pool_pages": pool_pages,
+        "cycles": cycles,
+        "pool_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "pool"),
+        "store_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "store"),
+        "app_us_per_request": app_us_per_request(batch, pool_pages, 1000),
+        "memory": memory_per_key(),
+        "targets": {"key_ops_per_s": 1_000_000, "bytes_per_stored_key": 230},
+    }
+    if out:
+        with open(out + ".json", "w") as fh:
+            json.dump(result, fh, indent=2, sort_keys=True)
+    return result
+
+
+def format_report(result: dict[str, Any]) -> str:
+    mem = result["memory"]
+    return "\n".join(
+        [
+            f"core cycle, batch {result['batch']}, pool {result['pool_pages']} pages (full):",
+            f"  Pool        {result['pool_key_ops_per_s']:>12,.0f} key-ops/s",
+            f"  MemoryStore {result['store_key_ops_per_s']:>12,.0f} key-ops/s "
+            "(target >= 1,000,000)",
+            f"  app         {result['app_us_per_request']:>12.1f} us CPU per request "
+            "(HTTP layer excluded)",
+            f"  memory      {mem['bytes_per_stored_key']:>12.1f} bytes per stored key "
+            f"(64-hex key, structures included; target <= 230)",
+        ]
+    )

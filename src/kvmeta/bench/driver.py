@@ -1,0 +1,231 @@
+"""Drive a server with the engines' cycle from several client processes and measure it.
+
+Timeline of one run: initialise the pool, prefill it (so every measured reserve evicts),
+start the clients, let them warm up, then open the measured window: clients record each
+request's latency while a shared flag is up, and the server's utime + stime is read from /proc
+at the window's two edges. Warm-up and prefill are therefore excluded from every number.
+"""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import queue
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from multiprocessing.sharedctypes import Synchronized
+from typing import Any
+
+from kvmeta.bench import procstat
+from kvmeta.bench.workload import HttpClient, KeyChain, cycle_for, initialize_pool, prefill
+
+__all__ = ["BenchConfig", "BenchResult", "run_bench"]
+
+# Phases of the shared flag the clients watch.
+_WARMUP, _MEASURE, _STOP = 0, 1, 2
+
+
+@dataclass
+class BenchConfig:
+    """One benchmark run. ``requests`` > 0 ends the window after that many requests in total
+    (split across clients) instead of after ``duration`` seconds."""
+
+    url: str = ""
+    dialect: str = "s"
+    batch: int = 64
+    pool_pages: int = 65536
+    clients: int = 3
+    duration: float = 5.0
+    requests: int = 0
+    warmup: float = 1.0
+    prefill: bool = True
+    rank: int = 0
+    server_pid: int | None = None
+    seed: str = ""
+
+
+@dataclass
+class BenchResult:
+    config: dict[str, Any]
+    requests: int
+    key_ops: int
+    seconds: float
+    requests_per_s: float
+    key_ops_per_s: float
+    latency_p50_us: float
+    latency_p99_us: float
+    server_cpu_s: float | None = None
+    cpu_us_per_request: float | None = None
+    cpu_us_per_key: float | None = None
+    server_rss_mb: float | None = None
+    refused_keys: int = 0
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass
+class _ClientReport:
+    latencies: list[float]  # seconds, one per measured request
+    keys: int
+    refused: int
+    error: str
+
+
+def _client_main(
+    cfg: BenchConfig,
+    index: int,
+    phase: Synchronized[int],
+    quota: int,
+    out: mp.Queue[_ClientReport],
+) -> None:
+    client = HttpClient(cfg.url)
+    chain = KeyChain(f"{cfg.seed}-{os.getpid()}-{index}")
+    cycle = cycle_for(cfg.dialect)
+    latencies: list[float] = []
+    record = latencies.append
+    keys = 0
+    error = ""
+    refused = 0
+    perf = time.perf_counter
+
+    def timed(path: str, body: object) -> object:
+        nonlocal keys
+        if phase.value != _MEASURE:
+            return client.call(path, body)
+        t0 = perf()
+        reply = client.call(path, body)
+        record(perf() - t0)
+        keys += cfg.batch
+        return reply
+
+    try:
+        while phase.value != _STOP:
+            if quota and len(latencies) >= quota:
+                break
+            missed = cycle(cfg.rank, timed, chain.batch(cfg.batch))
+            if phase.value == _MEASURE:
+                refused += missed
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    out.put(_ClientReport(latencies, keys, refused, error))
+
+
+def _collect(out: mp.Queue[_ClientReport], procs: list[Any], timeout: float) -> list[_ClientReport]:
+    """Every client's report; fails fast when a client process died without one."""
+    results: list[_ClientReport] = []
+    deadline = time.monotonic() + timeout
+    while len(results) < len(procs):
+        try:
+            results.append(out.get(timeout=0.5))
+        except queue.Empty:
+            dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
+            if dead:
+                raise RuntimeError(f"a benchmark client process exited with {dead[0]}") from None
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"benchmark clients did not report within {timeout}s") from None
+    return results
+
+
+def _percentile(sorted_values: list[float], q: float) -> float:
+    if not sorted_values:
+        return 0.0
+    pos = min(len(sorted_values) - 1, int(round(q * (len(sorted_values) - 1))))
+    return sorted_values[pos]
+
+
+def _setup(cfg: BenchConfig) -> None:
+    client = HttpClient(cfg.url)
+    try:
+        initialize_pool(client, cfg.dialect, cfg.rank, cfg.pool_pages)
+        if cfg.prefill:
+            prefill(client, cfg.dialect, cfg.rank, cfg.pool_pages, KeyChain(f"fill-{cfg.seed}"))
+    finally:
+        client.close()
+
+
+def run_bench(cfg: BenchConfig) -> BenchResult:
+    """Run one benchmark against ``cfg.url`` and return its numbers.
+
+    Raises:
+        RuntimeError: a client failed (its error is in the message).
+    """
+    if not cfg.seed:
+        cfg.seed = f"{os.getpid()}-{time.time_ns()}"
+    _setup(cfg)
+    ctx = mp.get_context("spawn")
+    phase = ctx.Value("i", _WARMUP, lock=False)
+    out: mp.Queue[_ClientReport] = ctx.Queue()
+    quota = -(-cfg.requests // cfg.clients) if cfg.requests else 0
+    procs = [
+        ctx.Process(target=_client_main, args=(cfg, i, phase, quota, out), daemon=True)
+        for i in range(cfg.clients)
+    ]
+    for proc in procs:
+        proc.start()
+    results: list[_ClientReport] = []
+    try:
+        time.sleep(cfg.warmup)
+        cpu0 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
+        t0 = time.perf_counter()
+        phase.value = _MEASURE
+        if quota:
+            results = _collect(out, procs, 3600.0)
+        else:
+            time.sleep(cfg.duration)
+        phase.value = _STOP
+        t1 = time.perf_counter()
+        cpu1 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
+        rss = procstat.rss_bytes(cfg.server_pid) if cfg.server_pid else None
+        if not quota:
+            results = _collect(out, procs, 60.0)
+    finally:
+        phase.value = _STOP
+        for proc in procs:
+            proc.join(30)
+            if proc.is_alive():
+                proc.kill()
+                proc.join()
+        out.close()
+        out.join_thread()
+    errors = [r.error for r in results if r.error]
+    if errors:
+        raise RuntimeError(f"{len(errors)} benchmark client(s) failed, e.g. {errors[0]}")
+    result = _summarise(cfg, results, t1 - t0, cpu0, cpu1, rss)
+    result.refused_keys = sum(r.refused for r in results)
+    return result
+
+
+def _summarise(
+    cfg: BenchConfig,
+    results: list[_ClientReport],
+    seconds: float,
+    cpu0: float | None,
+    cpu1: float | None,
+    rss: int | None,
+) -> BenchResult:
+    lat = sorted(x for r in results for x in r.latencies)
+    n = len(lat)
+    keys = sum(r.keys for r in results)
+    res = BenchResult(
+        config=asdict(cfg),
+        requests=n,
+        key_ops=keys,
+        seconds=seconds,
+        requests_per_s=n / seconds if seconds else 0.0,
+        key_ops_per_s=keys / seconds if seconds else 0.0,
+        latency_p50_us=_percentile(lat, 0.50) * 1e6,
+        latency_p99_us=_percentile(lat, 0.99) * 1e6,
+        extra={"latency_mean_us": statistics.fmean(lat) * 1e6 if lat else 0.0},
+    )
+    if cpu0 is not None and cpu1 is not None:
+        res.server_cpu_s = cpu1 - cpu0
+        res.cpu_us_per_request = res.server_cpu_s / n * 1e6 if n else None
+        res.cpu_us_per_key = res.server_cpu_s / keys * 1e6 if keys else None
+    if rss is not None:
+        res.server_rss_mb = rss / 1e6
+    return res

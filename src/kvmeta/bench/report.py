@@ -1,0 +1,64 @@
+"""Benchmark results as a readable table or JSON, and medians over repeated runs."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["format_table", "median_result", "to_json"]
+
+# (label, result field, format)
+_COLUMNS = (
+    ("dialect", "config.dialect", "{}"),
+    ("batch", "config.batch", "{}"),
+    ("pool", "config.pool_pages", "{}"),
+    ("clients", "config.clients", "{}"),
+    ("req/s", "requests_per_s", "{:.0f}"),
+    ("key-ops/s", "key_ops_per_s", "{:.0f}"),
+    ("p50 us", "latency_p50_us", "{:.0f}"),
+    ("p99 us", "latency_p99_us", "{:.0f}"),
+    ("cpu us/req", "cpu_us_per_request", "{:.1f}"),
+    ("cpu us/key", "cpu_us_per_key", "{:.2f}"),
+    ("requests", "requests", "{}"),
+    ("refused", "refused_keys", "{:.0f}"),
+)
+
+
+def _get(result: dict[str, Any], dotted: str) -> Any:
+    value: Any = result
+    for part in dotted.split("."):
+        value = value.get(part) if isinstance(value, dict) else None
+    return value
+
+
+def format_table(results: Sequence[dict[str, Any]]) -> str:
+    """A fixed-width table, one row per result dict (``BenchResult.to_dict()``)."""
+    rows = [[label for label, _, _ in _COLUMNS]]
+    for result in results:
+        row = []
+        for _, dotted, fmt in _COLUMNS:
+            value = _get(result, dotted)
+            row.append("-" if value is None else fmt.format(value))
+        rows.append(row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
+    return "\n".join(lines)
+
+
+def median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The field-wise median of repeated runs of one configuration (config of the first);
+    ``runs_cpu_us_per_request`` keeps every run's value so the spread stays visible."""
+    out = dict(runs[0])
+    for name, value in runs[0].items():
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            values = [r[name] for r in runs if r.get(name) is not None]
+            out[name] = statistics.median(values) if values else None
+    out["repeats"] = len(runs)
+    out["runs_cpu_us_per_request"] = [r.get("cpu_us_per_request") for r in runs]
+    return out
+
+
+def to_json(obj: Any) -> str:
+    return json.dumps(obj, indent=2, sort_keys=True)
