@@ -1,0 +1,322 @@
+"""State in Redis/Valkey, shared by any number of stateless kvmeta servers.
+
+Every operation on a pool is ONE Lua script (``store/lua/<op>.lua``, with ``_lib.lua``
+prepended), so servers never race on a read-modify-write: Redis runs each script atomically.
+Scripts are registered with redis-py (EVALSHA, reloaded on NOSCRIPT) and keep exactly the
+semantics of ``core.pool`` + ``store.memory``; the contract suite runs against both.
+
+Key layout (see ``_lib.lua`` for the per-pool structures): each SGLang pool lives under its own
+hash tag ``kvmeta:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one pool's
+keys stay in one slot. The vLLM index (per-rank pools, the rank registry and the world size) is
+one unit under ``kvmeta:{v}:``, because completeness and ``/clear`` span every rank atomically.
+``kvmeta:pools`` lists the SGLang pools, for stats only.
+
+Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
+skewed clocks still agree. Scripts return ``{code, ...}``; ``_ERRORS`` maps codes to errors.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from importlib import resources
+from typing import Any
+from urllib.parse import quote, unquote, urlsplit, urlunsplit
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from kvmeta._types import PoolId
+from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
+from kvmeta.store.base import InitResult, PoolStats
+
+__all__ = ["RedisBackend", "redact_url"]
+
+logger = logging.getLogger(__name__)
+
+_PREFIX = "kvmeta"
+_S_REGISTRY = f"{_PREFIX}:pools"
+_V_PREFIX = f"{_PREFIX}:{{v}}:"
+_SCRIPTS = (
+    "initialize",
+    "exists",
+    "reserve",
+    "confirm",
+    "get",
+    "delete",
+    "clear",
+    "stats",
+    "check",
+    "v_register",
+    "v_exists",
+    "v_clear",
+)
+_COUNTERS = (
+    "exists_hits",
+    "exists_misses",
+    "get_hits",
+    "get_misses",
+    "reservations",
+    "reservations_refused",
+    "reservations_expired",
+    "reserve_hits",
+    "commits",
+    "confirms_refused",
+    "releases",
+    "evictions",
+    "deletes",
+    "clears",
+)
+_FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
+
+
+def _out_of_range(pid: PoolId, reply: list[Any]) -> KvmetaError:
+    field, verb = _FIELDS[int(reply[1])]
+    page, n = _text(reply[2]), int(reply[3])
+    return InvalidRequest(
+        f"page {page} in `{field}` is outside this pool's pages 0..{n - 1}; {verb} only pages "
+        "returned by reserve",
+        field,
+    )
+
+
+def _bad_size(pid: PoolId, reply: list[Any]) -> KvmetaError:
+    return InvalidRequest(f"num_pages must be a positive integer, got {reply[1]}", "num_pages")
+
+
+# Script error code -> the kvmeta error it means (code 0 is success).
+_ERRORS: dict[int, Callable[[PoolId, list[Any]], KvmetaError]] = {
+    1: lambda pid, reply: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
+    2: _out_of_range,
+    3: _bad_size,
+}
+
+
+def _text(value: Any) -> str:
+    return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password replaced by ``***``, for logs and error messages."""
+    parts = urlsplit(url)
+    if parts.password is None:
+        return url
+    netloc = parts.netloc.rsplit("@", 1)[1]
+    user = parts.username or ""
+    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
+
+
+def pool_prefix(pid: PoolId) -> str:
+    """The hash-tagged key prefix of one pool (namespaces are %-quoted: no braces inside)."""
+    if pid.dialect == "v":
+        return f"{_V_PREFIX}r{pid.rank}:"
+    return f"{_PREFIX}:{{s:{pid.rank}:{quote(pid.namespace, safe='')}}}:"
+
+
+def _load_sources() -> dict[str, str]:
+    lua = resources.files("kvmeta.store").joinpath("lua")
+    lib = lua.joinpath("_lib.lua").read_text()
+    return {name: lib + "\n" + lua.joinpath(f"{name}.lua").read_text() for name in _SCRIPTS}
+
+
+class RedisBackend:
+    """The ``Backend`` over Redis/Valkey: ``redis://[:password@]host:port/db`` or ``rediss://``."""
+
+    name = "redis"
+
+    def __init__(self, url: str, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
+        if urlsplit(url).scheme not in ("redis", "rediss"):
+            raise InvalidRequest(
+                f"Expected `--backend` to be a redis:// or rediss:// URL, got {redact_url(url)!r}"
+                " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
+                "backend",
+            )
+        self.url = url
+        self.describe = f"redis at {redact_url(url)}"
+        self.reservation_ttl = reservation_ttl
+        self.read_lease = read_lease
+        self._client: aioredis.Redis | None = None
+        self._scripts: dict[str, Any] = {}
+        self._sources = _load_sources()
+
+    # ------------------------------------------------------------------ lifecycle
+
+    async def start(self) -> None:
+        """Connect and check Redis answers, so a wrong URL fails at start-up, not per request.
+
+        Raises:
+            BackendUnavailable: Redis cannot be reached at the URL.
+        """
+        client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
+        self._client = client
+        self._scripts = {name: client.register_script(src) for name, src in self._sources.items()}
+        if not await self.ready():
+            await self.close()
+            raise BackendUnavailable(f"cannot reach Redis at {redact_url(self.url)}")
+
+    async def close(self) -> None:
+        if self._client is not None:
+            await self._client.aclose()
+            self._client = None
+
+    async def ready(self) -> bool:
+        if self._client is None:
+            return False
+        try:
+            return bool(await self._client.ping())
+        except (RedisError, OSError):
+            return False
+
+    # ------------------------------------------------------------------ calls
+
+    async def _run(self, script: str, prefix: str, args: list[Any]) -> list[Any]:
+        if self._client is None:
+            raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
+        try:
+            return await self._scripts[script](keys=[prefix], args=args)  # type: ignore[no-any-return]
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailable(
+                f"Redis backend at {redact_url(self.url)} failed during {script}: {exc}"
+            ) from exc
+
+    async def _pool_op(self, script: str, pid: PoolId, args: list[Any]) -> list[Any]:
+        reply = await self._run(script, pool_prefix(pid), args)
+        code = int(reply[0])
+        if code:
+            raise _ERRORS[code](pid, reply)
+        return reply
+
+    # ------------------------------------------------------------------ dialect S (and V pools)
+
+    async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
+        if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
+            return await self.v_register(pool.rank, num_pages, None)
+        await self._sadd_pool(pool)
+        reply = await self._pool_op("initialize", pool, [num_pages])
+        return self._init_result(pool, reply, num_pages)
+
+    async def _sadd_pool(self, pool: PoolId) -> None:
+        # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats
+        # skips it), never an unlisted one.
+        assert self._client is not None
+        try:
+            await self._client.sadd(_S_REGISTRY, f"{pool.rank}:{quote(pool.namespace, safe='')}")
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailable(
+                f"Redis backend at {redact_url(self.url)} failed: {exc}"
+            ) from exc
+
+    def _init_result(self, pool: PoolId, reply: list[Any], requested: int) -> InitResult:
+        result = InitResult(created=bool(reply[1]), num_pages=int(reply[2]), requested=requested)
+        if result.conflict:
+            logger.warning(
+                "%s re-initialised with num_pages=%d but has %d pages; keeping %d. Two engines "
+                "with different file sizes on one pool would overwrite each other's pages: "
+                "give each its own rank or namespace.",
+                pool,
+                requested,
+                result.num_pages,
+                result.num_pages,
+            )
+        return result
+
+    async def exists(self, pool: PoolId, keys: list[str]) -> list[bool]:
+        reply = await self._pool_op("exists", pool, keys)
+        return [bool(x) for x in reply[1:]]
+
+    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+        reply = await self._pool_op("reserve", pool, [self.reservation_ttl, *keys])
+        return [(bool(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
+
+    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        """Returns how many pairs were refused (stale or foreign pages)."""
+        args: list[Any] = [len(pairs)]
+        for key, page in pairs:
+            args += (key, page)
+        args += release
+        reply = await self._pool_op("confirm", pool, args)
+        refused = int(reply[1])
+        if refused:
+            logger.warning(
+                "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
+                "or page re-used), e.g. %r; the writer's data is not mapped",
+                pool,
+                refused,
+                (_text(reply[2]), int(reply[3])),
+            )
+        return refused
+
+    async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
+        reply = await self._pool_op("get", pool, [self.read_lease, *keys])
+        return [None if p < 0 else p for p in reply[1:]]
+
+    async def delete(self, pool: PoolId, keys: list[str]) -> int:
+        return int((await self._pool_op("delete", pool, keys))[1])
+
+    async def clear(self, pool: PoolId) -> int:
+        return int((await self._pool_op("clear", pool, []))[1])
+
+    # ------------------------------------------------------------------ vLLM index
+
+    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+        pool = PoolId("v", rank, "")
+        args = [rank, num_pages, "" if world_size is None else world_size]
+        reply = await self._run("v_register", _V_PREFIX, args)
+        if int(reply[0]):
+            raise _ERRORS[int(reply[0])](pool, reply)
+        return self._init_result(pool, reply, num_pages)
+
+    async def v_exists(self, keys: list[str]) -> list[bool]:
+        reply = await self._run("v_exists", _V_PREFIX, keys)
+        return [bool(x) for x in reply[1:]]
+
+    async def v_clear(self) -> int:
+        return int((await self._run("v_clear", _V_PREFIX, []))[1])
+
+    # ------------------------------------------------------------------ stats and check
+
+    async def pools(self) -> list[PoolId]:
+        """Every pool known to this Redis, sorted like ``MemoryStore.stats``."""
+        assert self._client is not None
+        try:
+            s_members = await self._client.smembers(_S_REGISTRY)
+            v_members = await self._client.smembers(_V_PREFIX + "ranks")
+        except (RedisError, OSError) as exc:
+            raise BackendUnavailable(
+                f"Redis backend at {redact_url(self.url)} failed: {exc}"
+            ) from exc
+        out = [PoolId("v", int(r), "") for r in v_members]
+        for member in s_members:
+            rank, ns = _text(member).split(":", 1)
+            out.append(PoolId("s", int(rank), unquote(ns)))
+        return sorted(out)
+
+    async def stats(self) -> list[PoolStats]:
+        out = []
+        for pid in await self.pools():
+            reply = await self._run("stats", pool_prefix(pid), [])
+            if int(reply[0]):
+                continue  # listed before it was created (see _sadd_pool)
+            n, reserved, stored = int(reply[1]), int(reply[2]), int(reply[3])
+            meta = {_text(reply[4][i]): int(reply[4][i + 1]) for i in range(0, len(reply[4]), 2)}
+            out.append(
+                PoolStats(
+                    pool=pid,
+                    num_pages=n,
+                    free=n - reserved - stored,
+                    reserved=reserved,
+                    stored=stored,
+                    counters={name: meta.get("c:" + name, 0) for name in _COUNTERS},
+                    size_conflicts=meta.get("conflicts", 0),
+                )
+            )
+        return out
+
+    async def check(self) -> list[str]:
+        """Every page-invariant violation in every pool (empty: consistent). O(pool)."""
+        problems = []
+        for pid in await self.pools():
+            reply = await self._run("check", pool_prefix(pid), [])
+            if int(reply[0]) == 0:
+                problems += [f"{pid}: {_text(msg)}" for msg in reply[1:]]
+        return problems
