@@ -29,8 +29,9 @@ def free_port() -> int:
 class RedisServer:
     """``redis-server`` in a child process; ``url`` is ``redis://127.0.0.1:PORT``."""
 
-    def __init__(self, *extra: str) -> None:
-        self.extra = list(extra)
+    def __init__(self, *extra: str, password: str | None = None) -> None:
+        self.extra = list(extra) + (["--requirepass", password] if password else [])
+        self.password = password
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="kvmeta-redis-")
@@ -44,13 +45,14 @@ class RedisServer:
         assert self.proc is not None
         return self.proc.pid
 
-    def start(self, timeout: float = 10.0) -> RedisServer:
+    def start(self, timeout: float = 10.0, port: int | None = None) -> RedisServer:
+        """Start on a free port (or on ``port``, e.g. to restart after ``stop``)."""
         if not Path(REDIS_SERVER).exists():
             raise RuntimeError(
                 "redis-server not found: run ./scripts/test (installs Debian's redis-server)"
             )
         for _ in range(5):  # another process may take the free port first
-            self.port = free_port()
+            self.port = port or free_port()
             args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
             args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name, *self.extra]
             self.proc = subprocess.Popen(
@@ -68,7 +70,9 @@ class RedisServer:
             if self.proc.poll() is not None:
                 return False
             try:
-                with redis.Redis(port=self.port, socket_timeout=1) as client:
+                with redis.Redis(
+                    port=self.port, password=self.password, socket_timeout=1
+                ) as client:
                     if client.ping():
                         return True
             except redis.ConnectionError:
@@ -76,7 +80,7 @@ class RedisServer:
         return False
 
     def client(self, db: int = 0) -> redis.Redis:
-        return redis.Redis(port=self.port, db=db)
+        return redis.Redis(port=self.port, db=db, password=self.password)
 
     def flush(self) -> None:
         with self.client() as client:

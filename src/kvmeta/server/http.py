@@ -129,6 +129,10 @@ async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response
         if yielded is None:
             await asyncio.sleep(0)
         else:
+            # The eager step already marked this future as awaited (asyncio's blocking flag);
+            # clear it or awaiting it here raises "await wasn't used with future".
+            if getattr(yielded, "_asyncio_future_blocking", False):
+                yielded._asyncio_future_blocking = False
             try:
                 await yielded
             except BaseException:  # noqa: BLE001 - the coroutine sees it on resume

@@ -26,6 +26,14 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings ask for."""
+    if settings.backend:
+        from kvmeta.store.redis import RedisBackend
+
+        return RedisBackend(
+            settings.backend,
+            reservation_ttl=settings.reservation_ttl,
+            read_lease=settings.read_lease,
+        )
     store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
     return MemoryBackend(store)
 
@@ -103,7 +111,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
-    """Run the server in this process, on uvloop when available."""
+    """Run the server in this process (or ``--workers`` processes), on uvloop when available."""
+    if settings.workers > 1:
+        from kvmeta.server.workers import run_workers
+
+        raise SystemExit(run_workers(settings, _serve_one))
+    _serve_one(settings)
+
+
+def _serve_one(settings: Settings) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

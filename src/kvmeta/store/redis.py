@@ -17,6 +17,7 @@ skewed clocks still agree. Scripts return ``{code, ...}``; ``_ERRORS`` maps code
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable
 from importlib import resources
@@ -92,6 +93,18 @@ _ERRORS: dict[int, Callable[[PoolId, list[Any]], KvmetaError]] = {
 }
 
 
+async def _in_task() -> None:
+    """Make sure the caller runs inside a Task before redis-py is used.
+
+    Our HTTP server drives a handler's first step eagerly, outside any Task (see
+    ``server.http``), but redis-py's timeouts need ``asyncio.current_task()``. Yielding once
+    moves the rest of the handler into the Task the server creates for handlers that wait,
+    which a request to Redis always does anyway.
+    """
+    if asyncio.current_task() is None:
+        await asyncio.sleep(0)
+
+
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
@@ -162,6 +175,7 @@ class RedisBackend:
     async def ready(self) -> bool:
         if self._client is None:
             return False
+        await _in_task()
         try:
             return bool(await self._client.ping())
         except (RedisError, OSError):
@@ -172,6 +186,7 @@ class RedisBackend:
     async def _run(self, script: str, prefix: str, args: list[Any]) -> list[Any]:
         if self._client is None:
             raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
+        await _in_task()
         try:
             return await self._scripts[script](keys=[prefix], args=args)  # type: ignore[no-any-return]
         except (RedisError, OSError) as exc:
@@ -199,6 +214,7 @@ class RedisBackend:
         # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats
         # skips it), never an unlisted one.
         assert self._client is not None
+        await _in_task()
         try:
             await self._client.sadd(_S_REGISTRY, f"{pool.rank}:{quote(pool.namespace, safe='')}")
         except (RedisError, OSError) as exc:
@@ -278,6 +294,7 @@ class RedisBackend:
     async def pools(self) -> list[PoolId]:
         """Every pool known to this Redis, sorted like ``MemoryStore.stats``."""
         assert self._client is not None
+        await _in_task()
         try:
             s_members = await self._client.smembers(_S_REGISTRY)
             v_members = await self._client.smembers(_V_PREFIX + "ranks")
