@@ -12,7 +12,9 @@ one unit under ``kvmeta:{v}:``, because completeness and ``/clear`` span every r
 ``kvmeta:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
-skewed clocks still agree. Scripts return ``{code, ...}``; ``_ERRORS`` maps codes to errors.
+skewed clocks still agree. A request's keys travel as ONE JSON argument and the reply is one JSON
+array ``[code, ...]`` (``_ERRORS`` maps codes to errors): packing and parsing one value per key in
+Python costs more than the whole script takes to run in Redis.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from importlib import resources
 from typing import Any
 from urllib.parse import quote, unquote, urlsplit, urlunsplit
 
+import msgspec
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
@@ -71,9 +74,12 @@ _COUNTERS = (
 _FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
 
 
-def _out_of_range(pid: PoolId, reply: list[Any]) -> KvmetaError:
-    field, verb = _FIELDS[int(reply[1])]
-    page, n = _text(reply[2]), int(reply[3])
+def _out_of_range(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
+    which, index = int(reply[1]), int(reply[2])
+    field, verb = _FIELDS[which]
+    pairs, release = request
+    page = pairs[index][1] if which == 1 else release[index]
+    n = int(reply[3])
     return InvalidRequest(
         f"page {page} in `{field}` is outside this pool's pages 0..{n - 1}; {verb} only pages "
         "returned by reserve",
@@ -81,13 +87,13 @@ def _out_of_range(pid: PoolId, reply: list[Any]) -> KvmetaError:
     )
 
 
-def _bad_size(pid: PoolId, reply: list[Any]) -> KvmetaError:
+def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
     return InvalidRequest(f"num_pages must be a positive integer, got {reply[1]}", "num_pages")
 
 
 # Script error code -> the kvmeta error it means (code 0 is success).
-_ERRORS: dict[int, Callable[[PoolId, list[Any]], KvmetaError]] = {
-    1: lambda pid, reply: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
+_ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
+    1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
     3: _bad_size,
 }
@@ -103,6 +109,17 @@ async def _in_task() -> None:
     """
     if asyncio.current_task() is None:
         await asyncio.sleep(0)
+
+
+_encode = msgspec.json.Encoder().encode
+_decode = msgspec.json.Decoder().decode
+
+
+def _checked(pid: PoolId, reply: list[Any], request: Any) -> list[Any]:
+    code = int(reply[0])
+    if code:
+        raise _ERRORS[code](pid, reply, request)
+    return reply
 
 
 def _text(value: Any) -> str:
@@ -188,18 +205,17 @@ class RedisBackend:
             raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
         await _in_task()
         try:
-            return await self._scripts[script](keys=[prefix], args=args)  # type: ignore[no-any-return]
+            raw = await self._scripts[script](keys=[prefix], args=args)
         except (RedisError, OSError) as exc:
             raise BackendUnavailable(
                 f"Redis backend at {redact_url(self.url)} failed during {script}: {exc}"
             ) from exc
+        return _decode(raw)  # type: ignore[no-any-return]
 
-    async def _pool_op(self, script: str, pid: PoolId, args: list[Any]) -> list[Any]:
-        reply = await self._run(script, pool_prefix(pid), args)
-        code = int(reply[0])
-        if code:
-            raise _ERRORS[code](pid, reply)
-        return reply
+    async def _pool_op(self, script: str, pid: PoolId, request: Any) -> list[Any]:
+        """Run one pool script with ``request`` as its JSON argument; raise its error code."""
+        reply = await self._run(script, pool_prefix(pid), [_encode(request)])
+        return _checked(pid, reply, request)
 
     # ------------------------------------------------------------------ dialect S (and V pools)
 
@@ -207,7 +223,8 @@ class RedisBackend:
         if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
             return await self.v_register(pool.rank, num_pages, None)
         await self._sadd_pool(pool)
-        reply = await self._pool_op("initialize", pool, [num_pages])
+        reply = await self._run("initialize", pool_prefix(pool), [num_pages])
+        _checked(pool, reply, None)
         return self._init_result(pool, reply, num_pages)
 
     async def _sadd_pool(self, pool: PoolId) -> None:
@@ -241,16 +258,12 @@ class RedisBackend:
         return [bool(x) for x in reply[1:]]
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        reply = await self._pool_op("reserve", pool, [self.reservation_ttl, *keys])
+        reply = await self._pool_op("reserve", pool, (self.reservation_ttl, keys))
         return [(bool(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
 
     async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
         """Returns how many pairs were refused (stale or foreign pages)."""
-        args: list[Any] = [len(pairs)]
-        for key, page in pairs:
-            args += (key, page)
-        args += release
-        reply = await self._pool_op("confirm", pool, args)
+        reply = await self._pool_op("confirm", pool, (pairs, release))
         refused = int(reply[1])
         if refused:
             logger.warning(
@@ -263,27 +276,25 @@ class RedisBackend:
         return refused
 
     async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
-        reply = await self._pool_op("get", pool, [self.read_lease, *keys])
+        reply = await self._pool_op("get", pool, (self.read_lease, keys))
         return [None if p < 0 else p for p in reply[1:]]
 
     async def delete(self, pool: PoolId, keys: list[str]) -> int:
         return int((await self._pool_op("delete", pool, keys))[1])
 
     async def clear(self, pool: PoolId) -> int:
-        return int((await self._pool_op("clear", pool, []))[1])
+        return int((await self._pool_op("clear", pool, None))[1])
 
     # ------------------------------------------------------------------ vLLM index
 
     async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
         pool = PoolId("v", rank, "")
         args = [rank, num_pages, "" if world_size is None else world_size]
-        reply = await self._run("v_register", _V_PREFIX, args)
-        if int(reply[0]):
-            raise _ERRORS[int(reply[0])](pool, reply)
+        reply = _checked(pool, await self._run("v_register", _V_PREFIX, args), None)
         return self._init_result(pool, reply, num_pages)
 
     async def v_exists(self, keys: list[str]) -> list[bool]:
-        reply = await self._run("v_exists", _V_PREFIX, keys)
+        reply = await self._run("v_exists", _V_PREFIX, [_encode(keys)])
         return [bool(x) for x in reply[1:]]
 
     async def v_clear(self) -> int:

@@ -1,9 +1,9 @@
 -- check: the full page invariant of one pool, O(pool): for tests and diagnostics only.
--- KEYS[1] pool prefix.  Returns {0, violation, ...} (none: consistent) or {1}.
+-- KEYS[1] pool prefix.  Returns [0, violation, ...] (none: consistent) or [1].
 local k = pool_keys(KEYS[1])
 local st = load_state(k)
 if not st then
-  return { 1 }
+  return cjson.encode({ 1 })
 end
 local out = { 0 }
 local function bad(msg)
@@ -69,4 +69,4 @@ local total = n_free + n_cool + (st.n - st.next) + n_stored + n_reserved
 if total ~= st.n then
   bad('FREE ' .. (n_free + n_cool + st.n - st.next) .. ' + RESERVED ' .. n_reserved .. ' + STORED ' .. n_stored .. ' != ' .. st.n)
 end
-return out
+return cjson.encode(out)

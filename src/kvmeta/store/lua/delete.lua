@@ -1,23 +1,32 @@
 -- delete: STORED keys become FREE (after any live read lease).
--- KEYS[1] pool prefix; ARGV keys.  Returns {0, removed} or {1} (no pool).
+-- KEYS[1] pool prefix; ARGV[1] [key, ...].  Returns [0, removed] or [1] (no pool).
 local k = pool_keys(KEYS[1])
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
-  return { 1 }
+  return cjson.encode({ 1 })
 end
+local keys = cjson.decode(ARGV[1])
 local now = now_s()
 local c = {}
 expire(k, now, c)
-local removed = 0
-for i = 1, #ARGV do
-  local page = redis.call('HGET', k.stored, ARGV[i])
-  if page then
-    redis.call('HDEL', k.stored, ARGV[i])
-    redis.call('ZREM', k.lru, page)
-    redis.call('HDEL', k.pk, page)
-    free_page(k, page, now)
-    removed = removed + 1
+local pages = hmget(k.stored, keys)
+local gone = {}
+local dead_keys, dead_pages = {}, {}
+for i = 1, #keys do
+  local key, page = keys[i], pages[i]
+  if page and not gone[key] then
+    gone[key] = true
+    dead_keys[#dead_keys + 1] = key
+    dead_pages[#dead_pages + 1] = page
   end
 end
-bump(c, 'deletes', removed)
+if #dead_keys > 0 then
+  call_many('HDEL', k.stored, dead_keys)
+  call_many('ZREM', k.lru, dead_pages)
+  call_many('HDEL', k.pk, dead_pages)
+  for _, page in ipairs(dead_pages) do
+    free_page(k, page, now)
+  end
+end
+bump(c, 'deletes', #dead_keys)
 flush(k, c)
-return { 0, removed }
+return cjson.encode({ 0, #dead_keys })

@@ -1,7 +1,8 @@
 -- v_exists: a key is complete when every required rank has it STORED. Required: ranks
 -- 0..world-1 when a world size is known (none registered yet: nothing is complete), else
--- every registered rank. KEYS[1] vLLM prefix; ARGV keys.  Returns {0, 1|0 ...}.
+-- every registered rank. KEYS[1] vLLM prefix; ARGV[1] [key, ...].  Returns [0, 1|0 ...].
 local v = KEYS[1]
+local keys = cjson.decode(ARGV[1])
 local out = { 0 }
 local world = redis.call('GET', v .. 'world')
 local ranks
@@ -18,14 +19,14 @@ if world then
 else
   ranks = redis.call('SMEMBERS', v .. 'ranks')
 end
-for i = 1, #ARGV do
+for i, key in ipairs(keys) do
   local ok = #ranks > 0 and 1 or 0
   for _, rank in ipairs(ranks) do
-    if redis.call('HEXISTS', v .. 'r' .. rank .. ':stored', ARGV[i]) == 0 then
+    if redis.call('HEXISTS', v .. 'r' .. rank .. ':stored', key) == 0 then
       ok = 0
       break
     end
   end
   out[i + 1] = ok
 end
-return out
+return cjson.encode(out)
