@@ -6,6 +6,7 @@ prints requests/s and CPU per request from /proc/PID/stat, split between the kvm
 processes (all workers) and redis-server. Run from the repository root:
 
     python benchmarks/bench_redis.py [--seconds 5] [--clients 4] [--workers 1 2 4]
+        [--transport tcp unix]
 
 Requires ``redis-server`` on PATH (``./scripts/test`` installs it). Prints, never asserts.
 """
@@ -22,6 +23,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -49,19 +51,24 @@ def _post(conn: http.client.HTTPConnection, path: str, body: bytes) -> bytes:
     return data
 
 
-def client(
-    url: str, index: int, start_at: float, stop_at: float, out: multiprocessing.Queue
-) -> None:
-    """One engine: the batch-64 cycle until ``stop_at``; reports requests done in the window."""
+WARM_UP = 1.0
+
+
+def client(url: str, index: int, seconds: float, barrier: Any, out: multiprocessing.Queue) -> None:
+    """One engine: the batch-64 cycle for ``seconds`` after a warm-up; reports requests done."""
     try:
-        out.put(_cycles(url, index, start_at, stop_at))
+        out.put(_cycles(url, index, seconds, barrier))
     except Exception as exc:  # reported by the parent
         out.put(f"client {index}: {exc!r}")
 
 
-def _cycles(url: str, index: int, start_at: float, stop_at: float) -> int:
+def _cycles(url: str, index: int, seconds: float, barrier: Any) -> int:
     parts = urlsplit(url)
     conn = http.client.HTTPConnection(parts.hostname, parts.port)
+    conn.connect()
+    barrier.wait()  # every client is up: all measure the same window (spawn start-up varies)
+    start_at = time.monotonic() + WARM_UP
+    stop_at = start_at + seconds
     done = 0
     cycle = 0
     while True:
@@ -107,14 +114,16 @@ def run_setup(
         conn.close()
         ctx = multiprocessing.get_context("spawn")
         out: multiprocessing.Queue = ctx.Queue()
-        t0 = time.monotonic() + 1.5  # warm-up: spawned clients import and connect
-        stop = t0 + opts.seconds
+        barrier = ctx.Barrier(opts.clients + 1)
         procs = [
-            ctx.Process(target=client, args=(server.url, i, t0, stop, out))
+            ctx.Process(target=client, args=(server.url, i, opts.seconds, barrier, out))
             for i in range(opts.clients)
         ]
         for proc in procs:
             proc.start()
+        barrier.wait(120)
+        t0 = time.monotonic() + WARM_UP
+        stop = t0 + opts.seconds
         time.sleep(max(0.0, t0 - time.monotonic()))
         k0 = sum(cpu_seconds(p) for p in pids)
         r0 = cpu_seconds(redis.pid) if redis is not None else 0.0
@@ -143,6 +152,7 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=5.0)
     parser.add_argument("--clients", type=int, default=4)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--transport", nargs="+", default=["tcp", "unix"], choices=["tcp", "unix"])
     parser.add_argument("--repeat", type=int, default=1, help="runs per setup; medians shown")
     opts = parser.parse_args()
     redis = RedisServer().start()
@@ -150,8 +160,10 @@ def main() -> None:
         ("embedded --in-memory", ["--in-memory", "--read-lease", "0"], 1, None)
     ]
     for n in opts.workers:
-        args = ["--backend", redis.url, "--read-lease", "0", "--workers", str(n)]
-        setups.append((f"redis, {n} worker(s)", args, n, redis))
+        for transport in opts.transport:
+            url = redis.url if transport == "tcp" else redis.unix_url
+            args = ["--backend", url, "--read-lease", "0", "--workers", str(n)]
+            setups.append((f"redis {transport}, {n} worker(s)", args, n, redis))
     try:
         rows = []
         for name, args, workers, red in setups:

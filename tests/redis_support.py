@@ -41,6 +41,10 @@ class RedisServer:
         return f"redis://127.0.0.1:{self.port}"
 
     @property
+    def unix_url(self) -> str:
+        return f"unix://{self._dir.name}/redis.sock"
+
+    @property
     def pid(self) -> int:
         assert self.proc is not None
         return self.proc.pid
@@ -54,7 +58,8 @@ class RedisServer:
         for _ in range(5):  # another process may take the free port first
             self.port = port or free_port()
             args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
-            args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name, *self.extra]
+            args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name]
+            args += ["--unixsocket", f"{self._dir.name}/redis.sock", *self.extra]
             self.proc = subprocess.Popen(
                 args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
             )

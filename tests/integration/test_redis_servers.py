@@ -240,3 +240,20 @@ def test_password_url_and_env_fallback(make_server: Make) -> None:
             assert client.exists("kvmeta:{s:0:kv}:meta") == 1
     finally:
         own.close()
+
+
+def test_scripts_are_reloaded_after_redis_forgets_them(redis_server: RedisServer) -> None:
+    redis_server.flush()
+
+    async def run() -> None:
+        backend = RedisBackend(redis_server.url)
+        await backend.start()
+        try:
+            await backend.initialize(PoolId("s", 0, "kv"), 4)
+            with redis_server.client() as client:
+                client.script_flush()
+            assert await backend.reserve(PoolId("s", 0, "kv"), ["a"]) == [(False, 0)]
+        finally:
+            await backend.close()
+
+    asyncio.run(run())

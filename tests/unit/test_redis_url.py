@@ -29,7 +29,9 @@ def test_kvmeta_redis_url_is_the_fallback_backend() -> None:
 
 
 def test_other_schemes_are_refused_naming_the_flag() -> None:
-    with pytest.raises(InvalidRequest, match="Expected `--backend` to be a redis:// or rediss://"):
+    with pytest.raises(
+        InvalidRequest, match="Expected `--backend` to be a redis://, rediss:// or unix://"
+    ):
         RedisBackend("http://user:pw@host:1/0")
 
 

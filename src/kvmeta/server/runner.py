@@ -10,6 +10,7 @@ import ssl
 from typing import Any
 
 from kvmeta.config import Settings
+from kvmeta.errors import InvalidRequest
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer
 from kvmeta.service.limits import RequestLimits
@@ -27,8 +28,13 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings ask for."""
     if settings.backend:
-        from kvmeta.store.redis import RedisBackend
-
+        try:
+            from kvmeta.store.redis import RedisBackend
+        except ImportError as exc:
+            raise InvalidRequest(
+                f"`--backend` needs the redis package ({exc}): pip install 'kvmeta[redis]'",
+                "backend",
+            ) from exc
         return RedisBackend(
             settings.backend,
             reservation_ttl=settings.reservation_ttl,
