@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from tests.redis_support import redis_server, redis_url  # noqa: F401  (shared fixtures)
 from tests.support import ServerProcess
 
 

@@ -190,6 +190,8 @@ def settings_from_args(
                 opt.name,
             )
         values[opt.name] = value
+    if "backend" not in values and env.get("KVMETA_REDIS_URL"):
+        values["backend"] = env["KVMETA_REDIS_URL"]  # the conventional name, as a fallback
     settings = Settings(**values)
     if settings.workers > 1 and not settings.backend:
         raise InvalidRequest(

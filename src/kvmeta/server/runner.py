@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.config import Settings
+from kvmeta.errors import InvalidRequest
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer
 from kvmeta.service.limits import RequestLimits
@@ -27,6 +28,19 @@ _LOOPBACK = ("127.0.0.1", "localhost", "::1")
 
 def build_backend(settings: Settings) -> Backend:
     """The backend the settings ask for."""
+    if settings.backend:
+        try:
+            from kvmeta.store.redis import RedisBackend
+        except ImportError as exc:
+            raise InvalidRequest(
+                f"`--backend` needs the redis package ({exc}): pip install 'kvmeta[redis]'",
+                "backend",
+            ) from exc
+        return RedisBackend(
+            settings.backend,
+            reservation_ttl=settings.reservation_ttl,
+            read_lease=settings.read_lease,
+        )
     store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
     if settings.in_memory and not settings.persistence_path:
         return MemoryBackend(store)
@@ -126,7 +140,15 @@ async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
 
 
 def serve(settings: Settings) -> None:
-    """Run the server in this process, on uvloop when available."""
+    """Run the server in this process (or ``--workers`` processes), on uvloop when available."""
+    if settings.workers > 1:
+        from kvmeta.server.workers import run_workers
+
+        raise SystemExit(run_workers(settings, _serve_one))
+    _serve_one(settings)
+
+
+def _serve_one(settings: Settings) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux

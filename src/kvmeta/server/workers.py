@@ -1,0 +1,143 @@
+"""``kvmeta serve --workers N``: N server processes sharing one port, supervised by a parent.
+
+Each worker is a full server (its own event loop and Redis connections) bound with
+SO_REUSEPORT, so the kernel spreads new connections over them; state is in the shared
+backend, which is why config refuses ``--workers`` without one. With ``--port 0`` the parent
+picks the port first and keeps a bound (never listening) socket on it, so every worker lands on
+the same port and nobody else can take it. The parent only supervises: it forwards SIGTERM/SIGINT
+to the workers (which are in their own process group, so a terminal's Ctrl-C reaches them once,
+through the parent), restarts a worker that dies, and gives up if workers keep dying at start-up.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import logging
+import multiprocessing
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import replace
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from types import FrameType
+
+from kvmeta.config import Settings
+from kvmeta.errors import KvmetaError
+
+__all__ = ["run_workers"]
+
+logger = logging.getLogger("kvmeta.server")
+
+# A worker that dies this soon after starting counts as a start-up failure; this many in a row
+# (e.g. Redis unreachable, port taken) stop the whole server instead of looping forever.
+_FAST_FAIL_SECONDS = 2.0
+_MAX_FAST_FAILS = 3
+_PR_SET_PDEATHSIG = 1
+
+
+def _reserve_port(host: str) -> socket.socket:
+    """A socket bound to a free port with SO_REUSEPORT, so workers can bind the same port."""
+    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    sock.bind(addr)
+    return sock
+
+
+def _worker_main(index: int, settings: Settings, serve_one: Callable[[Settings], None]) -> None:
+    os.setpgid(0, 0)  # signals come from the parent only (see module docstring)
+    if sys.platform == "linux":
+        # Die with the parent even if it is SIGKILLed, instead of serving on as an orphan.
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+        if os.getppid() == 1:
+            return
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+    signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    try:
+        serve_one(settings)
+    except KvmetaError as exc:
+        logger.error("worker %d: %s", index, exc)
+        sys.exit(2)
+
+
+class _Supervisor:
+    def __init__(self, settings: Settings, serve_one: Callable[[Settings], None]) -> None:
+        self.settings = settings
+        self.serve_one = serve_one
+        self.ctx = multiprocessing.get_context("fork")
+        self.workers: dict[int, tuple[BaseProcess, float]] = {}
+        self.stopping = False
+        self.fast_fails = 0
+
+    def spawn(self, index: int) -> None:
+        proc = self.ctx.Process(
+            target=_worker_main,
+            args=(index, self.settings, self.serve_one),
+            name=f"kvmeta-worker-{index}",
+            daemon=False,
+        )
+        proc.start()
+        self.workers[index] = (proc, time.monotonic())
+
+    def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        if not self.stopping:
+            logger.info(
+                "received %s: stopping %d workers", signal.Signals(signum).name, len(self.workers)
+            )
+        self.stopping = True
+        for proc, _ in self.workers.values():
+            if proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGTERM)
+
+    def reap(self) -> int:
+        """Wait for workers; restart crashed ones unless stopping. Returns the exit code."""
+        status = 0
+        while self.workers:
+            sentinels = {proc.sentinel: index for index, (proc, _) in self.workers.items()}
+            for sentinel in wait(list(sentinels), timeout=1.0):
+                index = sentinels[sentinel]  # type: ignore[index]
+                proc, started = self.workers.pop(index)
+                proc.join()
+                code = proc.exitcode or 0
+                proc.close()
+                status = max(status, abs(code))
+                if not self.stopping:
+                    self._restart(index, code, started)
+        return status
+
+    def _restart(self, index: int, code: int, started: float) -> None:
+        fast = time.monotonic() - started < _FAST_FAIL_SECONDS
+        self.fast_fails = self.fast_fails + 1 if fast else 0
+        if self.fast_fails >= _MAX_FAST_FAILS:
+            logger.error("workers keep failing at start-up (exit %d): stopping", code)
+            self.on_signal(signal.SIGTERM, None)
+            return
+        logger.warning("worker %d exited with %d: restarting it", index, code)
+        if fast:
+            time.sleep(1.0)
+        self.spawn(index)
+
+
+def run_workers(settings: Settings, serve_one: Callable[[Settings], None]) -> int:
+    """Run ``settings.workers`` copies of ``serve_one`` on one port until signalled."""
+    holder = _reserve_port(settings.host) if settings.port == 0 else None
+    if holder is not None:
+        settings = replace(settings, port=holder.getsockname()[1])
+    supervisor = _Supervisor(settings, serve_one)
+    previous = {s: signal.signal(s, supervisor.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        for index in range(settings.workers):
+            supervisor.spawn(index)
+        logger.info("started %d workers on port %d", settings.workers, settings.port)
+        return supervisor.reap()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        if holder is not None:
+            holder.close()

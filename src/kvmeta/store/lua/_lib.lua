@@ -1,0 +1,163 @@
+-- Shared helpers, prepended to every kvmeta operation script when it is loaded (one script
+-- per operation; this file is not a script of its own). Everything is local: Redis refuses
+-- scripts that create globals.
+--
+-- One pool's state, all under one hash tag (the prefix P, passed as KEYS[1]):
+--   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
+--                     conflicts (re-initialisations with another size), c:<counter> ...
+--   P.stored    hash  key -> page of a STORED key
+--   P.reserved  hash  key -> page of a RESERVED key
+--   P.pk        hash  page -> 'S'..key or 'R'..key (state and key of every non-FREE page)
+--   P.holders   hash  page -> writers holding a RESERVED page
+--   P.free      list  freed pages (a stack: the last freed is handed out first); pages
+--                     next..n-1 are free too and never used, so creating a pool is O(1)
+--   P.lru       zset  STORED page -> tick of its last use (lowest = coldest)
+--   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds)
+--   P.reads     zset  page -> read lease end
+--   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
+-- Times come from Redis TIME, so every kvmeta server agrees on them. Requests and replies
+-- are one JSON document each (ARGV[1] / the return value): one argument to pack and one
+-- string to parse instead of one per key, which is most of a request's client-side cost.
+
+local function fmt(x)
+  return string.format('%.6f', x)
+end
+
+local function now_s()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1000000
+end
+
+local function pool_keys(p)
+  return {
+    meta = p .. 'meta', stored = p .. 'stored', reserved = p .. 'reserved', pk = p .. 'pk',
+    holders = p .. 'holders', free = p .. 'free', lru = p .. 'lru', resq = p .. 'resq',
+    reads = p .. 'reads', cool = p .. 'cool',
+  }
+end
+
+-- The per-call pool state: page count, allocator high-water mark, LRU clock. nil: no pool.
+local function load_state(k)
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick')
+  if not v[1] then
+    return nil
+  end
+  return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
+           next0 = tonumber(v[2]), tick0 = tonumber(v[3]) }
+end
+
+local function save_state(k, st)
+  if st.next ~= st.next0 then
+    redis.call('HSET', k.meta, 'next', string.format('%d', st.next))
+  end
+  if st.tick ~= st.tick0 then
+    redis.call('HSET', k.meta, 'tick', string.format('%d', st.tick))
+  end
+end
+
+-- Variadic commands take at most this many arguments per call (Lua's unpack has a C-stack
+-- limit); batching writes this way is what makes a 64-key request cost a dozen calls, not 400.
+local CHUNK = 1000
+
+-- cmd key args... over a flat list of arguments (an even CHUNK keeps field/value pairs whole).
+local function call_many(cmd, key, args)
+  for i = 1, #args, CHUNK do
+    redis.call(cmd, key, unpack(args, i, math.min(i + CHUNK - 1, #args)))
+  end
+end
+
+-- HMGET over any number of fields: a list with false for each missing one.
+local function hmget(key, fields)
+  local out = {}
+  for i = 1, #fields, CHUNK do
+    local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
+    for j = 1, #part do
+      out[i + j - 1] = part[j]
+    end
+  end
+  return out
+end
+
+-- Counters are summed in a Lua table and written once per call.
+local function bump(c, name, by)
+  c[name] = (c[name] or 0) + by
+end
+
+local function flush(k, c)
+  for name, by in pairs(c) do
+    if by ~= 0 then
+      redis.call('HINCRBY', k.meta, 'c:' .. name, by)
+    end
+  end
+end
+
+local function touch(k, st, page)
+  st.tick = st.tick + 1
+  redis.call('ZADD', k.lru, string.format('%d', st.tick), page)
+end
+
+-- A page already marked FREE goes back to the allocator, after any live read lease.
+local function free_page(k, page, now)
+  local until_ = redis.call('ZSCORE', k.reads, page)
+  if until_ and tonumber(until_) > now then
+    redis.call('ZADD', k.cool, until_, page)
+  else
+    redis.call('RPUSH', k.free, page)
+  end
+end
+
+-- Lease expiry up to now: every operation that uses time runs this first.
+local function expire(k, now, c)
+  local nows = fmt(now)
+  local pages = redis.call('ZRANGEBYSCORE', k.resq, '-inf', nows)
+  if #pages > 0 then
+    for _, page in ipairs(pages) do
+      local v = redis.call('HGET', k.pk, page)
+      redis.call('HDEL', k.reserved, string.sub(v, 2))
+      redis.call('HDEL', k.holders, page)
+      redis.call('HDEL', k.pk, page)
+      free_page(k, page, now)
+    end
+    redis.call('ZREMRANGEBYSCORE', k.resq, '-inf', nows)
+    bump(c, 'reservations_expired', #pages)
+  end
+  redis.call('ZREMRANGEBYSCORE', k.reads, '-inf', nows)
+  local cool = redis.call('ZRANGEBYSCORE', k.cool, '-inf', nows)
+  if #cool > 0 then
+    for _, page in ipairs(cool) do
+      redis.call('RPUSH', k.free, page)
+    end
+    redis.call('ZREMRANGEBYSCORE', k.cool, '-inf', nows)
+  end
+end
+
+-- Create the pool or keep the existing one. Returns {0, created, n} or {3, requested}.
+local function init_pool(k, requested)
+  local n = redis.call('HGET', k.meta, 'n')
+  if n then
+    if tonumber(n) ~= requested then
+      redis.call('HINCRBY', k.meta, 'conflicts', 1)
+    end
+    return { 0, 0, tonumber(n) }
+  end
+  if requested == nil or requested < 1 or requested % 1 ~= 0 then
+    return { 3, requested or -1 }
+  end
+  redis.call('HSET', k.meta, 'n', string.format('%d', requested), 'next', '0', 'tick', '0')
+  return { 0, 1, requested }
+end
+
+-- Every STORED page becomes FREE; reservations stay. O(stored). Returns the count.
+local function clear_pool(k, now)
+  local c = {}
+  expire(k, now, c)
+  local all = redis.call('HGETALL', k.stored)
+  for i = 2, #all, 2 do
+    redis.call('HDEL', k.pk, all[i])
+    free_page(k, all[i], now)
+  end
+  redis.call('DEL', k.stored, k.lru)
+  bump(c, 'clears', 1)
+  flush(k, c)
+  return #all / 2
+end

@@ -1,0 +1,20 @@
+-- exists: whether each key is STORED; no LRU touch, no lease expiry (like core.pool).
+-- KEYS[1] pool prefix; ARGV[1] [key, ...].  Returns [0, 1|0 ...] or [1] (no pool).
+local k = pool_keys(KEYS[1])
+if redis.call('HEXISTS', k.meta, 'n') == 0 then
+  return cjson.encode({ 1 })
+end
+local keys = cjson.decode(ARGV[1])
+local pages = hmget(k.stored, keys)
+local out = { 0 }
+local hits = 0
+for i = 1, #keys do
+  if pages[i] then
+    hits = hits + 1
+    out[i + 1] = 1
+  else
+    out[i + 1] = 0
+  end
+end
+flush(k, { exists_hits = hits, exists_misses = #keys - hits })
+return cjson.encode(out)

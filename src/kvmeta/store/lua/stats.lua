@@ -1,0 +1,12 @@
+-- stats: one pool's occupancy after lease expiry, and its meta hash (counters, conflicts).
+-- KEYS[1] pool prefix.  Returns [0, n, reserved, stored, [meta field, value, ...]] or [1].
+local k = pool_keys(KEYS[1])
+local st = load_state(k)
+if not st then
+  return cjson.encode({ 1 })
+end
+local c = {}
+expire(k, now_s(), c)
+flush(k, c)
+return cjson.encode({ 0, st.n, redis.call('HLEN', k.reserved), redis.call('HLEN', k.stored),
+         redis.call('HGETALL', k.meta) })
