@@ -46,9 +46,13 @@ FREE = 0
 RESERVED = 1
 STORED = 2
 
-# Upper bound on LRU entries inspected per eviction: read-leased pages found at the cold end are
-# moved to the warm end (they were just read), so a normal scan inspects one or two pages.
-_EVICT_SCAN_LIMIT = 4096
+# How many read-leased pages one reserve call may step over while looking for a page to evict:
+# a fixed allowance plus two per requested key. Leased pages found at the cold end are moved to
+# the warm end (they were just read), so a normal scan inspects one or two pages. When the pool
+# turns over faster than the read lease, almost every page is leased; the allowance keeps such a
+# call O(request) (it answers -1 for keys it found no page for, as when nothing is evictable)
+# instead of O(pool), and the next call starts past the pages this one moved.
+_SCAN_ALLOWANCE = 64
 # bytes.translate table: FREE -> 1, any other state -> 0.
 _FREE_MASK = bytes([1] + [0] * 255)
 
@@ -105,6 +109,7 @@ class Pool:
         "_next",
         "_head",
         "_tail",
+        "_scan_left",
     )
 
     def __init__(self, num_pages: int, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
@@ -131,6 +136,7 @@ class Pool:
         self._prev = array("i", bytes(4 * num_pages))
         self._next = array("i", bytes(4 * num_pages))
         self._head = -1
+        self._scan_left = 0
         self._tail = -1
 
     # ------------------------------------------------------------------ loading
@@ -336,6 +342,7 @@ class Pool:
         seen: set[str] = set()  # keys this call reserved or joined: one holder per call
         hits: set[int] = set()  # pages reported as stored by this call: never evicted by it
         refused = 0
+        self._scan_left = _SCAN_ALLOWANCE + 2 * len(keys)
         for key in keys:
             page = stored.get(key)
             if page is not None:
@@ -526,7 +533,8 @@ class Pool:
             return self._free.pop()
         read_until = self._read_until
         page = self._head
-        for _ in range(min(len(self._stored), _EVICT_SCAN_LIMIT)):
+        for _ in range(min(len(self._stored), self._scan_left)):
+            self._scan_left -= 1
             if page == -1 or page in keep:
                 # Pages this call reported as stored sit at the warm end, after every other
                 # candidate: reaching one means nothing else can be evicted.

@@ -295,3 +295,22 @@ def test_key_reported_stored_is_not_evicted_by_the_same_call() -> None:
     assert got == [(True, 0), (False, 1), (False, -1)]
     assert evicted == []
     check_pool(pool)
+
+
+def test_search_past_read_leased_pages_is_bounded_per_call() -> None:
+    """When every page is being read (the pool turns over faster than the read lease), a
+    reserve answers -1 after stepping over a bounded number of pages, not the whole pool."""
+    n = 5000
+    pool = make(n, lease=5.0)
+    keys = [f"k{i}" for i in range(n)]
+    write(pool, keys)
+    pool.get(keys, 1.0)  # every page leased until 6.0; LRU order is k0..k4999
+    assert pool.reserve(["x", "y"], 2.0, []) == [(False, -1), (False, -1)]
+    moved = [k for k, _ in pool.stored_items()][-(64 + 4) :]
+    assert moved == keys[: 64 + 4]  # exactly the allowance was stepped over, in order
+    check_pool(pool)
+    evicted: list[tuple[str, int]] = []
+    page_k68 = pool.page_of("k68")
+    assert pool.reserve(["x"], 6.5, evicted) == [(False, page_k68)]
+    assert evicted == [("k68", page_k68)]  # leases over: the coldest page goes first
+    check_pool(pool)

@@ -4,8 +4,9 @@
 -- KEYS[1] pool prefix; ARGV[1] [reservation lease seconds, [key, ...]].
 -- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
 
--- Upper bound on LRU entries looked at per eviction (read-leased pages are moved warm).
-local EVICT_SCAN_LIMIT = 4096
+-- Read-leased pages one call may step over (moving them warm): a fixed allowance plus two per
+-- key, as core.pool, so a pool whose pages are all being read costs O(request), not O(pool).
+local SCAN_ALLOWANCE = 64
 
 -- A free page (popped ahead into free), else the coldest STORED page without a read lease
 -- that this call has not reported as stored (keep); nil if none. Evicted keys go in gone.
@@ -20,8 +21,9 @@ local function take_page(k, st, now, keep, c, free, gone)
     st.next = st.next + 1
     return page
   end
-  local limit = math.min(redis.call('HLEN', k.stored), EVICT_SCAN_LIMIT)
+  local limit = math.min(redis.call('HLEN', k.stored), st.scan_left)
   for _ = 1, limit do
+    st.scan_left = st.scan_left - 1
     page = redis.call('ZRANGE', k.lru, 0, 0)[1]
     if page == nil or keep[page] then
       -- Pages reported as stored by this call are the warmest: nothing else is left.
@@ -51,6 +53,7 @@ end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
 local now = now_s()
+st.scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c)
 local deadline = fmt(now + req[1])
