@@ -30,7 +30,7 @@ class Settings:
     data_dir: str = "./kvmeta-data"
     in_memory: bool = False
     fsync: str = "batch"
-    fsync_interval: float = 0.005
+    fsync_interval: float = 0.01
     snapshot_interval: float = 300.0
     snapshot_min_records: int = 100_000
     persistence_path: str | None = None

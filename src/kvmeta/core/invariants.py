@@ -40,7 +40,7 @@ def check_pool(pool: Pool) -> None:
     reserved_pages = set(pool._reserved.values())
     _expect(set(pool._holders) == reserved_pages, "holder table != reserved pages")
     _expect(set(pool._res_deadline) == reserved_pages, "lease table != reserved pages")
-    allocatable = list(pool._free) + [page for _, page in pool._cooling]
+    allocatable = list(pool._free) + [page for _, page in pool._cooling] + list(pool._withheld)
     _expect(len(allocatable) == len(set(allocatable)), "a page is in the free stack twice")
     free_pages = {p for p in range(n) if state[p] == FREE}
     _expect(set(allocatable) == free_pages, "free stack != FREE pages")

@@ -110,6 +110,9 @@ class Pool:
         "_head",
         "_tail",
         "_scan_left",
+        "withhold",
+        "_withheld",
+        "_withheld_new",
     )
 
     def __init__(self, num_pages: int, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
@@ -137,6 +140,11 @@ class Pool:
         self._next = array("i", bytes(4 * num_pages))
         self._head = -1
         self._scan_left = 0
+        # With ``withhold`` set (a journaled store), pages freed by removing a STORED key are
+        # FREE but withheld from the allocator until the store says the removal is durable.
+        self.withhold = False
+        self._withheld: set[int] = set()
+        self._withheld_new: list[int] = []
         self._tail = -1
 
     # ------------------------------------------------------------------ loading
@@ -482,7 +490,7 @@ class Pool:
             self._unlink(page)
             self._page_key[page] = None
             self._state[page] = FREE
-            self._free_page(page, now)
+            self._removed_page(page, now)
             removed.append((key, page))
         self.counters.deletes += len(removed)
         return removed
@@ -494,7 +502,7 @@ class Pool:
         for page in self._stored.values():
             self._page_key[page] = None
             self._state[page] = FREE
-            self._free_page(page, now)
+            self._removed_page(page, now)
         self._stored = {}
         self._head = self._tail = -1
         self.counters.clears += 1
@@ -503,6 +511,55 @@ class Pool:
     def expire(self, now: float) -> None:
         """Apply lease expiry up to ``now`` (every operation does this first)."""
         self._expire(now)
+
+    # ------------------------------------------------------------------ withheld pages
+
+    @property
+    def allocatable_count(self) -> int:
+        """FREE pages a reserve can take without evicting (not withheld, not cooling)."""
+        return len(self._free)
+
+    @property
+    def withheld_count(self) -> int:
+        return len(self._withheld)
+
+    def evict_ahead(self, count: int, now: float) -> list[tuple[str, int]]:
+        """Evict up to ``count`` coldest evictable STORED pages into the withheld set.
+
+        A journaled store calls this when few free pages are left, so that a reserve finds a
+        page whose old key's removal is already durable and need not wait for the disk.
+        Returns the removed (key, page) pairs to journal. Needs ``withhold``.
+        """
+        self._expire(now)
+        self._scan_left = _SCAN_ALLOWANCE + 2 * count
+        removed: list[tuple[str, int]] = []
+        for _ in range(count):
+            page = self._evict_one(now, removed, set())
+            if page < 0:
+                break
+            self._withheld.add(page)
+            self._withheld_new.append(page)
+        self.counters.evictions += len(removed)
+        return removed
+
+    def new_keys(self, keys: list[str]) -> int:
+        """How many distinct keys are neither STORED nor RESERVED (a reserve needs a page each)."""
+        stored, reserved = self._stored, self._reserved
+        return len({k for k in keys if k not in stored and k not in reserved})
+
+    def collect_withheld(self) -> list[int]:
+        """Pages withheld since the last call: the store tags them with the journal position
+        of their removal and releases them once it is durable."""
+        pages, self._withheld_new = self._withheld_new, []
+        return pages
+
+    def release_withheld(self, pages: list[int], now: float) -> None:
+        """The removals that freed ``pages`` are durable: hand them to the allocator."""
+        withheld = self._withheld
+        for page in pages:
+            if page in withheld:
+                withheld.remove(page)
+                self._free_page(page, now)
 
     # ------------------------------------------------------------------ internals
 
@@ -531,6 +588,14 @@ class Pool:
         """A page for a new reservation: a free one, else the coldest evictable STORED one."""
         if self._free:
             return self._free.pop()
+        page = self._evict_one(now, evicted, keep)
+        if page >= 0:
+            self.counters.evictions += 1
+        return page
+
+    def _evict_one(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
+        """Remove the coldest STORED page not under a read lease and not in ``keep``; -1 if
+        none within this call's scan allowance. The page is left FREE, outside the allocator."""
         read_until = self._read_until
         page = self._head
         for _ in range(min(len(self._stored), self._scan_left)):
@@ -553,9 +618,16 @@ class Pool:
             self._page_key[page] = None
             self._state[page] = FREE
             evicted.append((key, page))
-            self.counters.evictions += 1
             return page
         return -1
+
+    def _removed_page(self, page: int, now: float) -> None:
+        """A page whose STORED key was just removed (delete, clear): withheld or freed."""
+        if self.withhold:
+            self._withheld.add(page)
+            self._withheld_new.append(page)
+        else:
+            self._free_page(page, now)
 
     def _free_page(self, page: int, now: float) -> None:
         """Return a page (already marked FREE) to the allocator, after any live read lease."""

@@ -82,6 +82,16 @@ _DURABILITY: dict[str, tuple[str, str, bool]] = {
     "journal_bytes": ("kvmeta_journal_bytes", "bytes appended to the journal", True),
     "journal_records": ("kvmeta_journal_records", "records appended to the journal", True),
     "snapshots": ("kvmeta_snapshots", "snapshots written", True),
+    "snapshot_stall_seconds_max": (
+        "kvmeta_snapshot_stall_seconds_max",
+        "longest event-loop pause to capture a snapshot",
+        False,
+    ),
+    "reserve_waits": (
+        "kvmeta_reserve_disk_waits",
+        "reserves that waited for a removal to be durable",
+        True,
+    ),
 }
 
 

@@ -66,7 +66,7 @@ class Journal:
         segment: int,
         *,
         mode: str = "batch",
-        interval: float = 0.005,
+        interval: float = 0.01,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         if mode not in FSYNC_MODES:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -36,6 +37,14 @@ class ChangeSink(Protocol):
     def append(self, record: Record) -> None: ...
 
 
+class DurableSink(ChangeSink, Protocol):
+    """A sink that numbers its records (``seq``: the last appended) and reports how far they
+    are on disk (``durable_seq``)."""
+
+    seq: int
+    durable_seq: int
+
+
 class MemoryStore:
     """All pools of one server, synchronous. Not thread-safe: one event loop or one caller."""
 
@@ -54,6 +63,11 @@ class MemoryStore:
         self.pools: dict[PoolId, Pool] = {}
         self.size_conflicts: dict[PoolId, int] = {}
         self.vllm_world_size: int | None = None
+        # Write-ahead rule without waiting (see ``set_withhold``): removals whose pages are
+        # withheld until durable, as (journal seq, pool, pages), oldest first.
+        self._durable_sink: DurableSink | None = None
+        self._pending: deque[tuple[int, PoolId, list[int]]] = deque()
+        self.reserve_evicted = False
 
     # ------------------------------------------------------------------ pools
 
@@ -86,6 +100,7 @@ class MemoryStore:
                 )
             return result
         self.pools[pid] = self._new_pool(num_pages)
+        self.pools[pid].withhold = self._durable_sink is not None
         self._record(("pool", pid, num_pages))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
@@ -99,6 +114,73 @@ class MemoryStore:
     def load_pool(self, pid: PoolId, num_pages: int, entries: list[tuple[str, int]]) -> None:
         """Install a recovered pool (entries coldest first) without journaling it."""
         self.pools[pid] = self._new_pool(num_pages, entries)
+        self.pools[pid].withhold = self._durable_sink is not None
+
+    def set_withhold(self, sink: DurableSink | None) -> None:
+        """Keep pages freed by a removal away from writers until ``sink`` has it on disk.
+
+        This is how a journaled store keeps the write-ahead rule without making reserves wait:
+        deletes, clears and evictions put their pages in each pool's withheld set, and when
+        few free pages are left, reserve evicts the coldest pages ahead of need
+        (``Pool.evict_ahead``). By the time writers need those pages their removal is durable.
+        Only a reserve that finds no free page evicts on the spot (``reserve_evicted``), and its
+        caller must wait before replying.
+        """
+        self._durable_sink = sink
+        for pool in self.pools.values():
+            pool.withhold = sink is not None
+
+    def _collect_withheld(self, pid: PoolId, pool: Pool) -> None:
+        sink = self._durable_sink
+        if sink is not None:
+            pages = pool.collect_withheld()
+            if pages:
+                self._pending.append((sink.seq, pid, pages))
+
+    def withheld_wait(self, pid: PoolId, keys: list[str]) -> int:
+        """Journal position a reserve of ``keys`` should wait for before running: the
+        last pending removal when the pool's free pages would not cover the batch (waiting for
+        withheld pages beats evicting live keys); 0 when there is nothing to wait for."""
+        if not self._pending:
+            return 0
+        pool = self.pools.get(pid)
+        if pool is None or pool.withheld_count == 0 or pool.allocatable_count >= len(keys):
+            return 0
+        need = pool.new_keys(keys) - pool.allocatable_count
+        if need <= 0:
+            return 0
+        for seq, owner, pages in self._pending:  # oldest first: the shortest wait that helps
+            if owner == pid:
+                need -= len(pages)
+                if need <= 0:
+                    return seq
+        return self._pending[-1][0]
+
+    def release_durable(self) -> None:
+        """Hand withheld pages whose removal is now durable to the allocator."""
+        sink, pending = self._durable_sink, self._pending
+        if sink is None or not pending or pending[0][0] > sink.durable_seq:
+            return
+        now = self.clock()
+        while pending and pending[0][0] <= sink.durable_seq:
+            _, pid, pages = pending.popleft()
+            pool = self.pools.get(pid)
+            if pool is not None:
+                pool.release_withheld(pages, now)
+
+    def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int) -> None:
+        """Keep about 32 batches of spare pages (free or withheld) once the pool is full:
+        each reserve tops the spare up by what it used, so evictions made ahead stream
+        through the journal and are durable by the time a writer needs their pages. Small
+        pools (under 8 pages) keep exact LRU: nothing is evicted ahead."""
+        spare_target = min(pool.num_pages // 8, 32 * batch)
+        spare = pool.allocatable_count + pool.withheld_count
+        if spare >= spare_target:
+            return
+        removed = pool.evict_ahead(spare_target - spare, self.clock())
+        if removed:
+            self._record(("remove", pid, removed))
+            self._collect_withheld(pid, pool)
 
     # ------------------------------------------------------------------ operations
 
@@ -107,10 +189,15 @@ class MemoryStore:
 
     def reserve(self, pid: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         pool = self.pool(pid)
+        if self._pending:
+            self.release_durable()
         evicted: list[tuple[str, int]] = []
         out = pool.reserve(keys, self.clock(), evicted)
+        self.reserve_evicted = bool(evicted)
         if evicted:
             self._record(("remove", pid, evicted))
+        if self._durable_sink is not None:
+            self._evict_ahead(pid, pool, len(keys))
         return out
 
     def confirm(self, pid: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
@@ -132,14 +219,18 @@ class MemoryStore:
         return self.pool(pid).get(keys, self.clock())
 
     def delete(self, pid: PoolId, keys: list[str]) -> int:
-        removed = self.pool(pid).delete(keys, self.clock())
+        pool = self.pool(pid)
+        removed = pool.delete(keys, self.clock())
         if removed:
             self._record(("remove", pid, removed))
+            self._collect_withheld(pid, pool)
         return len(removed)
 
     def clear(self, pid: PoolId) -> int:
-        count = self.pool(pid).clear(self.clock())
+        pool = self.pool(pid)
+        count = pool.clear(self.clock())
         self._record(("clear", pid))
+        self._collect_withheld(pid, pool)
         return count
 
     # ------------------------------------------------------------------ vLLM index

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from kvmeta._types import PoolId
+from kvmeta.core import check_pool
 from kvmeta.errors import JournalCorrupt
 from kvmeta.store.check import check_data_dir
 from kvmeta.store.recovery import list_data_dir
@@ -198,9 +199,9 @@ def test_reserve_waits_only_when_it_hands_out_a_page_after_a_pending_removal(
     asyncio.run(main())
 
 
-def test_confirm_replies_after_its_record_is_durable(tmp_path: Path) -> None:
+def test_always_mode_confirm_replies_after_its_record_is_durable(tmp_path: Path) -> None:
     async def main() -> None:
-        b = await open_backend(tmp_path, fsync="batch", fsync_interval=0.05)
+        b = await open_backend(tmp_path, fsync="always")
         j = b.journal
         assert j is not None
         try:
@@ -209,6 +210,27 @@ def test_confirm_replies_after_its_record_is_durable(tmp_path: Path) -> None:
             assert j.durable_seq == j.seq
             stats = b.durability_stats()
             assert stats["fsyncs"] >= 1 and stats["journal_bytes"] > 0
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_batch_mode_waits_for_pool_creation_but_not_for_confirm(tmp_path: Path) -> None:
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch", fsync_interval=0.2)
+        j = b.journal
+        assert j is not None
+        try:
+            await b.initialize(S0, 4)
+            assert j.durable_seq == j.seq  # an engine must never lose its pool
+            await cycle(b, S0, ["a"])
+            assert j.durable_seq < j.seq  # the confirm is in the next group
+        finally:
+            await b.close()
+        b = await open_backend(tmp_path)
+        try:
+            assert b.store.pool(S0).page_of("a") == 0  # a clean close writes everything
         finally:
             await b.close()
 
@@ -251,3 +273,42 @@ def test_journal_file_cut_before_its_header_is_dropped(tmp_path: Path) -> None:
 
     asyncio.run(main())
     assert not stub.exists()
+
+
+def test_full_pool_evicts_ahead_so_reserves_need_not_wait(tmp_path: Path) -> None:
+    """Steady-state eviction: pages are evicted ahead of need and withheld until their removal
+    is durable; a reserve then takes such a page without waiting, and never a withheld one."""
+
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch", fsync_interval=0.2)
+        j = b.journal
+        assert j is not None
+        try:
+            await b.initialize(S0, 64)  # evict-ahead keeps up to 2 * 64 // 16 = 8 pages spare
+            for i in range(0, 64, 4):
+                await cycle(b, S0, [f"k{i + n}" for n in range(4)])
+            pool = b.store.pool(S0)
+            check_pool(pool)
+            assert pool.withheld_count + pool.allocatable_count >= 4
+            withheld = set(pool._withheld)
+            assert withheld and j.durable_seq < j.seq  # removals not yet on disk
+            seq_withheld = j.seq
+            out = await b.reserve(S0, ["n0"])
+            if {p for _, p in out} & withheld:  # handed out only once its removal is durable
+                assert j.durable_seq >= seq_withheld
+            await j.wait(j.seq)
+            seq_before = j.seq
+            out = await b.reserve(S0, ["n1", "n2"])
+            assert not b.store.reserve_evicted  # released pages, no eviction on the spot
+            assert all(page >= 0 for _, page in out)
+            assert j.durable_seq < j.seq or j.seq == seq_before  # it did not wait for the disk
+            check_pool(pool)
+        finally:
+            await b.close()
+        b = await open_backend(tmp_path)
+        try:
+            check_pool(b.store.pool(S0))
+        finally:
+            await b.close()
+
+    asyncio.run(main())
