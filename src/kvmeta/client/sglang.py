@@ -8,16 +8,14 @@ defaulting to the KV pool, like SGLang's own clients.
 from __future__ import annotations
 
 import logging
-import threading
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
+from kvmeta.client._local import LocalState
 from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
 from kvmeta.errors import NotInitialized
-from kvmeta.service.limits import RequestLimits
-from kvmeta.store.memory import MemoryStore
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -190,22 +188,11 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
         self._http.close()
 
 
-class Hf3fsLocalMetadataClient(Hf3fsMetadataInterface):
+class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same pools in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits.
     """
-
-    def __init__(
-        self,
-        *,
-        reservation_ttl: float = 300.0,
-        read_lease: float = 5.0,
-        limits: RequestLimits | None = None,
-    ) -> None:
-        self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
-        self._limits = limits or RequestLimits()
-        self._lock = threading.Lock()
 
     def _run(self, rank: int, ns: str, fn: Callable[[PoolId], T]) -> T:
         pid = PoolId("s", rank, ns)
