@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import types
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,3 +51,21 @@ def test_stock_client_sees_not_initialized_as_runtime_error_without_retries(
     client.initialize(0, 4)
     with pytest.raises(RuntimeError, match="400"):
         client.confirm_write(0, [("a", 99)], [])
+
+
+def test_stock_client_with_token_in_url(
+    stock: types.ModuleType, make_server: Callable[..., ServerProcess]
+) -> None:
+    """--auth-token: the unmodified client works with the token as the URL's password."""
+    server = make_server("--in-memory", "--auth-token", "s3cr3t-token")
+    host = server.url.removeprefix("http://")
+    client = stock.Hf3fsGlobalMetadataClient(f"http://:s3cr3t-token@{host}")
+    client.initialize(0, 4)
+    assert client.exists(0, ["a"]) == [False]
+    refused = stock.Hf3fsGlobalMetadataClient(server.url)
+    with pytest.raises(RuntimeError, match="401"):
+        refused.exists(0, ["a"])
+    wrong = stock.Hf3fsGlobalMetadataClient(f"http://:nope@{host}")
+    with pytest.raises(RuntimeError, match="401"):
+        wrong.initialize(0, 4)
+    assert "s3cr3t-token" not in server.log
