@@ -533,12 +533,37 @@ class Pool:
         self._expire(now)
         self._scan_left = _SCAN_ALLOWANCE + 2 * count
         removed: list[tuple[str, int]] = []
+        read_until, stored, page_key, state = (
+            self._read_until,
+            self._stored,
+            self._page_key,
+            self._state,
+        )
+        prev, nxt = self._prev, self._next
+        keep: set[int] = set()
         for _ in range(count):
-            page = self._evict_one(now, removed, set())
-            if page < 0:
-                break
-            self._withheld.add(page)
-            self._withheld_new.append(page)
+            page = self._head
+            if page != -1 and read_until.get(page, 0.0) <= now:
+                # The common case, inlined: the coldest page is not being read.
+                key = page_key[page]
+                assert key is not None
+                del stored[key]
+                after = nxt[page]
+                self._head = after
+                if after == -1:
+                    self._tail = -1
+                else:
+                    prev[after] = -1
+                page_key[page] = None
+                state[page] = FREE
+                removed.append((key, page))
+            else:
+                page = self._evict_one(now, removed, keep)
+                if page < 0:
+                    break
+        pages = [page for _, page in removed]
+        self._withheld.update(pages)
+        self._withheld_new.extend(pages)
         self.counters.evictions += len(removed)
         return removed
 
