@@ -467,9 +467,9 @@ class Pool:
             if left > 0:
                 self._holders[page] = left
                 continue
-            key = page_key[page]
-            assert key is not None
-            del reserved[key]
+            held = page_key[page]
+            assert held is not None
+            del reserved[held]
             self._drop_reservation(page)
             self._free_page(page, now)
             outcome.released += 1

@@ -138,7 +138,7 @@ class App:
 
     def routes(self) -> list[tuple[str, str]]:
         """(method, pattern) of every route, for the OpenAPI document and tests."""
-        out = []
+        out: list[tuple[str, str]] = []
         for route in list(self._static.values()) + [r for b in self._ranked.values() for r in b]:
             pattern = "/" + "/".join(route.segments)
             out.extend((method, pattern) for method in route.handlers)

@@ -244,7 +244,7 @@ class RedisBackend:
     def _new_connection(self) -> Connection:
         assert self._client is not None
         pool = self._client.connection_pool
-        return pool.connection_class(**pool.connection_kwargs)  # type: ignore[no-any-return]
+        return pool.connection_class(**pool.connection_kwargs)  # type: ignore[no-any-return,return-value]
 
     async def _evalsha(self, conn: Connection, script: str, prefix: str, args: list[Any]) -> Any:
         """EVALSHA, and on NOSCRIPT (Redis restarted or flushed its scripts) load it and retry.

@@ -74,7 +74,7 @@ class PoolImage:
     nxt: array[int]
     head: int
 
-    def order(self) -> tuple[list[str], list[int]]:
+    def order(self) -> tuple[list[str], array[int]]:
         """Stored keys and pages, coldest first (O(stored): call it off the loop)."""
         return lru_order(self.page_key, self.nxt, self.head)
 
