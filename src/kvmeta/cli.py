@@ -9,12 +9,11 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
 import sys
 import time
 from collections.abc import Sequence
 
-from kvmeta.config import add_arguments, settings_from_args
+from kvmeta.config import add_arguments, env_setting, settings_from_args
 from kvmeta.errors import KvmetaError
 
 __all__ = ["main"]
@@ -73,7 +72,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from kvmeta.status import status
 
-    token = args.token or os.environ.get("KVMETA_AUTH_TOKEN") or None
+    token = args.token or env_setting("auth_token")
     code, text = status(args.url, token, args.json)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code

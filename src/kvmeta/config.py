@@ -15,7 +15,14 @@ from typing import Any
 
 from kvmeta.errors import InvalidRequest
 
-__all__ = ["OPTIONS", "Option", "Settings", "add_arguments", "settings_from_args"]
+__all__ = [
+    "OPTIONS",
+    "Option",
+    "Settings",
+    "add_arguments",
+    "env_setting",
+    "settings_from_args",
+]
 
 
 @dataclass(frozen=True)
@@ -153,6 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             )
         else:
             parser.add_argument(_flag(opt), default=None, metavar=opt.name.upper(), help=help_text)
+
+
+def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """One option's ``KVMETA_*`` variable (for commands other than ``serve``), or None."""
+    env = os.environ if environ is None else environ
+    return env.get("KVMETA_" + name.upper()) or None
 
 
 def settings_from_args(
