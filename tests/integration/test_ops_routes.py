@@ -118,9 +118,11 @@ def test_metrics_scrape_parses_and_counts(server: ServerProcess) -> None:
     assert '"a"' not in resp.text and "zz" not in resp.text
 
 
-def run_status(*args: str) -> subprocess.CompletedProcess[str]:
+def run_status(*args: str, token_env: str | None = None) -> subprocess.CompletedProcess[str]:
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
     env["PYTHONPATH"] = str(SRC)
+    if token_env is not None:
+        env["KVMETA_AUTH_TOKEN"] = token_env
     return subprocess.run(
         [sys.executable, "-m", "kvmeta", "status", *args],
         capture_output=True,
@@ -141,6 +143,8 @@ def test_status_table_json_and_exit_codes(make_server: Callable[..., ServerProce
     row = lines[2]
     assert row.startswith("sglang rank 0 kv") and "[##########++++++++++]" in row
     assert "50.0%" in row
+    assert run_status("--url", server.url, token_env="tok").returncode == 0
+    assert run_status("--url", server.url, token_env="wrong").returncode == 2
     as_json = run_status("--url", server.url.replace("://", "://:tok@"), "--json")
     doc: dict[str, Any] = json.loads(as_json.stdout)
     assert doc["ready"]["ready"] is True and doc["pools"][0]["stored"] == 2
