@@ -187,7 +187,8 @@ class Journal:
                     self._kicked = False
                     self._kick.clear()
                 for old_segment, data in sealed:
-                    self._write(old_segment, data)
+                    if data:  # an empty sealed segment needs no file (a snapshot covers it)
+                        self._write(old_segment, data)
                 self._write(segment, buf)
                 if self.mode != "never" or stopping:
                     self._fsync()
