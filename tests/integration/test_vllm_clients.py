@@ -9,7 +9,6 @@ import inspect
 import json
 import os
 import random
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -28,7 +27,7 @@ from kvmeta.vllm import (
     Hf3fsLocalMetadataClient,
     Hf3fsMetadataInterface,
 )
-from tests.support import ServerProcess
+from tests.support import ServerProcess, silent_server, unused_port
 
 PAGE = 4096
 PAGES_PER_RANK = 32
@@ -349,10 +348,7 @@ def test_local_client_is_thread_safe() -> None:
 
 
 def test_unreachable_server_raises_after_retries() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{port}", max_retries=2)
+    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{unused_port()}", max_retries=2)
     start = time.monotonic()
     with pytest.raises(ServerUnavailable, match="is `kvmeta serve` running"):
         client.batch_key_exists(["a"])
@@ -362,21 +358,13 @@ def test_unreachable_server_raises_after_retries() -> None:
 
 def test_timeout_applies() -> None:
     """A server that accepts but never answers: the client gives up after its timeout."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
-    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{port}", max_retries=0, timeout=0.3)
-    start = time.monotonic()
-    with pytest.raises(ServerUnavailable, match="Timeout"):
-        client.get_key_locations(0, ["a"])
-    assert time.monotonic() - start < 5
-    client.close()
-    for conn in accepted:
-        conn.close()
-    listener.close()
+    with silent_server() as url:
+        client = Hf3fsGlobalMetadataClient(url, max_retries=0, timeout=0.3)
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="Timeout"):
+            client.get_key_locations(0, ["a"])
+        assert time.monotonic() - start < 5
+        client.close()
 
 
 def test_auto_reinitialize_after_server_restart(
@@ -393,7 +381,7 @@ def test_auto_reinitialize_after_server_restart(
             plain.get_key_locations(1, ["a"])  # without the option the error surfaces
         with caplog.at_level("WARNING"):
             assert client.allocate_pages_for_keys(1, [("a", "")]) == [("a", 0)]
-        assert "re-registering it with 8 pages" in caplog.text
+        assert "re-initialising with 8 pages" in caplog.text
         client.confirm_write_for_keys(1, [("a", 0)])
         assert client.batch_key_exists(["a"]) == [False]  # the world_size pin came back too
     finally:

@@ -7,19 +7,17 @@ defaulting to the KV pool, like SGLang's own clients.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client._local import LocalState
-from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
+from kvmeta.client._remote import RemoteClient
 from kvmeta.errors import NotInitialized
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 NamespaceLike = str | Enum
@@ -77,7 +75,7 @@ class Hf3fsMetadataInterface:
         raise NotImplementedError
 
 
-class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
+class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
     """HTTP client for ``kvmeta serve`` (or any server speaking SGLang's dialect).
 
     ``auto_reinitialize=True``: the client remembers each pool's ``initialize`` arguments and,
@@ -85,53 +83,16 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
     pool again once, logs a warning and repeats the call.
     """
 
-    def __init__(
-        self,
-        base_url: str,
-        max_retries: int = 3,
-        timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        auth_token: str | None = None,
-        auto_reinitialize: bool = False,
-        verify: bool | str = True,
-    ) -> None:
-        self.base_url = base_url
-        self._http = HttpTransport(
-            base_url,
-            max_retries=max_retries,
-            timeout=timeout,
-            auth_token=auth_token,
-            verify=verify,
-        )
-        self.auto_reinitialize = auto_reinitialize
-        self._known: dict[tuple[int, str], int] = {}
-
     def _call(self, rank: int, ns: str, op: str, payload: dict[str, Any]) -> Any:
         payload["namespace"] = ns
-        try:
-            return self._http.post(f"/{rank}/{op}", payload)
-        except NotInitialized:
-            num_pages = self._known.get((rank, ns))
-            if not self.auto_reinitialize or num_pages is None:
-                raise
-            logger.warning(
-                "kvmeta server at %s forgot rank %d namespace '%s' (restarted without its "
-                "state?); re-initialising with %d pages and retrying %s",
-                self.base_url,
-                rank,
-                ns,
-                num_pages,
-                op,
-            )
-            self._http.post(f"/{rank}/initialize", {"num_pages": num_pages, "namespace": ns})
-            return self._http.post(f"/{rank}/{op}", payload)
+        return self._post(PoolId("s", rank, ns), f"/{rank}/{op}", payload)
 
     def initialize(
         self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
         ns = _ns(namespace)
-        self._http.post(f"/{rank}/initialize", {"num_pages": num_pages, "namespace": ns})
-        self._known[(rank, ns)] = num_pages
+        payload = {"num_pages": num_pages, "namespace": ns}
+        self._initialize(PoolId("s", rank, ns), f"/{rank}/initialize", payload)
 
     def reserve_and_allocate_page_indices(
         self,
@@ -183,9 +144,6 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
 
     def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
         self._call(rank, _ns(namespace), "clear", {})
-
-    def close(self) -> None:
-        self._http.close()
 
 
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):

@@ -8,19 +8,18 @@ what is safe to retry, exactly like the SGLang clients in ``client.sglang``.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from typing import Any, TypeVar
 
 from kvmeta._types import PoolId
 from kvmeta.client._local import LocalState
-from kvmeta.client.http import DEFAULT_TIMEOUT, HttpTransport
+from kvmeta.client._remote import RemoteClient
+from kvmeta.client.http import DEFAULT_TIMEOUT
 from kvmeta.errors import InvalidRequest, NotInitialized
 from kvmeta.service.vllm import INIT_ERROR, check_initialize, confirm_error
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
-logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 KeyLike = tuple[str, str | None] | list[Any] | str
@@ -67,7 +66,7 @@ class Hf3fsMetadataInterface:
         raise NotImplementedError
 
 
-class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
+class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
     """HTTP client for ``kvmeta serve`` (or any server speaking vLLM's dialect).
 
     ``auto_reinitialize=True``: the client remembers each worker rank's ``initialize`` arguments
@@ -80,39 +79,13 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
         base_url: str = "http://localhost:18000",
         max_retries: int = 3,
         timeout: float | None = DEFAULT_TIMEOUT,
-        *,
-        auth_token: str | None = None,
-        auto_reinitialize: bool = False,
-        verify: bool | str = True,
+        **options: Any,
     ) -> None:
-        self.base_url = base_url
-        self._http = HttpTransport(
-            base_url,
-            max_retries=max_retries,
-            timeout=timeout,
-            auth_token=auth_token,
-            verify=verify,
-        )
-        self.auto_reinitialize = auto_reinitialize
-        self._known: dict[int, dict[str, Any]] = {}
+        """vLLM's signature (the URL has a default); ``options`` as ``RemoteClient``."""
+        super().__init__(base_url, max_retries, timeout, **options)
 
     def _call(self, rank: int, path: str, payload: dict[str, Any]) -> Any:
-        try:
-            return self._http.post(path, payload)
-        except NotInitialized:
-            init = self._known.get(rank)
-            if not self.auto_reinitialize or init is None:
-                raise
-            logger.warning(
-                "kvmeta server at %s forgot vLLM rank %d (restarted without its state?); "
-                "re-registering it with %d pages and retrying %s",
-                self.base_url,
-                rank,
-                init["num_pages"],
-                path,
-            )
-            self._http.post(f"/rank/{rank}/initialize", init)
-            return self._http.post(path, payload)
+        return self._post(PoolId("v", rank, ""), path, payload)
 
     def initialize(
         self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
@@ -120,9 +93,11 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
         payload: dict[str, Any] = {"num_pages": num_pages, "role": role}
         if world_size is not None:
             payload["world_size"] = world_size
-        self._http.post(f"/rank/{rank}/initialize", payload)
+        path = f"/rank/{rank}/initialize"
         if role == "worker":
-            self._known[rank] = payload
+            self._initialize(PoolId("v", rank, ""), path, payload)
+        else:
+            self._http.post(path, payload)
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         pairs = [[k, None] if isinstance(k, str) else list(k) for k in keys]
@@ -152,9 +127,6 @@ class Hf3fsGlobalMetadataClient(Hf3fsMetadataInterface):
 
     def clear(self) -> None:
         self._http.post("/clear", {})
-
-    def close(self) -> None:
-        self._http.close()
 
 
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
