@@ -6,8 +6,6 @@ from __future__ import annotations
 import enum
 import hashlib
 import os
-import socket
-import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -20,7 +18,7 @@ from kvmeta.sglang import (
     Hf3fsLocalMetadataClient,
     Hf3fsMetadataInterface,
 )
-from tests.support import ServerProcess
+from tests.support import ServerProcess, silent_server, unused_port
 
 PAGE = 4096
 
@@ -130,10 +128,7 @@ def test_invalid_input_raises_invalid_request_in_both(server: ServerProcess) -> 
 
 
 def test_unreachable_server_raises_after_retries() -> None:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{port}", max_retries=2)
+    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{unused_port()}", max_retries=2)
     start = time.monotonic()
     with pytest.raises(ServerUnavailable, match="is `kvmeta serve` running"):
         client.exists(0, ["a"])
@@ -143,20 +138,12 @@ def test_unreachable_server_raises_after_retries() -> None:
 
 def test_timeout_applies() -> None:
     """A server that accepts but never answers: the client gives up after its timeout."""
-    listener = socket.socket()
-    listener.bind(("127.0.0.1", 0))
-    listener.listen()
-    port = listener.getsockname()[1]
-    accepted: list[socket.socket] = []
-    threading.Thread(target=lambda: accepted.append(listener.accept()[0]), daemon=True).start()
-    client = Hf3fsGlobalMetadataClient(f"http://127.0.0.1:{port}", max_retries=0, timeout=0.3)
-    start = time.monotonic()
-    with pytest.raises(ServerUnavailable, match="Timeout"):
-        client.exists(0, ["a"])
-    assert time.monotonic() - start < 5
-    for conn in accepted:
-        conn.close()
-    listener.close()
+    with silent_server() as url:
+        client = Hf3fsGlobalMetadataClient(url, max_retries=0, timeout=0.3)
+        start = time.monotonic()
+        with pytest.raises(ServerUnavailable, match="Timeout"):
+            client.exists(0, ["a"])
+        assert time.monotonic() - start < 5
 
 
 def test_auto_reinitialize_after_server_restart(
