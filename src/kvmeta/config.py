@@ -14,6 +14,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvmeta.errors import InvalidRequest
+from kvmeta.store.durable import DurabilityOptions
 
 __all__ = [
     "OPTIONS",
@@ -23,6 +24,9 @@ __all__ = [
     "env_setting",
     "settings_from_args",
 ]
+
+
+_DURABILITY = DurabilityOptions(data_dir=None)
 
 
 @dataclass(frozen=True)
@@ -36,12 +40,13 @@ class Settings:
     # durability
     data_dir: str = "./kvmeta-data"
     in_memory: bool = False
-    fsync: str = "batch"
-    fsync_interval: float = 0.01
-    snapshot_interval: float = 300.0
-    snapshot_min_records: int = 100_000
+    # (defaults are the durable store's own, so they are written down once)
+    fsync: str = _DURABILITY.fsync
+    fsync_interval: float = _DURABILITY.fsync_interval
+    snapshot_interval: float = _DURABILITY.snapshot_interval
+    snapshot_min_records: int = _DURABILITY.snapshot_min_records
     persistence_path: str | None = None
-    save_interval: float = 60.0
+    save_interval: float = _DURABILITY.save_interval
     # scale-out
     backend: str | None = None
     workers: int = 1

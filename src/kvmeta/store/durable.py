@@ -36,7 +36,7 @@ from pathlib import Path
 from kvmeta._types import PoolId
 from kvmeta.errors import StorageError
 from kvmeta.store.base import InitResult
-from kvmeta.store.journal import Journal, segment_path
+from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.recovery import gc_paused, install, list_data_dir, recover
@@ -55,7 +55,7 @@ class DurabilityOptions:
 
     data_dir: Path | None
     fsync: str = "batch"
-    fsync_interval: float = 0.01
+    fsync_interval: float = DEFAULT_FSYNC_INTERVAL
     snapshot_interval: float = 300.0
     snapshot_min_records: int = 100_000
     persistence_path: Path | None = None

@@ -33,11 +33,13 @@ from typing import Any
 from kvmeta.errors import StorageError
 from kvmeta.store.codec import HEADER, encode_record
 
-__all__ = ["FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
+__all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
 
 logger = logging.getLogger(__name__)
 
 FSYNC_MODES = ("always", "batch", "never")
+# batch mode: longest wait gathering a group before its fsync (seconds).
+DEFAULT_FSYNC_INTERVAL = 0.01
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)
 _REMOVALS = ("remove", "clear")
@@ -66,7 +68,7 @@ class Journal:
         segment: int,
         *,
         mode: str = "batch",
-        interval: float = 0.01,
+        interval: float = DEFAULT_FSYNC_INTERVAL,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         if mode not in FSYNC_MODES:
