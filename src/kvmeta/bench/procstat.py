@@ -16,7 +16,8 @@ _PAGE = os.sysconf("SC_PAGE_SIZE")
 
 
 def cpu_seconds(pid: int) -> float:
-    """utime + stime of ``pid`` (all its threads), in seconds.
+    """CPU seconds of ``pid`` and every process it started: utime + stime of all threads, of
+    live descendants (kvmeta's fsync helper, ``--workers`` processes) and of reaped children.
 
     Raises:
         FileNotFoundError: no such process (or not Linux).
@@ -24,7 +25,24 @@ def cpu_seconds(pid: int) -> float:
     text = Path(f"/proc/{pid}/stat").read_text()
     # The command name (field 2) may hold spaces and parentheses: split after the last ")".
     fields = text.rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _TICK
+    ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
+    total = ticks / _TICK
+    for child in _children(pid):
+        try:
+            total += cpu_seconds(child)
+        except FileNotFoundError:
+            pass  # exited meanwhile; once reaped it counts in our cutime
+    return total
+
+
+def _children(pid: int) -> list[int]:
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        try:
+            out.extend(int(c) for c in (task / "children").read_text().split())
+        except (FileNotFoundError, ProcessLookupError):
+            continue
+    return out
 
 
 def rss_bytes(pid: int) -> int:

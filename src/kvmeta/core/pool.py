@@ -143,7 +143,7 @@ class Pool:
         # With ``withhold`` set (a journaled store), pages freed by removing a STORED key are
         # FREE but withheld from the allocator until the store says the removal is durable.
         self.withhold = False
-        self._withheld: set[int] = set()
+        self._withheld = 0  # how many: the pages themselves are listed by whoever holds them
         self._withheld_new: list[int] = []
         self._tail = -1
 
@@ -521,7 +521,7 @@ class Pool:
 
     @property
     def withheld_count(self) -> int:
-        return len(self._withheld)
+        return self._withheld
 
     def evict_ahead(self, count: int, now: float) -> list[tuple[str, int]]:
         """Evict up to ``count`` coldest evictable STORED pages into the withheld set.
@@ -561,9 +561,8 @@ class Pool:
                 page = self._evict_one(now, removed, keep)
                 if page < 0:
                     break
-        pages = [page for _, page in removed]
-        self._withheld.update(pages)
-        self._withheld_new.extend(pages)
+        self._withheld += len(removed)
+        self._withheld_new.extend(map(itemgetter(1), removed))
         self.counters.evictions += len(removed)
         return removed
 
@@ -579,12 +578,18 @@ class Pool:
         return pages
 
     def release_withheld(self, pages: list[int], now: float) -> None:
-        """The removals that freed ``pages`` are durable: hand them to the allocator."""
-        withheld = self._withheld
-        for page in pages:
-            if page in withheld:
-                withheld.remove(page)
-                self._free_page(page, now)
+        """The removals that freed ``pages`` (a list ``collect_withheld`` returned, handed back
+        exactly once) are durable: hand the pages to the allocator."""
+        self._withheld -= len(pages)
+        read_until = self._read_until
+        if read_until:
+            # A deleted page may still be read-leased: it cools first (evicted ones never are).
+            reading = [p for p in pages if read_until.get(p, 0.0) > now]
+            if reading:
+                for page in reading:
+                    heapq.heappush(self._cooling, (read_until[page], page))
+                pages = [p for p in pages if read_until.get(p, 0.0) <= now]
+        self._free.extend(pages)
 
     # ------------------------------------------------------------------ internals
 
@@ -649,7 +654,7 @@ class Pool:
     def _removed_page(self, page: int, now: float) -> None:
         """A page whose STORED key was just removed (delete, clear): withheld or freed."""
         if self.withhold:
-            self._withheld.add(page)
+            self._withheld += 1
             self._withheld_new.append(page)
         else:
             self._free_page(page, now)

@@ -282,10 +282,13 @@ class DurableBackend(MemoryBackend):
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         journal = self.journal
+        if journal is not None and not journal.waits:
+            journal = None  # ``--fsync never``: nothing to wait for
         if journal is not None:
             seq = self.store.withheld_wait(pool, keys)
             if seq:
                 self.reserve_waits += 1
+                self.store.spare_too_small()
                 await journal.wait(seq)
         out = self.store.reserve(pool, keys)
         # Pages freed by deletes, clears and evictions ahead of need are withheld until their

@@ -30,6 +30,11 @@ logger = logging.getLogger(__name__)
 
 Record = tuple[Any, ...]
 
+# Spare pages kept ahead of need by a journaled store, in reserve batches: enough for the
+# reserves of one journal group at a few thousand reserves per second; grows on demand.
+_SPARE_BATCHES = 32
+_MAX_SPARE_BATCHES = 1024
+
 
 class ChangeSink(Protocol):
     """Where durable changes go (the journal). ``append`` must never block on disk."""
@@ -66,8 +71,11 @@ class MemoryStore:
         # Write-ahead rule without waiting (see ``set_withhold``): removals whose pages are
         # withheld until durable, as (journal seq, pool, pages), oldest first.
         self._durable_sink: DurableSink | None = None
-        self._pending: deque[tuple[int, PoolId, list[int]]] = deque()
+        self._pending: deque[tuple[int, PoolId, Pool, list[int]]] = deque()
         self.reserve_evicted = False
+        # Spare pages kept per pool, in batches of the reserve that tops them up; grows when a
+        # reserve still had to wait for the disk (see ``_evict_ahead``).
+        self.spare_batches = _SPARE_BATCHES
 
     # ------------------------------------------------------------------ pools
 
@@ -135,7 +143,7 @@ class MemoryStore:
         if sink is not None:
             pages = pool.collect_withheld()
             if pages:
-                self._pending.append((sink.seq, pid, pages))
+                self._pending.append((sink.seq, pid, pool, pages))
 
     def withheld_wait(self, pid: PoolId, keys: list[str]) -> int:
         """Journal position a reserve of ``keys`` should wait for before running: the
@@ -149,7 +157,7 @@ class MemoryStore:
         need = pool.new_keys(keys) - pool.allocatable_count
         if need <= 0:
             return 0
-        for seq, owner, pages in self._pending:  # oldest first: the shortest wait that helps
+        for seq, owner, _, pages in self._pending:  # oldest first: the shortest wait that helps
             if owner == pid:
                 need -= len(pages)
                 if need <= 0:
@@ -163,17 +171,15 @@ class MemoryStore:
             return
         now = self.clock()
         while pending and pending[0][0] <= sink.durable_seq:
-            _, pid, pages = pending.popleft()
-            pool = self.pools.get(pid)
-            if pool is not None:
-                pool.release_withheld(pages, now)
+            _, _, pool, pages = pending.popleft()
+            pool.release_withheld(pages, now)
 
     def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int) -> None:
-        """Keep about 32 batches of spare pages (free or withheld) once the pool is full:
-        each reserve tops the spare up by what it used, so evictions made ahead stream
-        through the journal and are durable by the time a writer needs their pages. Small
-        pools (under 8 pages) keep exact LRU: nothing is evicted ahead."""
-        spare_target = min(pool.num_pages // 8, 32 * batch)
+        """Keep ``spare_batches`` batches of spare pages (free or withheld) once the pool is
+        full: each reserve tops the spare up by what it used, so evictions made ahead stream
+        through the journal and are durable by the time a writer needs their pages. At most an
+        eighth of the pool is kept spare; small pools (under 8 pages) keep exact LRU."""
+        spare_target = min(pool.num_pages // 8, self.spare_batches * batch)
         spare = pool.allocatable_count + pool.withheld_count
         if spare >= spare_target:
             return
@@ -181,6 +187,11 @@ class MemoryStore:
         if removed:
             self._record(("remove", pid, removed))
             self._collect_withheld(pid, pool)
+
+    def spare_too_small(self) -> None:
+        """A reserve had to wait for withheld pages: the spare did not cover one journal
+        group's worth of reserves at the current rate, so keep half as much again."""
+        self.spare_batches = min(self.spare_batches * 3 // 2, _MAX_SPARE_BATCHES)
 
     # ------------------------------------------------------------------ operations
 

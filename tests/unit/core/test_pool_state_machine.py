@@ -136,7 +136,8 @@ class WithholdingPoolMachine(PoolMachine):
 
     @rule(keys=st.lists(KEYS, max_size=8))
     def reserve(self, keys: list[str]) -> None:
-        withheld = set(self.pool._withheld)
+        withheld = set(self.unreleased) | set(self.pool._withheld_new)
+        assert len(withheld) == self.pool.withheld_count
         before = len(self.handed)
         super().reserve(keys)
         got = {page for _, page in self.handed[before:]}
