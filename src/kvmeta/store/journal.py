@@ -231,11 +231,12 @@ class Journal:
             if not fut.done():
                 fut.set_result(None)
 
-    def _fail(self, reason: str) -> None:
+    def _fail(
+        self, reason: str, fix: str = "Free disk space or fix permissions, then restart kvmeta."
+    ) -> None:
         """Stop writing (a half-written group must not be followed by more) and fail waiters."""
         error = StorageError(
-            f"{reason}; changes since the last durable group may not survive a crash. Free "
-            "disk space or fix permissions, then restart kvmeta."
+            f"{reason}; changes since the last durable group may not survive a crash. {fix}"
         )
         logger.error("%s", error)
         self._failed = error
@@ -319,7 +320,11 @@ class Journal:
         if self._closed or self._failed is not None:
             return
         if self._helper_starts >= _MAX_HELPER_STARTS:
-            self._fail(f"the fsync helper process exited (code {code}) too often")
+            self._fail(
+                f"the journal's fsync helper process ({_HELPER}) exited (code {code}) "
+                f"{self._helper_starts} times",
+                "Run it by hand to see why (python -I -S <path>), then restart kvmeta.",
+            )
             return
         logger.warning("the journal's fsync helper exited (code %s); starting a new one", code)
         self._start_helper()
