@@ -10,11 +10,15 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
 - ``_free``: a stack of free page numbers in a C int array (lowest page handed out first);
 - LRU of STORED pages: an intrusive doubly linked list over page numbers in two C int arrays,
   so a touch is a handful of array writes and no per-key objects exist;
-- reservation leases and read leases: small dicts of the pages that have one, plus a queue in
-  deadline order so expiry is amortised O(1). Leases all have the same length, so the order in
-  which they are granted is their deadline order and a deque suffices. One queue entry holds
-  every page one call leased, ``(deadline, [page, ...])``: a tuple and a float per key would
-  cost ~80 bytes per key for as long as the lease lasts, more than the key's own structures.
+- reservation leases: a small dict of the RESERVED pages' deadlines, plus a queue in deadline
+  order so expiry is amortised O(1). Leases all have the same length, so the order in which
+  they are granted is their deadline order and a deque suffices. One queue entry holds every
+  page one call leased, ``(deadline, [page, ...])``: a tuple and a float per key would cost
+  ~80 bytes per key for as long as the lease lasts, more than the key's own structures;
+- ``_holders``: writers of a RESERVED page beyond the first (absent: one writer), so the
+  common single-writer reservation costs no entry;
+- read leases: one C double per page (its lease deadline), so granting one is an array store
+  and an expired one needs no clean-up.
 
 Time is always passed in (``now``, seconds, monotonic), so the model has no clock and no I/O.
 Durable changes (commits and removals of STORED keys) are returned to the caller, which journals
@@ -102,7 +106,6 @@ class Pool:
         "_res_deadline",
         "_res_queue",
         "_read_until",
-        "_read_queue",
         "_cooling",
         "_free",
         "_prev",
@@ -128,11 +131,12 @@ class Pool:
         self._page_key: list[str | None] = [None] * num_pages
         self._stored: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
-        self._holders: dict[int, int] = {}
+        self._holders: dict[int, int] = {}  # RESERVED page -> writers, when more than one
         self._res_deadline: dict[int, float] = {}
         self._res_queue: deque[tuple[float, list[int]]] = deque()
-        self._read_until: dict[int, float] = {}
-        self._read_queue: deque[tuple[float, list[int]]] = deque()
+        # Read-lease deadline per page (0.0: never read). An array rather than a dict of live
+        # leases: a lease is one C double store, and an expired one needs no clean-up.
+        self._read_until = array("d", bytes(8 * num_pages))
         # Pages freed while a reader still holds a lease: FREE, but not handed out until then.
         self._cooling: list[tuple[float, int]] = []
         self._free = array("i", range(num_pages - 1, -1, -1))
@@ -226,7 +230,6 @@ class Pool:
             read_until = self._read_until
             for page in leased:
                 read_until[page] = until
-            self._read_queue.append((until, leased))
         self.counters.get_hits += hits
         self.counters.get_misses += len(keys) - hits
         return out
@@ -366,7 +369,7 @@ class Pool:
                 if key not in seen:
                     # Another writer (or a retry) joins: one more holder, lease renewed.
                     seen.add(key)
-                    holders[page] += 1
+                    holders[page] = holders.get(page, 1) + 1
                     res_deadline[page] = deadline
                     leased.append(page)
                 append((False, page))
@@ -375,11 +378,7 @@ class Pool:
                 page = free.pop()
             else:
                 page = self._head
-                if (
-                    page != -1
-                    and page not in hits
-                    and (not read_until or read_until.get(page, 0.0) <= now)
-                ):
+                if page != -1 and page not in hits and read_until[page] <= now:
                     # The common eviction, inlined: the coldest page is not being read.
                     old = page_key[page]
                     assert old is not None
@@ -401,7 +400,6 @@ class Pool:
             state[page] = RESERVED
             page_key[page] = key
             reserved[key] = page
-            holders[page] = 1
             res_deadline[page] = deadline
             leased.append(page)
             seen.add(key)
@@ -442,7 +440,8 @@ class Pool:
             st = state[page]
             if st == RESERVED and page_key[page] == key:
                 del reserved[key]
-                del holders[page]
+                if holders:
+                    holders.pop(page, None)
                 del res_deadline[page]
                 state[page] = STORED
                 stored[key] = page
@@ -463,9 +462,10 @@ class Pool:
         for page in release:
             if state[page] != RESERVED:
                 continue
-            left = self._holders[page] - 1
+            left = self._holders.pop(page, 1) - 1
             if left > 0:
-                self._holders[page] = left
+                if left > 1:
+                    self._holders[page] = left
                 continue
             held = page_key[page]
             assert held is not None
@@ -543,7 +543,7 @@ class Pool:
         keep: set[int] = set()
         for _ in range(count):
             page = self._head
-            if page != -1 and read_until.get(page, 0.0) <= now:
+            if page != -1 and read_until[page] <= now:
                 # The common case, inlined: the coldest page is not being read.
                 key = page_key[page]
                 assert key is not None
@@ -582,13 +582,12 @@ class Pool:
         exactly once) are durable: hand the pages to the allocator."""
         self._withheld -= len(pages)
         read_until = self._read_until
-        if read_until:
-            # A deleted page may still be read-leased: it cools first (evicted ones never are).
-            reading = [p for p in pages if read_until.get(p, 0.0) > now]
-            if reading:
-                for page in reading:
-                    heapq.heappush(self._cooling, (read_until[page], page))
-                pages = [p for p in pages if read_until.get(p, 0.0) <= now]
+        # A deleted page may still be read-leased: it cools first (evicted ones never are).
+        reading = [p for p in pages if read_until[p] > now]
+        if reading:
+            for page in reading:
+                heapq.heappush(self._cooling, (read_until[page], page))
+            pages = [p for p in pages if read_until[p] <= now]
         self._free.extend(pages)
 
     # ------------------------------------------------------------------ internals
@@ -635,7 +634,7 @@ class Pool:
                 # candidate: reaching one means nothing else can be evicted.
                 break
             nxt = self._next[page]
-            if read_until.get(page, 0.0) > now:
+            if read_until[page] > now:
                 # Being read right now: it is hot, so treat the read as a use.
                 self._unlink(page)
                 self._link_tail(page)
@@ -661,14 +660,14 @@ class Pool:
 
     def _free_page(self, page: int, now: float) -> None:
         """Return a page (already marked FREE) to the allocator, after any live read lease."""
-        until = self._read_until.get(page, 0.0)
+        until = self._read_until[page]
         if until > now:
             heapq.heappush(self._cooling, (until, page))
         else:
             self._free.append(page)
 
     def _drop_reservation(self, page: int) -> None:
-        del self._holders[page]
+        self._holders.pop(page, None)
         del self._res_deadline[page]
         self._page_key[page] = None
         self._state[page] = FREE
@@ -688,14 +687,6 @@ class Pool:
                     self._drop_reservation(page)
                     self._free_page(page, now)
                     self.counters.reservations_expired += 1
-        queue = self._read_queue
-        if queue and queue[0][0] <= now:
-            read_until = self._read_until
-            while queue and queue[0][0] <= now:
-                until, pages = queue.popleft()
-                for page in pages:
-                    if read_until.get(page) == until:
-                        del read_until[page]
         cooling = self._cooling
         while cooling and cooling[0][0] <= now:
             _, page = heapq.heappop(cooling)
