@@ -5,6 +5,7 @@ Wire shapes only; the pool logic lives in ``core`` and the shared operations in 
 
 from __future__ import annotations
 
+from operator import itemgetter
 from typing import Annotated
 
 import msgspec
@@ -17,6 +18,7 @@ from kvmeta.service.ops import Service
 __all__ = ["add_routes"]
 
 Namespace = str
+_first = itemgetter(0)
 
 
 class NamespaceBody(msgspec.Struct, kw_only=True):
@@ -75,7 +77,7 @@ def add_routes(app: App, service: Service) -> None:
 
     async def reserve(req: Request, rank: int) -> Response:
         body = decode_body(reserve_dec, req.body, _USAGE["reserve"])
-        keys = [pair[0] for pair in body.keys]
+        keys = list(map(_first, body.keys))
         out = await service.reserve(PoolId("s", rank, body.namespace), keys)
         return json_response({"indices": out})
 

@@ -9,6 +9,7 @@ rejected request changes nothing.
 from __future__ import annotations
 
 import logging
+from operator import itemgetter
 
 from kvmeta._types import PoolId
 from kvmeta.service.limits import RequestLimits
@@ -48,9 +49,8 @@ class Service:
             self.limits.check_keys(
                 [k for k, _ in pairs] + [""] * len(release), "confirmations + pages_to_release"
             )
-        for key, _ in pairs:
-            if len(key) > self.limits.max_key_length:
-                self.limits.check_keys([key], "confirmations")
+        if pairs and max(map(len, map(itemgetter(0), pairs))) > self.limits.max_key_length:
+            self.limits.check_keys([k for k, _ in pairs], "confirmations")
         return await self.backend.confirm(pool, pairs, release)
 
     async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
