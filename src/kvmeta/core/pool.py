@@ -624,22 +624,36 @@ class Pool:
 
     def _evict_one(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
         """Remove the coldest STORED page not under a read lease and not in ``keep``; -1 if
-        none within this call's scan allowance. The page is left FREE, outside the allocator."""
-        read_until = self._read_until
+        none within this call's scan allowance. The page is left FREE, outside the allocator.
+
+        Every page looked at is the head: a read-leased one is moved to the tail (inlined:
+        when the pool turns over faster than the lease, this loop runs for every step of the
+        allowance)."""
+        read_until, nxt, prev = self._read_until, self._next, self._prev
+        steps = min(len(self._stored), self._scan_left)
+        taken = 0
         page = self._head
-        for _ in range(min(len(self._stored), self._scan_left)):
-            self._scan_left -= 1
+        while taken < steps:
+            taken += 1
             if page == -1 or page in keep:
                 # Pages this call reported as stored sit at the warm end, after every other
                 # candidate: reaching one means nothing else can be evicted.
                 break
-            nxt = self._next[page]
             if read_until[page] > now:
                 # Being read right now: it is hot, so treat the read as a use.
-                self._unlink(page)
-                self._link_tail(page)
-                page = nxt
+                after = nxt[page]
+                if after == -1:
+                    break  # the only page, and leased
+                tail = self._tail
+                self._head = after
+                prev[after] = -1
+                prev[page] = tail
+                nxt[page] = -1
+                nxt[tail] = page
+                self._tail = page
+                page = after
                 continue
+            self._scan_left -= taken
             key = self._page_key[page]
             assert key is not None
             del self._stored[key]
@@ -648,6 +662,7 @@ class Pool:
             self._state[page] = FREE
             evicted.append((key, page))
             return page
+        self._scan_left -= taken
         return -1
 
     def _removed_page(self, page: int, now: float) -> None:

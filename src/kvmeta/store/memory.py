@@ -183,7 +183,9 @@ class MemoryStore:
         spare = pool.allocatable_count + pool.withheld_count
         if spare >= spare_target:
             return
-        removed = pool.evict_ahead(spare_target - spare, self.clock())
+        # At most two batches per call: the spare keeps pace with what reserves take, and a
+        # pool whose pages are all read-leased costs each call a bounded scan, not the target.
+        removed = pool.evict_ahead(min(spare_target - spare, 2 * batch), self.clock())
         if removed:
             self._record(("remove", pid, removed))
             self._collect_withheld(pid, pool)
@@ -203,11 +205,13 @@ class MemoryStore:
         if self._pending:
             self.release_durable()
         evicted: list[tuple[str, int]] = []
+        refused = pool.counters.reservations_refused
         out = pool.reserve(keys, self.clock(), evicted)
         self.reserve_evicted = bool(evicted)
         if evicted:
             self._record(("remove", pid, evicted))
-        if self._durable_sink is not None:
+        if self._durable_sink is not None and pool.counters.reservations_refused == refused:
+            # (A call that found nothing evictable already scanned its allowance: no more.)
             self._evict_ahead(pid, pool, len(keys))
         return out
 
