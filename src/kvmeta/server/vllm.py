@@ -11,6 +11,8 @@ looked at again, to answer in the reference server's words (``Invalid request fo
 
 from __future__ import annotations
 
+from itertools import repeat
+from operator import itemgetter
 from typing import Any, TypeVar
 
 import msgspec
@@ -32,6 +34,9 @@ from kvmeta.service.vllm import (
 __all__ = ["add_routes"]
 
 T = TypeVar("T")
+
+
+_second = itemgetter(1)
 
 
 class AllocateBody(msgspec.Struct):
@@ -159,9 +164,11 @@ def add_routes(app: App, service: Service) -> None:
 
     async def batch_allocate(req: Request, _: int) -> Response:
         body = _decode(allocate_dec, req.body, _ALLOCATE)
-        keys = [k if isinstance(k, str) else k[0] for k in body.keys]
-        out = await service.reserve(PoolId("v", body.rank, ""), keys)
-        results = [(key, page) for key, (_hit, page) in zip(keys, out, strict=True)]
+        keys = body.keys
+        if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
+            keys = [k if isinstance(k, str) else k[0] for k in keys]
+        out = await service.reserve(PoolId("v", body.rank, ""), keys)  # type: ignore[arg-type]
+        results = list(zip(keys, map(_second, out), strict=True))
         return json_response({"rank": body.rank, "results": results})
 
     async def confirm_write(req: Request, _: int) -> Response:

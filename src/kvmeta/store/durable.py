@@ -288,7 +288,7 @@ class DurableBackend(MemoryBackend):
             seq = self.store.withheld_wait(pool, keys)
             if seq:
                 self.reserve_waits += 1
-                self.store.spare_too_small()
+                self.store.spare_too_small(pool)
                 await journal.wait(seq)
         out = self.store.reserve(pool, keys)
         # Pages freed by deletes, clears and evictions ahead of need are withheld until their

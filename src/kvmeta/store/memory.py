@@ -30,10 +30,13 @@ logger = logging.getLogger(__name__)
 
 Record = tuple[Any, ...]
 
-# Spare pages kept ahead of need by a journaled store, in reserve batches: enough for the
-# reserves of one journal group at a few thousand reserves per second; grows on demand.
+# Spare pages kept ahead of need by a journaled store: at first 32 reserve batches (enough for
+# one journal group at a few thousand reserves per second) but at most 1/8 of the pool; grows
+# by half whenever a reserve still had to wait, up to half the pool (a small pool churned
+# faster than its journal groups: its cache holds milliseconds of data anyway).
 _SPARE_BATCHES = 32
-_MAX_SPARE_BATCHES = 1024
+_SPARE_START_FRACTION = 8
+_SPARE_MAX_FRACTION = 2
 
 
 class ChangeSink(Protocol):
@@ -73,9 +76,8 @@ class MemoryStore:
         self._durable_sink: DurableSink | None = None
         self._pending: deque[tuple[int, PoolId, Pool, list[int]]] = deque()
         self.reserve_evicted = False
-        # Spare pages kept per pool, in batches of the reserve that tops them up; grows when a
-        # reserve still had to wait for the disk (see ``_evict_ahead``).
-        self.spare_batches = _SPARE_BATCHES
+        # Spare pages kept per pool (see ``_evict_ahead``), once the pool has filled up.
+        self.spare_target: dict[PoolId, int] = {}
 
     # ------------------------------------------------------------------ pools
 
@@ -175,25 +177,32 @@ class MemoryStore:
             pool.release_withheld(pages, now)
 
     def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int) -> None:
-        """Keep ``spare_batches`` batches of spare pages (free or withheld) once the pool is
-        full: each reserve tops the spare up by what it used, so evictions made ahead stream
-        through the journal and are durable by the time a writer needs their pages. At most an
-        eighth of the pool is kept spare; small pools (under 8 pages) keep exact LRU."""
-        spare_target = min(pool.num_pages // 8, self.spare_batches * batch)
+        """Keep ``spare_target[pid]`` spare pages (free or withheld) once the pool is full:
+        each reserve tops the spare up by what it used, so evictions made ahead stream through
+        the journal and are durable by the time a writer needs their pages. Small pools (under
+        8 pages) keep exact LRU."""
+        target = self.spare_target.get(pid)
+        if target is None:
+            target = min(pool.num_pages // _SPARE_START_FRACTION, _SPARE_BATCHES * batch)
+            self.spare_target[pid] = target
         spare = pool.allocatable_count + pool.withheld_count
-        if spare >= spare_target:
+        if spare >= target:
             return
         # At most two batches per call: the spare keeps pace with what reserves take, and a
         # pool whose pages are all read-leased costs each call a bounded scan, not the target.
-        removed = pool.evict_ahead(min(spare_target - spare, 2 * batch), self.clock())
+        removed = pool.evict_ahead(min(target - spare, 2 * batch), self.clock())
         if removed:
             self._record(("remove", pid, removed))
             self._collect_withheld(pid, pool)
 
-    def spare_too_small(self) -> None:
-        """A reserve had to wait for withheld pages: the spare did not cover one journal
-        group's worth of reserves at the current rate, so keep half as much again."""
-        self.spare_batches = min(self.spare_batches * 3 // 2, _MAX_SPARE_BATCHES)
+    def spare_too_small(self, pid: PoolId) -> None:
+        """A reserve on ``pid`` had to wait for withheld pages: the spare did not cover one
+        journal group's worth of reserves at the current rate, so keep half as much again."""
+        pool = self.pools.get(pid)
+        target = self.spare_target.get(pid)
+        if pool is not None and target:  # (0: a tiny pool, kept exact LRU)
+            cap = pool.num_pages // _SPARE_MAX_FRACTION
+            self.spare_target[pid] = min(cap, max(target + 1, target * 3 // 2))
 
     # ------------------------------------------------------------------ operations
 

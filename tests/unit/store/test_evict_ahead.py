@@ -72,3 +72,23 @@ def test_a_pool_whose_pages_are_all_read_costs_a_bounded_scan_per_reserve() -> N
     out = store.reserve(P, ["x"])
     assert out[0][1] >= 0
     check_pool(pool)
+
+
+def test_spare_grows_per_pool_when_reserves_wait_up_to_half_the_pool() -> None:
+    clock = [0.0]
+    store, _ = journaled_store(4096, clock)
+    tiny = PoolId("s", 0, "tiny")
+    store.initialize(tiny, 4)
+    fill(store, [f"k{i}" for i in range(4096)])
+    fill_tiny = ["t0", "t1", "t2", "t3"]
+    out = store.reserve(tiny, fill_tiny)
+    store.confirm(tiny, [(k, p) for k, (_, p) in zip(fill_tiny, out, strict=True)], [])
+    store.reserve(P, ["a"])
+    store.reserve(tiny, ["u"])
+    assert store.spare_target[P] == 4096 // 8  # min(32 batches of the first reserve, 1/8)
+    assert store.spare_target[tiny] == 0  # under 8 pages: exact LRU, nothing ahead
+    for _ in range(20):
+        store.spare_too_small(P)
+        store.spare_too_small(tiny)
+    assert store.spare_target[P] == 4096 // 2
+    assert store.spare_target[tiny] == 0
