@@ -14,8 +14,9 @@ replies wait as the write-ahead rule needs (SEMANTICS.md, Durability):
   group's confirms (a cache miss, never wrong data: their pages come back FREE, and a page is
   handed out again only after its removal is durable) and bring back keys whose delete was
   not yet durable (their pages were not handed out since, by the rule above). Waiting there
-  cost 2.5x the CPU per request of ``never`` on this machine, because each waiting reply is
-  a task, a future and a thread wake-up, and each fdatasync about 240 us of CPU.
+  cost 2.5x the CPU per request of ``never`` on this machine (measured with the former
+  journal thread), because each waiting reply is a task, a future and a wake-up, and each
+  fdatasync about 240 us of CPU.
 
 Snapshots are taken every ``--snapshot-interval`` seconds once ``--snapshot-min-records``
 records have accumulated, and at shutdown; see ``store.snapshot`` for why they never stop the
