@@ -30,13 +30,14 @@ logger = logging.getLogger(__name__)
 
 Record = tuple[Any, ...]
 
-# Spare pages kept ahead of need by a journaled store: at first 32 reserve batches (enough for
-# one journal group at a few thousand reserves per second) but at most 1/8 of the pool; grows
-# by half whenever a reserve still had to wait, up to half the pool (a small pool churned
-# faster than its journal groups: its cache holds milliseconds of data anyway).
+# Spare pages kept ahead of need by a journaled store: 32 batches of the reserve at hand
+# (enough for one journal group at a few thousand reserves per second), at most 1/8 of the
+# pool; both scaled by a per-pool growth factor that rises by half whenever a reserve still
+# had to wait, up to 4 (so at most half the pool: a small pool churned faster than its
+# journal groups, whose cache holds milliseconds of data anyway).
 _SPARE_BATCHES = 32
-_SPARE_START_FRACTION = 8
-_SPARE_MAX_FRACTION = 2
+_SPARE_FRACTION = 8
+_MAX_SPARE_GROWTH = 4.0
 
 
 class ChangeSink(Protocol):
@@ -76,8 +77,8 @@ class MemoryStore:
         self._durable_sink: DurableSink | None = None
         self._pending: deque[tuple[int, PoolId, Pool, list[int]]] = deque()
         self.reserve_evicted = False
-        # Spare pages kept per pool (see ``_evict_ahead``), once the pool has filled up.
-        self.spare_target: dict[PoolId, int] = {}
+        # Per pool: how much the spare kept ahead of need has grown (see ``_evict_ahead``).
+        self.spare_growth: dict[PoolId, float] = {}
 
     # ------------------------------------------------------------------ pools
 
@@ -176,15 +177,18 @@ class MemoryStore:
             _, _, pool, pages = pending.popleft()
             pool.release_withheld(pages, now)
 
+    def spare_target(self, pid: PoolId, pool: Pool, batch: int) -> int:
+        """Spare pages (free or withheld) to keep in a full pool for reserves of ``batch``."""
+        if pool.num_pages < 8:
+            return 0  # tiny pools keep exact LRU
+        growth = self.spare_growth.get(pid, 1.0)
+        return int(min(pool.num_pages / _SPARE_FRACTION, _SPARE_BATCHES * batch) * growth)
+
     def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int) -> None:
-        """Keep ``spare_target[pid]`` spare pages (free or withheld) once the pool is full:
-        each reserve tops the spare up by what it used, so evictions made ahead stream through
-        the journal and are durable by the time a writer needs their pages. Small pools (under
-        8 pages) keep exact LRU."""
-        target = self.spare_target.get(pid)
-        if target is None:
-            target = min(pool.num_pages // _SPARE_START_FRACTION, _SPARE_BATCHES * batch)
-            self.spare_target[pid] = target
+        """Keep ``spare_target`` pages spare once the pool is full: each reserve tops the spare
+        up by what it used, so evictions made ahead stream through the journal and are durable
+        by the time a writer needs their pages."""
+        target = self.spare_target(pid, pool, batch)
         spare = pool.allocatable_count + pool.withheld_count
         if spare >= target:
             return
@@ -198,11 +202,8 @@ class MemoryStore:
     def spare_too_small(self, pid: PoolId) -> None:
         """A reserve on ``pid`` had to wait for withheld pages: the spare did not cover one
         journal group's worth of reserves at the current rate, so keep half as much again."""
-        pool = self.pools.get(pid)
-        target = self.spare_target.get(pid)
-        if pool is not None and target:  # (0: a tiny pool, kept exact LRU)
-            cap = pool.num_pages // _SPARE_MAX_FRACTION
-            self.spare_target[pid] = min(cap, max(target + 1, target * 3 // 2))
+        growth = self.spare_growth.get(pid, 1.0)
+        self.spare_growth[pid] = min(growth * 1.5, _MAX_SPARE_GROWTH)
 
     # ------------------------------------------------------------------ operations
 

@@ -74,21 +74,19 @@ def test_a_pool_whose_pages_are_all_read_costs_a_bounded_scan_per_reserve() -> N
     check_pool(pool)
 
 
-def test_spare_grows_per_pool_when_reserves_wait_up_to_half_the_pool() -> None:
+def test_spare_follows_the_batch_and_grows_per_pool_when_reserves_wait() -> None:
     clock = [0.0]
     store, _ = journaled_store(4096, clock)
+    pool = store.pool(P)
     tiny = PoolId("s", 0, "tiny")
     store.initialize(tiny, 4)
-    fill(store, [f"k{i}" for i in range(4096)])
-    fill_tiny = ["t0", "t1", "t2", "t3"]
-    out = store.reserve(tiny, fill_tiny)
-    store.confirm(tiny, [(k, p) for k, (_, p) in zip(fill_tiny, out, strict=True)], [])
-    store.reserve(P, ["a"])
-    store.reserve(tiny, ["u"])
-    assert store.spare_target[P] == 4096 // 8  # min(32 batches of the first reserve, 1/8)
-    assert store.spare_target[tiny] == 0  # under 8 pages: exact LRU, nothing ahead
+    assert store.spare_target(P, pool, 64) == 4096 // 8  # min(32 batches, 1/8 of the pool)
+    assert store.spare_target(P, pool, 4) == 32 * 4  # a big first batch leaves nothing behind
+    assert store.spare_target(tiny, store.pool(tiny), 4) == 0  # under 8 pages: exact LRU
     for _ in range(20):
         store.spare_too_small(P)
         store.spare_too_small(tiny)
-    assert store.spare_target[P] == 4096 // 2
-    assert store.spare_target[tiny] == 0
+    assert store.spare_target(P, pool, 64) == 4096 // 2
+    assert store.spare_target(P, pool, 4) == 4 * 32 * 4
+    assert store.spare_target(tiny, store.pool(tiny), 4) == 0
+    assert store.spare_target(PoolId("s", 1, "kv"), pool, 4) == 32 * 4  # other pools unchanged
