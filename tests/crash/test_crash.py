@@ -21,6 +21,7 @@ import pytest
 import requests
 
 from kvmeta._types import PoolId
+from kvmeta.bench.procstat import children
 from kvmeta.store.check import check_data_dir
 from kvmeta.store.recovery import list_data_dir, recover
 from tests.support import SRC, ServerProcess
@@ -164,13 +165,10 @@ def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path, fsync: str
 
 
 def _fsync_helper(pid: int) -> int:
-    children = [
-        int(c)
-        for t in Path(f"/proc/{pid}/task").iterdir()
-        for c in (t / "children").read_text().split()
+    helpers = [
+        c for c in children(pid) if b"fsync_helper" in Path(f"/proc/{c}/cmdline").read_bytes()
     ]
-    helpers = [c for c in children if b"fsync_helper" in Path(f"/proc/{c}/cmdline").read_bytes()]
-    assert len(helpers) == 1, children
+    assert len(helpers) == 1, children(pid)
     return helpers[0]
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-__all__ = ["cpu_seconds", "rss_bytes"]
+__all__ = ["children", "cpu_seconds", "rss_bytes"]
 
 _TICK = os.sysconf("SC_CLK_TCK")
 _PAGE = os.sysconf("SC_PAGE_SIZE")
@@ -27,7 +27,7 @@ def cpu_seconds(pid: int) -> float:
     fields = text.rsplit(")", 1)[1].split()
     ticks = sum(int(f) for f in fields[11:15])  # utime, stime, cutime, cstime
     total = ticks / _TICK
-    for child in _children(pid):
+    for child in children(pid):
         try:
             total += cpu_seconds(child)
         except FileNotFoundError:
@@ -35,7 +35,8 @@ def cpu_seconds(pid: int) -> float:
     return total
 
 
-def _children(pid: int) -> list[int]:
+def children(pid: int) -> list[int]:
+    """Pids of the processes ``pid`` started that are still running."""
     out: list[int] = []
     for task in Path(f"/proc/{pid}/task").iterdir():
         try:

@@ -156,19 +156,9 @@ class Journal:
         Raises:
             StorageError: the closing segment could not be made durable.
         """
-        self.flush()
+        self._close_segment()
         if self._failed is not None:
             raise self._failed
-        if self._fd >= 0:
-            try:
-                _sync(self._fd)
-            except OSError as exc:
-                self._fail(f"cannot fsync the journal in {self.directory}: {exc}")
-                raise self._failed from None  # type: ignore[misc]
-            os.close(self._fd)
-            self._fd = -1
-            if self.waits:
-                self._on_durable(self.written_seq)
         self.segment += 1
         return self.segment
 
@@ -192,22 +182,25 @@ class Journal:
     async def close(self) -> None:
         """Write and fsync everything buffered, then stop the helper."""
         self._closed = True
-        self.flush()
-        if self._fd >= 0:
-            try:
-                _sync(self._fd)
-            except OSError as exc:
-                self._fail(f"cannot fsync the journal in {self.directory}: {exc}")
-            os.close(self._fd)
-            self._fd = -1
-        if self._failed is None:
-            self._on_durable(self.seq)
+        self._close_segment()
         helper, self._helper = self._helper, None
         if helper is not None:
-            self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
-            helper.stdin.close()  # type: ignore[union-attr]
-            await asyncio.to_thread(helper.wait)
-            helper.stdout.close()  # type: ignore[union-attr]
+            self._stop_helper(helper)  # exits as soon as its stdin closes: no real wait
+
+    def _close_segment(self) -> None:
+        """Write the open group and fdatasync and close the segment file, on the loop (rotation
+        and shutdown only): everything written is then durable."""
+        self.flush()
+        if self._fd < 0:
+            return
+        try:
+            _sync(self._fd)
+        except OSError as exc:
+            self._fail(f"cannot fsync the journal in {self.directory}: {exc}")
+        os.close(self._fd)
+        self._fd = -1
+        if self._failed is None:
+            self._on_durable(self.written_seq)
 
     def _write(self, data: bytearray) -> None:
         if self._fd_segment != self.segment or self._fd < 0:
@@ -311,11 +304,16 @@ class Journal:
             self._on_durable(durable)
         self._request()
 
-    def _helper_exited(self, helper: subprocess.Popen[bytes]) -> None:
+    def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
+        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code."""
         self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
         helper.stdin.close()  # type: ignore[union-attr]
-        helper.stdout.close()  # type: ignore[union-attr]
         code = helper.wait()
+        helper.stdout.close()  # type: ignore[union-attr]
+        return code
+
+    def _helper_exited(self, helper: subprocess.Popen[bytes]) -> None:
+        code = self._stop_helper(helper)
         self._helper = None
         if self._closed or self._failed is not None:
             return

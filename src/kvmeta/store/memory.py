@@ -75,7 +75,7 @@ class MemoryStore:
         # Write-ahead rule without waiting (see ``set_withhold``): removals whose pages are
         # withheld until durable, as (journal seq, pool, pages), oldest first.
         self._durable_sink: DurableSink | None = None
-        self._pending: deque[tuple[int, PoolId, Pool, list[int]]] = deque()
+        self._pending: deque[tuple[int, Pool, list[int]]] = deque()
         self.reserve_evicted = False
         # Per pool: how much the spare kept ahead of need has grown (see ``_evict_ahead``).
         self.spare_growth: dict[PoolId, float] = {}
@@ -146,7 +146,7 @@ class MemoryStore:
         if sink is not None:
             pages = pool.collect_withheld()
             if pages:
-                self._pending.append((sink.seq, pid, pool, pages))
+                self._pending.append((sink.seq, pool, pages))
 
     def withheld_wait(self, pid: PoolId, keys: list[str]) -> int:
         """Journal position a reserve of ``keys`` should wait for before running: the
@@ -160,8 +160,8 @@ class MemoryStore:
         need = pool.new_keys(keys) - pool.allocatable_count
         if need <= 0:
             return 0
-        for seq, owner, _, pages in self._pending:  # oldest first: the shortest wait that helps
-            if owner == pid:
+        for seq, owner, pages in self._pending:  # oldest first: the shortest wait that helps
+            if owner is pool:
                 need -= len(pages)
                 if need <= 0:
                     return seq
@@ -174,7 +174,7 @@ class MemoryStore:
             return
         now = self.clock()
         while pending and pending[0][0] <= sink.durable_seq:
-            _, _, pool, pages = pending.popleft()
+            _, pool, pages = pending.popleft()
             pool.release_withheld(pages, now)
 
     def spare_target(self, pid: PoolId, pool: Pool, batch: int) -> int:
