@@ -16,7 +16,7 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
   page one call leased, ``(deadline, [page, ...])``: a tuple and a float per key would cost
   ~80 bytes per key for as long as the lease lasts, more than the key's own structures;
 - ``_holders``: writers of a RESERVED page beyond the first (absent: one writer), so the
-  common single-writer reservation costs no entry;
+  common single-writer reservation costs no entry; a joined page is never freed by a release;
 - read leases: one C double per page (its lease deadline), so granting one is an array store
   and an expired one needs no clean-up.
 
@@ -39,6 +39,7 @@ from kvmeta.errors import InvalidRequest
 __all__ = [
     "FREE",
     "RESERVED",
+    "RELEASE_GRACE",
     "STORED",
     "ConfirmOutcome",
     "Pool",
@@ -57,6 +58,9 @@ STORED = 2
 # call O(request) (it answers -1 for keys it found no page for, as when nothing is evictable)
 # instead of O(pool), and the next call starts past the pages this one moved.
 _SCAN_ALLOWANCE = 64
+# Seconds a page released by a writer stays out of the allocator (see ``Pool.confirm``): longer
+# than the engines' clients spend retrying a request (three retries within about 2 s).
+RELEASE_GRACE = 10.0
 # bytes.translate table: FREE -> 1, any other state -> 0.
 _FREE_MASK = bytes([1] + [0] * 255)
 
@@ -418,8 +422,9 @@ class Pool:
 
         A pair commits only if its page is RESERVED for its key; one already STORED for its key
         is an idempotent success; anything else is refused and changes nothing. A released page
-        returns to FREE only when it is RESERVED and its last holder lets go; releasing a STORED
-        page is ignored.
+        returns to FREE only when it is RESERVED by a single writer (a page several writers
+        joined waits for a confirm or its lease), and is handed out again only after
+        ``RELEASE_GRACE``; releasing a STORED or FREE page is ignored.
 
         Raises:
             InvalidRequest: a page is outside ``0..num_pages-1`` (nothing is changed).
@@ -459,19 +464,23 @@ class Pool:
                 continue
             else:
                 outcome.refused.append((key, page))
-        for page in release:
-            if state[page] != RESERVED:
-                continue
-            left = self._holders.pop(page, 1) - 1
-            if left > 0:
-                if left > 1:
-                    self._holders[page] = left
+        # A page named twice in one call is released once (dict.fromkeys keeps the order).
+        for page in dict.fromkeys(release) if len(release) > 1 else release:
+            if state[page] != RESERVED or page in holders:
+                # A page several writers joined (or one writer's retried reserve) is left to a
+                # confirm or its lease: a release carries no writer identity, so counting
+                # releases down would let one writer's retried release free a page another
+                # writer is still filling.
                 continue
             held = page_key[page]
             assert held is not None
             del reserved[held]
             self._drop_reservation(page)
-            self._free_page(page, now)
+            # Cools for RELEASE_GRACE before reuse: a retried copy of this request (the
+            # engines' clients resend POSTs) then finds the page FREE and changes nothing,
+            # instead of freeing the next writer's reservation of it.
+            until = max(now + RELEASE_GRACE, self._read_until[page])
+            heapq.heappush(self._cooling, (until, page))
             outcome.released += 1
         self.counters.commits += len(outcome.committed)
         self.counters.confirms_refused += len(outcome.refused)

@@ -282,22 +282,20 @@ class DurableBackend(MemoryBackend):
         return result
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        journal = self.journal
-        if journal is not None and not journal.waits:
-            journal = None  # ``--fsync never``: nothing to wait for
-        if journal is not None:
-            seq = self.store.withheld_wait(pool, keys)
-            if seq:
-                self.reserve_waits += 1
-                self.store.spare_too_small(pool)
-                await journal.wait(seq)
-        out = self.store.reserve(pool, keys)
-        # Pages freed by deletes, clears and evictions ahead of need are withheld until their
-        # removal is durable (MemoryStore.set_withhold), so only a page evicted by this very
-        # call can still have its old key on disk.
-        if self.store.reserve_evicted and journal is not None:
+        """A reserve, with the waits of the write-ahead rule (``store.writeahead``)."""
+        rule, journal = self.store.write_ahead, self.journal
+        if rule is None or journal is None:  # no journal, or ``--fsync never``
+            return self.store.reserve(pool, keys)
+        seq = rule.wait_before(self.store.pool(pool), keys)
+        if seq:
             self.reserve_waits += 1
-            await journal.wait(journal.removal_seq)
+            rule.spare_too_small(self.store.pool(pool))
+            await journal.wait(seq)
+        out = self.store.reserve(pool, keys)
+        seq = rule.wait_after(self.store.pool(pool), out)
+        if seq:
+            self.reserve_waits += 1
+            await journal.wait(seq)
         return out
 
     def durability_stats(self) -> dict[str, float]:

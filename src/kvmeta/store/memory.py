@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import logging
 import time
-from collections import deque
 from collections.abc import Callable
 from typing import Any, Protocol
 
@@ -23,6 +22,7 @@ from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import InitResult, PoolStats
+from kvmeta.store.writeahead import DurableSink, WriteAhead
 
 __all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
 
@@ -30,28 +30,10 @@ logger = logging.getLogger(__name__)
 
 Record = tuple[Any, ...]
 
-# Spare pages kept ahead of need by a journaled store: 32 batches of the reserve at hand
-# (enough for one journal group at a few thousand reserves per second), at most 1/8 of the
-# pool; both scaled by a per-pool growth factor that rises by half whenever a reserve still
-# had to wait, up to 4 (so at most half the pool: a small pool churned faster than its
-# journal groups, whose cache holds milliseconds of data anyway).
-_SPARE_BATCHES = 32
-_SPARE_FRACTION = 8
-_MAX_SPARE_GROWTH = 4.0
-
-
 class ChangeSink(Protocol):
     """Where durable changes go (the journal). ``append`` must never block on disk."""
 
     def append(self, record: Record) -> None: ...
-
-
-class DurableSink(ChangeSink, Protocol):
-    """A sink that numbers its records (``seq``: the last appended) and reports how far they
-    are on disk (``durable_seq``)."""
-
-    seq: int
-    durable_seq: int
 
 
 class MemoryStore:
@@ -72,13 +54,8 @@ class MemoryStore:
         self.pools: dict[PoolId, Pool] = {}
         self.size_conflicts: dict[PoolId, int] = {}
         self.vllm_world_size: int | None = None
-        # Write-ahead rule without waiting (see ``set_withhold``): removals whose pages are
-        # withheld until durable, as (journal seq, pool, pages), oldest first.
-        self._durable_sink: DurableSink | None = None
-        self._pending: deque[tuple[int, Pool, list[int]]] = deque()
-        self.reserve_evicted = False
-        # Per pool: how much the spare kept ahead of need has grown (see ``_evict_ahead``).
-        self.spare_growth: dict[PoolId, float] = {}
+        # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
+        self.write_ahead: WriteAhead | None = None
 
     # ------------------------------------------------------------------ pools
 
@@ -111,7 +88,7 @@ class MemoryStore:
                 )
             return result
         self.pools[pid] = self._new_pool(num_pages)
-        self.pools[pid].withhold = self._durable_sink is not None
+        self.pools[pid].withhold = self.write_ahead is not None
         self._record(("pool", pid, num_pages))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
@@ -125,71 +102,25 @@ class MemoryStore:
     def load_pool(self, pid: PoolId, num_pages: int, entries: list[tuple[str, int]]) -> None:
         """Install a recovered pool (entries coldest first) without journaling it."""
         self.pools[pid] = self._new_pool(num_pages, entries)
-        self.pools[pid].withhold = self._durable_sink is not None
+        self.pools[pid].withhold = self.write_ahead is not None
 
     def set_withhold(self, sink: DurableSink | None) -> None:
-        """Keep pages freed by a removal away from writers until ``sink`` has it on disk.
+        """Keep the write-ahead rule for ``sink`` (``store.writeahead``); None: stop.
 
-        This is how a journaled store keeps the write-ahead rule without making reserves wait:
-        deletes, clears and evictions put their pages in each pool's withheld set, and when
-        few free pages are left, reserve evicts the coldest pages ahead of need
-        (``Pool.evict_ahead``). By the time writers need those pages their removal is durable.
-        Only a reserve that finds no free page evicts on the spot (``reserve_evicted``), and its
-        caller must wait before replying.
+        Deletes, clears and evictions ahead of need withhold their pages until the removal is
+        durable, so reserves rarely wait; a page evicted on the spot is marked, and the
+        caller makes any reply that hands it out wait (``WriteAhead.wait_after``).
         """
-        self._durable_sink = sink
+        self.write_ahead = None if sink is None else WriteAhead(sink, self.clock)
         for pool in self.pools.values():
             pool.withhold = sink is not None
 
-    def _collect_withheld(self, pid: PoolId, pool: Pool) -> None:
-        sink = self._durable_sink
-        if sink is not None:
-            pages = pool.collect_withheld()
-            if pages:
-                self._pending.append((sink.seq, pool, pages))
-
-    def withheld_wait(self, pid: PoolId, keys: list[str]) -> int:
-        """Journal position a reserve of ``keys`` should wait for before running: the
-        last pending removal when the pool's free pages would not cover the batch (waiting for
-        withheld pages beats evicting live keys); 0 when there is nothing to wait for."""
-        if not self._pending:
-            return 0
-        pool = self.pools.get(pid)
-        if pool is None or pool.withheld_count == 0 or pool.allocatable_count >= len(keys):
-            return 0
-        need = pool.new_keys(keys) - pool.allocatable_count
-        if need <= 0:
-            return 0
-        for seq, owner, pages in self._pending:  # oldest first: the shortest wait that helps
-            if owner is pool:
-                need -= len(pages)
-                if need <= 0:
-                    return seq
-        return self._pending[-1][0]
-
-    def release_durable(self) -> None:
-        """Hand withheld pages whose removal is now durable to the allocator."""
-        sink, pending = self._durable_sink, self._pending
-        if sink is None or not pending or pending[0][0] > sink.durable_seq:
-            return
-        now = self.clock()
-        while pending and pending[0][0] <= sink.durable_seq:
-            _, pool, pages = pending.popleft()
-            pool.release_withheld(pages, now)
-
-    def spare_target(self, pid: PoolId, pool: Pool, batch: int) -> int:
-        """Spare pages (free or withheld) to keep in a full pool for reserves of ``batch``."""
-        if pool.num_pages < 8:
-            return 0  # tiny pools keep exact LRU
-        growth = self.spare_growth.get(pid, 1.0)
-        return int(min(pool.num_pages / _SPARE_FRACTION, _SPARE_BATCHES * batch) * growth)
-
-    def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int) -> None:
+    def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int, rule: WriteAhead) -> None:
         """Keep ``spare_target`` pages spare once the pool is full: each reserve tops the spare
         up by what it used, so evictions made ahead stream through the journal and are durable
         by the time a writer needs their pages."""
-        target = self.spare_target(pid, pool, batch)
         spare = pool.allocatable_count + pool.withheld_count
+        target = rule.spare_target(pool, batch)
         if spare >= target:
             return
         # At most two batches per call: the spare keeps pace with what reserves take, and a
@@ -197,13 +128,7 @@ class MemoryStore:
         removed = pool.evict_ahead(min(target - spare, 2 * batch), self.clock())
         if removed:
             self._record(("remove", pid, removed))
-            self._collect_withheld(pid, pool)
-
-    def spare_too_small(self, pid: PoolId) -> None:
-        """A reserve on ``pid`` had to wait for withheld pages: the spare did not cover one
-        journal group's worth of reserves at the current rate, so keep half as much again."""
-        growth = self.spare_growth.get(pid, 1.0)
-        self.spare_growth[pid] = min(growth * 1.5, _MAX_SPARE_GROWTH)
+            rule.withheld(pool)
 
     # ------------------------------------------------------------------ operations
 
@@ -212,17 +137,20 @@ class MemoryStore:
 
     def reserve(self, pid: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         pool = self.pool(pid)
-        if self._pending:
-            self.release_durable()
+        rule = self.write_ahead
+        if rule is not None:
+            rule.catch_up()
         evicted: list[tuple[str, int]] = []
         refused = pool.counters.reservations_refused
         out = pool.reserve(keys, self.clock(), evicted)
-        self.reserve_evicted = bool(evicted)
         if evicted:
             self._record(("remove", pid, evicted))
-        if self._durable_sink is not None and pool.counters.reservations_refused == refused:
-            # (A call that found nothing evictable already scanned its allowance: no more.)
-            self._evict_ahead(pid, pool, len(keys))
+        if rule is not None:
+            if evicted:
+                rule.evicted_in_place(pool, [page for _, page in evicted])
+            if pool.counters.reservations_refused == refused:
+                # (A call that found nothing evictable already scanned its allowance: no more.)
+                self._evict_ahead(pid, pool, len(keys), rule)
         return out
 
     def confirm(self, pid: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
@@ -248,14 +176,14 @@ class MemoryStore:
         removed = pool.delete(keys, self.clock())
         if removed:
             self._record(("remove", pid, removed))
-            self._collect_withheld(pid, pool)
+            self._withheld(pool)
         return len(removed)
 
     def clear(self, pid: PoolId) -> int:
         pool = self.pool(pid)
         count = pool.clear(self.clock())
         self._record(("clear", pid))
-        self._collect_withheld(pid, pool)
+        self._withheld(pool)
         return count
 
     # ------------------------------------------------------------------ vLLM index
@@ -316,6 +244,10 @@ class MemoryStore:
     def _record(self, record: Record) -> None:
         if self.sink is not None:
             self.sink.append(record)
+
+    def _withheld(self, pool: Pool) -> None:
+        if self.write_ahead is not None:
+            self.write_ahead.withheld(pool)
 
 
 class MemoryBackend:

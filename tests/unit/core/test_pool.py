@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvmeta.core import FREE, RESERVED, STORED, Pool, check_pool
+from kvmeta.core.pool import RELEASE_GRACE
 from kvmeta.errors import InvalidRequest
 
 
@@ -138,6 +139,41 @@ def test_page_stays_reserved_until_every_holder_lets_go() -> None:
     assert pool.state_of(0) == STORED
     pool.confirm([("a", 0)], [0], 0.0)  # a repeated confirm and a stray release change nothing
     assert pool.state_of(0) == STORED and pool.get(["a"], 0.0) == [0]
+    check_pool(pool)
+
+
+def test_same_page_twice_in_one_release_does_not_free_another_writers_page() -> None:
+    pool = make(2)
+    pool.reserve(["n"], 0.0, [])  # writer A
+    pool.reserve(["n"], 0.0, [])  # writer B joins: same page
+    pool.confirm([], [0, 0], 0.0)  # A's write failed; its client named the page twice
+    assert pool.state_of(0) == RESERVED
+    assert pool.reserve(["other"], 0.0, []) == [(False, 1)]  # page 0 is still B's
+    pool.confirm([("n", 0)], [], 0.0)
+    assert pool.get(["n"], 0.0) == [0] and pool.state_of(1) == RESERVED
+    check_pool(pool)
+
+
+def test_retried_release_of_a_joined_page_never_frees_it() -> None:
+    pool = make(2)
+    pool.reserve(["n"], 0.0, [])  # writer A
+    pool.reserve(["n"], 0.0, [])  # writer B (or A's retried reserve)
+    for _ in range(3):  # A's confirm(release=[0]) received three times
+        pool.confirm([], [0], 0.0)
+    assert pool.state_of(0) == RESERVED
+    pool.confirm([("n", 0)], [], 0.0)  # B's write lands on its own page
+    assert pool.state_of(0) == STORED
+    check_pool(pool)
+
+
+def test_released_page_cools_so_a_retried_release_cannot_free_the_next_writers_page() -> None:
+    pool = make(1)
+    assert pool.reserve(["a"], 0.0, []) == [(False, 0)]
+    pool.confirm([], [0], 0.0)  # A's write failed
+    assert pool.state_of(0) == FREE
+    assert pool.reserve(["b"], 1.0, []) == [(False, -1)]  # not handed out during the grace
+    t = RELEASE_GRACE + 0.5
+    assert pool.reserve(["b"], t, []) == [(False, 0)]
     check_pool(pool)
 
 

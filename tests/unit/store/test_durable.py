@@ -290,7 +290,9 @@ def test_full_pool_evicts_ahead_so_reserves_need_not_wait(tmp_path: Path) -> Non
             pool = b.store.pool(S0)
             check_pool(pool)
             assert pool.withheld_count + pool.allocatable_count >= 4
-            withheld = {page for *_, pages in b.store._pending for page in pages}
+            rule = b.store.write_ahead
+            assert rule is not None
+            withheld = {p for _, _, pages, held in rule._pending if held for p in pages}
             assert len(withheld) == pool.withheld_count
             assert withheld and j.durable_seq < j.seq  # removals not yet on disk
             seq_withheld = j.seq
@@ -300,7 +302,7 @@ def test_full_pool_evicts_ahead_so_reserves_need_not_wait(tmp_path: Path) -> Non
             await j.wait(j.seq)
             seq_before = j.seq
             out = await b.reserve(S0, ["n1", "n2"])
-            assert not b.store.reserve_evicted  # released pages, no eviction on the spot
+            assert not rule._marks  # released pages, no eviction on the spot
             assert all(page >= 0 for _, page in out)
             assert j.durable_seq < j.seq or j.seq == seq_before  # it did not wait for the disk
             check_pool(pool)

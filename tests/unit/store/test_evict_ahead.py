@@ -74,19 +74,27 @@ def test_a_pool_whose_pages_are_all_read_costs_a_bounded_scan_per_reserve() -> N
     check_pool(pool)
 
 
-def test_spare_follows_the_batch_and_grows_per_pool_when_reserves_wait() -> None:
+def test_spare_follows_the_batch_grows_per_pool_when_reserves_wait_and_decays() -> None:
     clock = [0.0]
     store, _ = journaled_store(4096, clock)
+    rule = store.write_ahead
+    assert rule is not None
     pool = store.pool(P)
-    tiny = PoolId("s", 0, "tiny")
-    store.initialize(tiny, 4)
-    assert store.spare_target(P, pool, 64) == 4096 // 8  # min(32 batches, 1/8 of the pool)
-    assert store.spare_target(P, pool, 4) == 32 * 4  # a big first batch leaves nothing behind
-    assert store.spare_target(tiny, store.pool(tiny), 4) == 0  # under 8 pages: exact LRU
+    store.initialize(PoolId("s", 0, "tiny"), 4)
+    tiny = store.pool(PoolId("s", 0, "tiny"))
+    store.initialize(PoolId("s", 1, "kv"), 4096)
+    other = store.pool(PoolId("s", 1, "kv"))
+    assert rule.spare_target(pool, 64) == 4096 // 8  # min(32 batches, 1/8 of the pool)
+    assert rule.spare_target(pool, 4) == 32 * 4  # a big first batch leaves nothing behind
+    assert rule.spare_target(tiny, 4) == 0  # under 8 pages: exact LRU
     for _ in range(20):
-        store.spare_too_small(P)
-        store.spare_too_small(tiny)
-    assert store.spare_target(P, pool, 64) == 4096 // 2
-    assert store.spare_target(P, pool, 4) == 4 * 32 * 4
-    assert store.spare_target(tiny, store.pool(tiny), 4) == 0
-    assert store.spare_target(PoolId("s", 1, "kv"), pool, 4) == 32 * 4  # other pools unchanged
+        rule.spare_too_small(pool)
+        rule.spare_too_small(tiny)
+    assert rule.spare_target(pool, 64) == 4096 // 2
+    assert rule.spare_target(pool, 4) == 4 * 32 * 4
+    assert rule.spare_target(tiny, 4) == 0
+    assert rule.spare_target(other, 4) == 32 * 4  # other pools unchanged
+    clock[0] = 30.0  # one half-life without waits: half of the growth is gone
+    assert rule.spare_target(pool, 4) == int(32 * 4 * 2.5)
+    clock[0] = 600.0  # long after the burst: back to the base spare
+    assert rule.spare_target(pool, 4) == 32 * 4

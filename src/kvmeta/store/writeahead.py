@@ -1,0 +1,171 @@
+"""The write-ahead rule of a journaled store, in one place.
+
+The rule (docs/guarantees.md): a page that held key K is handed to a new writer only after the
+removal of K is durable. Otherwise a crash could bring back ``K -> page`` while the page already
+holds another key's bytes: silent wrong data.
+
+A removal reaches a page in one of two ways, and each is covered here:
+
+- **Withheld** (delete, clear, eviction ahead of need): the pool keeps the page out of its
+  allocator (``Pool.withhold``) until ``catch_up`` sees the removal on disk. No reply waits.
+- **Evicted in place** (a reserve found no spare page and evicted on the spot): the page is
+  RESERVED at once, so it is *marked* with the journal position of its removal. Every reserve
+  reply that hands out a marked page, whichever way it does so (the first writer, a second
+  writer joining the reservation, a client's retry, a duplicate key in the batch, or a later
+  writer after the reservation was released or expired), waits until that position is durable
+  (``wait_after``). Marks are dropped once durable.
+
+To keep waits rare, a full pool keeps a *spare* of pages evicted ahead of need
+(``spare_target``). The spare grows by half whenever a reserve still had to wait for withheld
+pages and decays back with a half-life of ``_GROWTH_HALF_LIFE`` seconds once waits stop, so a
+burst does not keep half of a pool empty for good.
+
+``Pool`` holds only the mechanism (withheld pages, eviction ahead); this module decides what
+waits for what. It performs no I/O: the journal (``DurableSink``) numbers records and reports
+how far they are durable, and the caller does the waiting.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable
+from typing import Any, Protocol
+
+from kvmeta.core.pool import Pool
+
+__all__ = ["DurableSink", "WriteAhead"]
+
+# Spare pages kept ahead of need: 32 batches of the reserve at hand (enough for one journal
+# group at a few thousand reserves per second), at most 1/8 of the pool; both scaled by the
+# pool's growth factor, at most 4 (half the pool: a small pool churned faster than its journal
+# groups, whose cache holds milliseconds of data anyway).
+_SPARE_BATCHES = 32
+_SPARE_FRACTION = 8
+_MAX_SPARE_GROWTH = 4.0
+_GROWTH_STEP = 1.5
+_GROWTH_HALF_LIFE = 30.0  # seconds
+# Pools under this many pages keep exact LRU (no spare).
+_MIN_SPARE_POOL = 8
+
+
+class DurableSink(Protocol):
+    """A journal that numbers its records (``seq``: the last appended) and reports how far
+    they are on disk (``durable_seq``). ``append`` never blocks on disk."""
+
+    seq: int
+    durable_seq: int
+
+    def append(self, record: tuple[Any, ...]) -> None: ...
+
+
+class WriteAhead:
+    """Pending removals of every pool of one store, and the waits they impose."""
+
+    def __init__(self, sink: DurableSink, clock: Callable[[], float]) -> None:
+        self.sink = sink
+        self.clock = clock
+        # (journal seq of the removal, pool, pages, withheld?) in journal order.
+        self._pending: deque[tuple[int, Pool, list[int], bool]] = deque()
+        # Pages handed out (or free again) before their previous key's removal is durable:
+        # pool -> page -> journal seq of that removal.
+        self._marks: dict[Pool, dict[int, int]] = {}
+        # Spare growth per pool: (factor at ``since``, since).
+        self._growth: dict[Pool, tuple[float, float]] = {}
+
+    # ------------------------------------------------------------------ removals
+
+    def withheld(self, pool: Pool) -> None:
+        """The removal just appended freed pages the pool withholds: release them once durable."""
+        pages = pool.collect_withheld()
+        if pages:
+            self._pending.append((self.sink.seq, pool, pages, True))
+
+    def evicted_in_place(self, pool: Pool, pages: list[int]) -> None:
+        """The removal just appended freed ``pages`` that a reserve took at once: mark them."""
+        seq = self.sink.seq
+        marks = self._marks.setdefault(pool, {})
+        for page in pages:
+            marks[page] = seq
+        self._pending.append((seq, pool, pages, False))
+
+    def catch_up(self) -> None:
+        """Apply every removal that is durable now: release withheld pages, drop marks."""
+        pending, durable = self._pending, self.sink.durable_seq
+        if not pending or pending[0][0] > durable:
+            return
+        now = self.clock()
+        while pending and pending[0][0] <= durable:
+            seq, pool, pages, withheld = pending.popleft()
+            if withheld:
+                pool.release_withheld(pages, now)
+                continue
+            marks = self._marks.get(pool)
+            if marks is None:
+                continue
+            for page in pages:
+                if marks.get(page) == seq:
+                    del marks[page]
+            if not marks:
+                del self._marks[pool]
+
+    # ------------------------------------------------------------------ waits
+
+    def wait_before(self, pool: Pool, keys: list[str]) -> int:
+        """Journal position a reserve of ``keys`` should wait for before it runs (0: none):
+        the oldest pending removals whose withheld pages cover what the free pages do not
+        (waiting for them beats evicting live keys)."""
+        self.catch_up()
+        if pool.withheld_count == 0 or pool.allocatable_count >= len(keys):
+            return 0
+        need = pool.new_keys(keys) - pool.allocatable_count
+        if need <= 0:
+            return 0
+        seq = 0
+        for removal, owner, pages, withheld in self._pending:  # oldest first: shortest wait
+            if owner is pool and withheld:
+                seq = removal
+                need -= len(pages)
+                if need <= 0:
+                    break
+        return seq if seq > self.sink.durable_seq else 0
+
+    def wait_after(self, pool: Pool, out: list[tuple[bool, int]]) -> int:
+        """Journal position the reply ``out`` of a reserve must wait for (0: none): the newest
+        not yet durable removal of a page it hands out."""
+        marks = self._marks.get(pool)
+        if not marks:
+            return 0
+        seq = 0
+        for hit, page in out:
+            if not hit:
+                mark = marks.get(page, 0)
+                if mark > seq:
+                    seq = mark
+        return seq if seq > self.sink.durable_seq else 0
+
+    # ------------------------------------------------------------------ spare pages
+
+    def spare_target(self, pool: Pool, batch: int) -> int:
+        """Spare pages (free or withheld) to keep in a full pool for reserves of ``batch``."""
+        if pool.num_pages < _MIN_SPARE_POOL:
+            return 0
+        base = min(pool.num_pages / _SPARE_FRACTION, _SPARE_BATCHES * batch)
+        return int(base * self._growth_now(pool, self.clock()))
+
+    def spare_too_small(self, pool: Pool) -> None:
+        """A reserve on ``pool`` had to wait for withheld pages: the spare did not cover one
+        journal group's worth of reserves, so keep half as much again."""
+        now = self.clock()
+        growth = min(self._growth_now(pool, now) * _GROWTH_STEP, _MAX_SPARE_GROWTH)
+        self._growth[pool] = (growth, now)
+
+    def _growth_now(self, pool: Pool, now: float) -> float:
+        entry = self._growth.get(pool)
+        if entry is None:
+            return 1.0
+        growth, since = entry
+        decayed = 1.0 + (growth - 1.0) * 0.5 ** ((now - since) / _GROWTH_HALF_LIFE)
+        if decayed < 1.01:
+            del self._growth[pool]
+            return 1.0
+        return decayed
