@@ -89,13 +89,14 @@ def run(
                 # An external server keeps its pools: give every point its own rank.
                 cfg.rank = base.rank + len(points) * rep + points.index(value)
                 result = run_bench(cfg).to_dict()
+            cpu = result["cpu_us_per_request"]
             logger.info(
-                "%s=%d repeat %d/%d: %.1f us/request",
+                "%s=%d repeat %d/%d: %s us/request",
                 param,
                 value,
                 rep + 1,
                 repeat,
-                result["cpu_us_per_request"] or 0.0,
+                "-" if cpu is None else f"{cpu:.1f}",
             )
             runs[value].append(result)
     out = []
