@@ -10,12 +10,18 @@ httptools protocol + ASGI. Run with::
 
 from __future__ import annotations
 
+import argparse
+import sys
+from pathlib import Path
 from typing import Any
 
-from kvmeta.config import Settings
-from kvmeta.server.http import Request
-from kvmeta.server.runner import _limits, build_app, build_backend
-from kvmeta.service.ops import Service
+if __name__ == "__main__":  # only uvicorn runs this module; as a script it explains itself
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+from kvmeta.config import Settings  # noqa: E402
+from kvmeta.server.http import Request  # noqa: E402
+from kvmeta.server.runner import _limits, build_app, build_backend  # noqa: E402
+from kvmeta.service.ops import Service  # noqa: E402
 
 _settings = Settings(in_memory=True, read_lease=0.0)
 _app = build_app(_settings, Service(build_backend(_settings), _limits(_settings)))
@@ -41,3 +47,14 @@ async def app(scope: dict[str, Any], receive: Any, send: Any) -> None:
     headers = [(b"content-type", response.content_type), *response.headers]
     await send({"type": "http.response.start", "status": response.status, "headers": headers})
     await send({"type": "http.response.body", "body": response.body})
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser(
+        prog="asgi_app.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="benchmarks/compare_stack.py starts it this way and measures it.",
+    )
+    parser.parse_args()
+    parser.print_help()

@@ -1,7 +1,7 @@
 """Server CPU per request with and without the operator layer (metrics wrapper, auth).
 
-Usage: python benchmarks/bench_ops_overhead.py [BASE_SRC_DIR]
-       python benchmarks/bench_ops_overhead.py --inprocess
+    python benchmarks/bench_ops_overhead.py [BASE_SRC_DIR]
+    python benchmarks/bench_ops_overhead.py --inprocess
 
 Starts ``kvmeta serve`` from this checkout (plain, and with --auth-token) and, when given, from
 BASE_SRC_DIR (e.g. an export of the commit before the operator layer), drives the SGLang cycle
@@ -12,10 +12,12 @@ alternate between servers so drift hits each equally; the median per server is p
 
 from __future__ import annotations
 
+import argparse
 import http.client
 import json
 import multiprocessing
 import os
+import socket
 import statistics
 import subprocess
 import sys
@@ -26,6 +28,12 @@ HERE = Path(__file__).resolve().parents[1] / "src"
 CYCLES = 300  # per client per round; 4 requests per cycle
 CLIENTS = 2
 ROUNDS = 5
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
 
 def start(src: Path, port: int, *extra: str) -> subprocess.Popen[bytes]:
@@ -78,16 +86,19 @@ def measure(proc: subprocess.Popen[bytes], port: int, headers: dict[str, str], r
     return (cpu(proc.pid) - before) / (CYCLES * CLIENTS * 4) * 1e6
 
 
-def main() -> None:
+def main(base: Path | None) -> None:
     servers: dict[str, tuple[subprocess.Popen[bytes], int, dict[str, str]]] = {}
-    servers["this checkout"] = (start(HERE, 18801), 18801, {})
+    port = free_port()
+    servers["this checkout"] = (start(HERE, port), port, {})
+    port = free_port()
     servers["this checkout, --auth-token"] = (
-        start(HERE, 18802, "--auth-token", "t"),
-        18802,
+        start(HERE, port, "--auth-token", "t"),
+        port,
         {"Authorization": "Bearer t"},
     )
-    if len(sys.argv) > 1:
-        servers["base"] = (start(Path(sys.argv[1]), 18803), 18803, {})
+    if base is not None:
+        port = free_port()
+        servers["base"] = (start(base, port), port, {})
     for _, port, headers in servers.values():
         conn = http.client.HTTPConnection("127.0.0.1", port)
         conn.request("POST", "/0/initialize", json.dumps({"num_pages": 65536}), headers)
@@ -104,10 +115,6 @@ def main() -> None:
             proc.wait()
     for name, values in results.items():
         print(f"{name:32s} median {statistics.median(values):6.1f} us/request  {values}")
-
-
-if __name__ == "__main__" and "--inprocess" not in sys.argv:
-    main()
 
 
 def inprocess(n: int = 50_000) -> None:
@@ -157,5 +164,29 @@ def inprocess(n: int = 50_000) -> None:
         print(f"in-process /0/exists x64 keys, {name:24s} {value:6.2f} us/request (best of 5)")
 
 
-if __name__ == "__main__" and "--inprocess" in sys.argv:
-    inprocess()
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="bench_ops_overhead.py",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument(
+        "base",
+        nargs="?",
+        type=Path,
+        help="src/ directory of another checkout to measure alongside (default: none)",
+    )
+    parser.add_argument(
+        "--inprocess",
+        action="store_true",
+        help="measure handler CPU in this process instead of servers (default: off)",
+    )
+    return parser.parse_args(argv)
+
+
+if __name__ == "__main__":
+    ARGS = parse_args()
+    if ARGS.inprocess:
+        inprocess()
+    else:
+        main(ARGS.base)

@@ -9,50 +9,199 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.bench.launch import LaunchedServer
-from kvmeta.bench.report import format_table, median_result, to_json
+from kvmeta.bench.report import format_table, median_result, refusal_notes, to_json
+from kvmeta.bench.workload import HttpClient
 from kvmeta.errors import InvalidRequest
 
-__all__ = ["add_arguments", "run"]
+__all__ = ["add_arguments", "run", "server_args"]
 
 logger = logging.getLogger(__name__)
 
+# What a launched server gets unless --server-arg says otherwise: this cycle turns a 64k-page
+# pool over in a second or two, faster than serve's 5 s default read lease, so with leases on
+# nearly every reserve would be refused and the run would time refusals instead of eviction.
+LAUNCH_DEFAULT_ARGS = ("--read-lease=0",)
+
+_DESCRIPTION = """\
+Drive a metadata server of either dialect with the engines' request cycle (exists, reserve,
+confirm, get) from several client processes, and report requests/s, latency and the server's
+CPU per request. Modes: run (one configuration; the default), sweep (vary --sweep over
+--values; --out writes JSON and a PNG chart, which needs matplotlib: pip install
+'kvmeta[bench]'), core (the pool model in-process, no HTTP; uses --batch, --pool-pages, --out,
+--json only)."""
+
+_EPILOG = """\
+examples:
+  kvmeta bench --launch                       durable server on a free port, read leases off
+  kvmeta bench --url http://127.0.0.1:18000 --server-pid 1234 --dialect v
+  kvmeta bench sweep --sweep pool --launch --repeat 3 --out results/sweep_pool
+  kvmeta bench core"""
+
+
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {text}")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    value = float(text)
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0, got {text}")
+    return value
+
+
+def _non_negative_float(text: str) -> float:
+    value = float(text)
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.description = _DESCRIPTION
+    parser.epilog = _EPILOG
+    parser.formatter_class = argparse.RawDescriptionHelpFormatter
     parser.add_argument(
-        "mode", nargs="?", default="run", choices=("run", "sweep", "core"), help="what to measure"
+        "mode",
+        nargs="?",
+        default="run",
+        choices=("run", "sweep", "core"),
+        help="what to measure (default: %(default)s)",
     )
-    parser.add_argument("--url", help="server to drive, e.g. http://127.0.0.1:18000")
-    parser.add_argument(
+    server = parser.add_argument_group("server to measure (run, sweep)")
+    server.add_argument(
+        "--url",
+        help="a running server to drive, e.g. http://127.0.0.1:18000 (default: none; give "
+        "--url or --launch)",
+    )
+    server.add_argument(
         "--launch",
         nargs="?",
         const="durable",
         choices=("durable", "memory"),
-        help="start `kvmeta serve` on a free port (durable: the default mode; memory: "
-        "--in-memory) and measure it",
+        help="start `kvmeta serve` on a free port and measure it; durable: the serve default "
+        "(journal in a temporary directory), memory: --in-memory (default: off; --launch "
+        "alone: durable)",
     )
-    parser.add_argument("--server-arg", action="append", default=[], help="extra serve flag")
-    parser.add_argument("--server-pid", type=int, help="pid of the server, for CPU per request")
-    parser.add_argument("--dialect", choices=("s", "v"), default="s", help="s: SGLang, v: vLLM")
-    parser.add_argument("--batch", type=int, default=64, help="keys per request")
-    parser.add_argument("--pool-pages", type=int, default=65536, help="pages in the pool")
-    parser.add_argument("--clients", type=int, default=3, help="client processes")
-    parser.add_argument("--duration", type=float, default=5.0, help="measured seconds")
-    parser.add_argument("--requests", type=int, default=0, help="measure this many requests")
-    parser.add_argument("--warmup", type=float, default=1.0, help="seconds before measuring")
-    parser.add_argument("--no-prefill", action="store_true", help="start with an empty pool")
-    parser.add_argument("--repeat", type=int, default=1, help="runs; the report is the median")
-    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    parser.add_argument(
+    server.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        metavar="FLAG",
+        help="extra `kvmeta serve` flag for --launch, repeatable, e.g. "
+        "--server-arg=--fsync=always (default: " + " ".join(LAUNCH_DEFAULT_ARGS) + ", so the "
+        "run measures eviction, unless a --server-arg sets --read-lease)",
+    )
+    server.add_argument(
+        "--server-pid",
+        type=int,
+        help="pid of the --url server, for its CPU per request (default: the launched "
+        "server's pid; none with --url, so no CPU numbers)",
+    )
+    work = parser.add_argument_group("workload (run, sweep; core uses --batch, --pool-pages)")
+    work.add_argument(
+        "--dialect",
+        choices=("s", "v"),
+        default="s",
+        help="s: SGLang HiCache, v: vLLM HF3FS (default: %(default)s)",
+    )
+    work.add_argument(
+        "--batch", type=_positive_int, default=64, help="keys per request (default: %(default)s)"
+    )
+    work.add_argument(
+        "--pool-pages",
+        type=_positive_int,
+        default=65536,
+        help="pages in the pool (rank 0); an existing pool keeps its size and the report "
+        "shows that size (default: %(default)s)",
+    )
+    work.add_argument(
+        "--clients",
+        type=_positive_int,
+        default=3,
+        help="client processes, one connection each (default: %(default)s)",
+    )
+    work.add_argument(
+        "--duration",
+        type=_positive_float,
+        default=5.0,
+        help="measured seconds (default: %(default)s)",
+    )
+    work.add_argument(
+        "--requests",
+        type=_non_negative_int,
+        default=0,
+        help="measure this many requests in total instead of --duration seconds (default: "
+        "%(default)s, use --duration)",
+    )
+    work.add_argument(
+        "--warmup",
+        type=_non_negative_float,
+        default=1.0,
+        help="seconds of load before measuring (default: %(default)s)",
+    )
+    work.add_argument(
+        "--no-prefill",
+        action="store_true",
+        help="start with an empty pool (default: off, the pool is filled first so every "
+        "measured reserve evicts)",
+    )
+    work.add_argument(
+        "--repeat",
+        type=_positive_int,
+        default=1,
+        help="runs, each on a fresh server with --launch; the report is the median (default: "
+        "%(default)s)",
+    )
+    sweep = parser.add_argument_group("sweep")
+    sweep.add_argument(
         "--sweep",
         choices=("pool", "batch", "clients"),
         default="pool",
-        help="sweep mode: the parameter to vary",
+        help="the parameter to vary (default: %(default)s)",
     )
-    parser.add_argument("--values", help="sweep mode: comma-separated values")
-    parser.add_argument("--out", help="sweep/core mode: write JSON (and PNG) with this stem")
+    sweep.add_argument(
+        "--values",
+        help="comma-separated values of --sweep (default: pool 4096,65536,262144,1048576; "
+        "batch 64,128,256; clients 1,2,3,4)",
+    )
+    out = parser.add_argument_group("output")
+    out.add_argument(
+        "--json",
+        action="store_true",
+        help="print JSON instead of a table (default: off, a table)",
+    )
+    out.add_argument(
+        "--out",
+        metavar="STEM",
+        help="sweep, core: also write STEM.json (sweep: and STEM.png; needs matplotlib) "
+        "(default: none, print only)",
+    )
+
+
+def server_args(given: list[str]) -> list[str]:
+    """The flags a launched server gets: ``LAUNCH_DEFAULT_ARGS`` unless the caller set that
+    option (by flag or by its ``KVMETA_*`` variable, which the server inherits), then theirs."""
+    out = []
+    for default in LAUNCH_DEFAULT_ARGS:
+        flag = default.split("=", 1)[0]
+        env = "KVMETA_" + flag.lstrip("-").replace("-", "_").upper()
+        if env not in os.environ and not any(a.split("=", 1)[0] == flag for a in given):
+            out.append(default)
+    return out + list(given)
 
 
 def _config(args: argparse.Namespace) -> BenchConfig:
@@ -82,26 +231,38 @@ def measure(cfg: BenchConfig, launch: str | None, server_args: list[str], repeat
         else:
             cfg.seed = ""
             runs.append(run_bench(cfg).to_dict())
+        cpu = runs[-1]["cpu_us_per_request"]
         logger.info(
-            "run %d/%d: %.1f us/request", i + 1, repeat, runs[-1]["cpu_us_per_request"] or 0
+            "run %d/%d: %s us/request",
+            i + 1,
+            repeat,
+            "-" if cpu is None else f"{cpu:.1f}",
         )
     result = median_result(runs)
     result["config"]["launch"] = launch
-    if result["refused_keys"]:
-        logger.warning(
-            "%d keys got no page: every page was busy (read-leased or reserved), so these runs "
-            "time refusals, not eviction. Use a larger --pool-pages or start the server with "
-            "--read-lease 0 (see benchmarks/README.md, 'Read leases and this workload')",
-            result["refused_keys"],
-        )
+    result["config"]["server_args"] = list(server_args) if launch else None
     return result
+
+
+def _report(results: list[dict], as_json: bool, payload: object) -> str:
+    """The text to print; refusals are shown where they will be seen (after the table, or on
+    stderr when stdout is JSON)."""
+    notes = refusal_notes(results)
+    if as_json:
+        for note in notes:
+            logger.warning("%s", note)
+        return to_json(payload)
+    return "\n\n".join([format_table(results), *notes])
 
 
 def run(args: argparse.Namespace) -> str:
     """Run the chosen mode; returns the report text.
 
     Raises:
-        InvalidRequest: neither --url nor --launch was given where a server is needed.
+        InvalidRequest: neither --url nor --launch was given where a server is needed, or a
+            flag's value is unusable.
+        ServerUnavailable: nothing answers at --url.
+        KvmetaError: sweep --out without matplotlib (checked before measuring anything).
     """
     if args.mode == "core":
         from kvmeta.bench import core_bench
@@ -110,13 +271,21 @@ def run(args: argparse.Namespace) -> str:
         return to_json(result) if args.json else core_bench.format_report(result)
     if not args.url and not args.launch:
         raise InvalidRequest("give --url URL of a running server, or --launch to start kvmeta")
+    if args.url and args.launch:
+        raise InvalidRequest("give either --url (a running server) or --launch, not both")
+    if args.url:
+        HttpClient(args.url)  # a malformed URL fails here, before anything runs
+    launch_args = server_args(args.server_arg) if args.launch else []
     cfg = _config(args)
     if args.mode == "sweep":
         from kvmeta.bench import sweep
 
-        results = sweep.run(cfg, args.sweep, args.values, args.launch, args.server_arg, args.repeat)
+        sweep.values(args.sweep, args.values)  # bad --values fail before anything runs
+        if args.out:
+            sweep.require_chart()
+        results = sweep.run(cfg, args.sweep, args.values, args.launch, launch_args, args.repeat)
         if args.out:
             sweep.write(results, args.sweep, args.out)
-        return to_json(results) if args.json else format_table(results)
-    result = measure(cfg, args.launch, args.server_arg, args.repeat)
-    return to_json(result) if args.json else format_table([result])
+        return _report(results, args.json, results)
+    result = measure(cfg, args.launch, launch_args, args.repeat)
+    return _report([result], args.json, result)

@@ -8,6 +8,7 @@ at the window's two edges. Warm-up and prefill are therefore excluded from every
 
 from __future__ import annotations
 
+import logging
 import multiprocessing as mp
 import os
 import queue
@@ -18,9 +19,19 @@ from multiprocessing.sharedctypes import Synchronized
 from typing import Any
 
 from kvmeta.bench import procstat
-from kvmeta.bench.workload import HttpClient, KeyChain, cycle_for, initialize_pool, prefill
+from kvmeta.bench.workload import (
+    HttpClient,
+    KeyChain,
+    cycle_for,
+    initialize_pool,
+    pool_size,
+    prefill,
+)
+from kvmeta.errors import KvmetaError, ServerUnavailable
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench"]
+
+logger = logging.getLogger(__name__)
 
 # Phases of the shared flag the clients watch.
 _WARMUP, _MEASURE, _STOP = 0, 1, 2
@@ -60,6 +71,8 @@ class BenchResult:
     cpu_us_per_key: float | None = None
     server_rss_mb: float | None = None
     refused_keys: int = 0
+    # Keys the measured cycles asked a page for: refused_keys is out of this many.
+    reserved_keys: int = 0
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -71,6 +84,7 @@ class _ClientReport:
     latencies: list[float]  # seconds, one per measured request
     keys: int
     refused: int
+    reserved: int
     error: str
 
 
@@ -88,7 +102,7 @@ def _client_main(
     record = latencies.append
     keys = 0
     error = ""
-    refused = 0
+    refused = reserved = 0
     perf = time.perf_counter
 
     def timed(path: str, body: object) -> object:
@@ -108,11 +122,12 @@ def _client_main(
             missed = cycle(cfg.rank, timed, chain.batch(cfg.batch))
             if phase.value == _MEASURE:
                 refused += missed
+                reserved += cfg.batch
     except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
         error = f"{type(exc).__name__}: {exc}"
     finally:
         client.close()
-    out.put(_ClientReport(latencies, keys, refused, error))
+    out.put(_ClientReport(latencies, keys, refused, reserved, error))
 
 
 def _collect(out: mp.Queue[_ClientReport], procs: list[Any], timeout: float) -> list[_ClientReport]:
@@ -125,9 +140,9 @@ def _collect(out: mp.Queue[_ClientReport], procs: list[Any], timeout: float) -> 
         except queue.Empty:
             dead = [p.exitcode for p in procs if p.exitcode not in (None, 0)]
             if dead:
-                raise RuntimeError(f"a benchmark client process exited with {dead[0]}") from None
+                raise KvmetaError(f"a benchmark client process exited with {dead[0]}") from None
             if time.monotonic() > deadline:
-                raise RuntimeError(f"benchmark clients did not report within {timeout}s") from None
+                raise KvmetaError(f"benchmark clients did not report within {timeout}s") from None
     return results
 
 
@@ -138,12 +153,54 @@ def _percentile(sorted_values: list[float], q: float) -> float:
     return sorted_values[pos]
 
 
-def _setup(cfg: BenchConfig) -> None:
+def _unreachable(url: str, exc: OSError) -> ServerUnavailable:
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    port = HttpClient(url).port
+    return ServerUnavailable(
+        f"nothing answers at {url} ({reason.lower()}): start a server there "
+        f"(`kvmeta serve --port {port}`), or drop --url and pass --launch to have the "
+        "benchmark start its own"
+    )
+
+
+def _setup(cfg: BenchConfig) -> int:
+    """Initialise (and prefill) the pool; returns its size as the server reports it, which
+    is not ``cfg.pool_pages`` when the pool already existed with another size.
+
+    Raises:
+        ServerUnavailable: nothing answers at ``cfg.url``.
+    """
     client = HttpClient(cfg.url)
     try:
-        initialize_pool(client, cfg.dialect, cfg.rank, cfg.pool_pages)
+        try:
+            reply = initialize_pool(client, cfg.dialect, cfg.rank, cfg.pool_pages)
+        except OSError as exc:
+            raise _unreachable(cfg.url, exc) from None
+        pages = pool_size(client, cfg.dialect, cfg.rank, reply)
+        if pages is None:
+            logger.warning(
+                "%s does not report pool sizes (no /v1/pools): the report assumes the pool has "
+                "the %d pages of --pool-pages; start that server fresh so it does",
+                cfg.url,
+                cfg.pool_pages,
+            )
+            pages = cfg.pool_pages
+        elif pages != cfg.pool_pages:
+            logger.warning(
+                "rank %d's pool (dialect %s) already exists at %s with %d pages, not the %d of "
+                "--pool-pages: measuring the %d-page pool (the report says so). To measure %d "
+                "pages, start the server fresh",
+                cfg.rank,
+                cfg.dialect,
+                cfg.url,
+                pages,
+                cfg.pool_pages,
+                pages,
+                cfg.pool_pages,
+            )
         if cfg.prefill:
-            prefill(client, cfg.dialect, cfg.rank, cfg.pool_pages, KeyChain(f"fill-{cfg.seed}"))
+            prefill(client, cfg.dialect, cfg.rank, pages, KeyChain(f"fill-{cfg.seed}"))
+        return pages
     finally:
         client.close()
 
@@ -152,11 +209,12 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     """Run one benchmark against ``cfg.url`` and return its numbers.
 
     Raises:
-        RuntimeError: a client failed (its error is in the message).
+        ServerUnavailable: nothing answers at ``cfg.url``.
+        KvmetaError: a client failed (its error is in the message).
     """
     if not cfg.seed:
         cfg.seed = f"{os.getpid()}-{time.time_ns()}"
-    _setup(cfg)
+    pages = _setup(cfg)
     ctx = mp.get_context("spawn")
     phase = ctx.Value("i", _WARMUP, lock=False)
     out: mp.Queue[_ClientReport] = ctx.Queue()
@@ -194,9 +252,13 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         out.join_thread()
     errors = [r.error for r in results if r.error]
     if errors:
-        raise RuntimeError(f"{len(errors)} benchmark client(s) failed, e.g. {errors[0]}")
+        raise KvmetaError(f"{len(errors)} benchmark client(s) failed, e.g. {errors[0]}")
     result = _summarise(cfg, results, t1 - t0, cpu0, cpu1, rss)
+    # The report names the pool that was measured; what was asked for stays next to it.
+    result.config["pool_pages_requested"] = cfg.pool_pages
+    result.config["pool_pages"] = pages
     result.refused_keys = sum(r.refused for r in results)
+    result.reserved_keys = sum(r.reserved for r in results)
     return result
 
 

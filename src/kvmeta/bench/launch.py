@@ -15,6 +15,8 @@ import threading
 import time
 from pathlib import Path
 
+from kvmeta.errors import KvmetaError
+
 __all__ = ["LaunchedServer"]
 
 _LISTEN_RE = re.compile(r"kvmeta listening on (http)://([^\s:]+):(\d+) \(pid (\d+)\)")
@@ -71,7 +73,10 @@ class LaunchedServer:
         while not self.url:
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
-                raise RuntimeError("kvmeta serve did not start:\n" + "".join(self.lines))
+                log = "".join(self.lines[-20:]).strip() or "(no output)"
+                raise KvmetaError(
+                    f"the launched `kvmeta serve {' '.join(args)}` did not start; its log:\n{log}"
+                )
             time.sleep(0.02)
         self.pid = self._proc.pid
 

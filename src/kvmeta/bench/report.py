@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_table", "median_result", "to_json"]
+__all__ = ["format_table", "median_result", "refusal_notes", "to_json"]
 
 # (label, result field, format)
 _COLUMNS = (
@@ -62,3 +62,29 @@ def median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def to_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True)
+
+
+def refusal_notes(results: Sequence[dict[str, Any]]) -> list[str]:
+    """One warning per result that had keys refused: such a run timed refusals (every page
+    read-leased or reserved), not eviction, and its numbers must not be read as eviction's."""
+    notes = []
+    for result in results:
+        refused = result.get("refused_keys") or 0
+        if not refused:
+            continue
+        cfg = result.get("config", {})
+        reserved = result.get("reserved_keys") or 0
+        out_of = f" of {reserved:.0f}" if reserved else ""
+        if cfg.get("launch"):
+            lease_fix = "`--server-arg=--read-lease=0`"
+        else:
+            lease_fix = "a server started with `--read-lease 0`"
+        where = f"pool {cfg.get('pool_pages')}, batch {cfg.get('batch')}"
+        notes.append(
+            f"WARNING: {refused:.0f}{out_of} measured keys were refused ({where}, "
+            f"{cfg.get('clients')} clients): every page was "
+            "read-leased or reserved, so this run timed refusals, not eviction. Use "
+            f"`--pool-pages 1048576` or {lease_fix} to measure eviction "
+            "(benchmarks/README.md, 'Read leases and this workload')."
+        )
+    return notes

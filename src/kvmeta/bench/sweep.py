@@ -15,8 +15,9 @@ from typing import Any
 from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.bench.launch import LaunchedServer
 from kvmeta.bench.report import median_result
+from kvmeta.errors import InvalidRequest, KvmetaError
 
-__all__ = ["DEFAULT_VALUES", "run", "write"]
+__all__ = ["DEFAULT_VALUES", "require_chart", "run", "values", "write"]
 
 logger = logging.getLogger(__name__)
 
@@ -28,22 +29,53 @@ DEFAULT_VALUES = {
 _FIELD = {"pool": "pool_pages", "batch": "batch", "clients": "clients"}
 
 
-def _values(param: str, text: str | None) -> list[int]:
+def values(param: str, text: str | None) -> list[int]:
+    """The points of a sweep: ``text`` ("a,b,c") or the defaults of ``param``.
+
+    Raises:
+        InvalidRequest: ``text`` is not a list of positive integers.
+    """
     if not text:
         return DEFAULT_VALUES[param]
-    return [int(v) for v in text.split(",") if v.strip()]
+    try:
+        points = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        points = []
+    if not points or min(points) < 1:
+        raise InvalidRequest(
+            f"--values must be comma-separated positive integers (e.g. 4096,65536), got {text!r}"
+        )
+    return points
+
+
+def require_chart() -> None:
+    """Fail before any measuring when the chart ``write`` draws cannot be drawn.
+
+    Raises:
+        KvmetaError: matplotlib cannot be imported (it is an optional dependency).
+    """
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot  # noqa: F401
+    except ImportError as exc:
+        raise KvmetaError(
+            f"sweep --out draws a chart with matplotlib, which cannot be imported ({exc}): "
+            "pip install 'kvmeta[bench]', or leave out --out and use --json for the numbers"
+        ) from None
 
 
 def run(
     base: BenchConfig,
     param: str,
-    values: str | None,
+    text: str | None,
     launch: str | None,
     server_args: list[str],
     repeat: int,
 ) -> list[dict[str, Any]]:
     """The median result of each value of ``param`` ("pool", "batch" or "clients")."""
-    points = _values(param, values)
+    points = values(param, text)
     runs: dict[int, list[dict[str, Any]]] = {v: [] for v in points}
     for rep in range(repeat):
         for value in points:
@@ -57,31 +89,35 @@ def run(
                 # An external server keeps its pools: give every point its own rank.
                 cfg.rank = base.rank + len(points) * rep + points.index(value)
                 result = run_bench(cfg).to_dict()
+            cpu = result["cpu_us_per_request"]
             logger.info(
-                "%s=%d repeat %d/%d: %.1f us/request",
+                "%s=%d repeat %d/%d: %s us/request",
                 param,
                 value,
                 rep + 1,
                 repeat,
-                result["cpu_us_per_request"] or 0.0,
+                "-" if cpu is None else f"{cpu:.1f}",
             )
             runs[value].append(result)
     out = []
     for value in points:
         med = median_result(runs[value])
         med["config"]["launch"] = launch
+        med["config"]["server_args"] = list(server_args) if launch else None
         out.append(med)
     return out
 
 
 def write(results: list[dict[str, Any]], param: str, stem: str) -> None:
-    """``stem``.json with every number and ``stem``.png: CPU per request and per key."""
-    with open(stem + ".json", "w") as fh:
-        json.dump({"sweep": param, "results": results}, fh, indent=2, sort_keys=True)
+    """``stem``.json with every number and ``stem``.png: CPU per request and per key
+    (``require_chart`` first: matplotlib is optional)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
+    with open(stem + ".json", "w") as fh:
+        json.dump({"sweep": param, "results": results}, fh, indent=2, sort_keys=True)
 
     xs = [r["config"][_FIELD[param]] for r in results]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))

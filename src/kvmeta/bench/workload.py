@@ -12,6 +12,7 @@ server (the server's CPU per request, which is what we report, does not depend o
 from __future__ import annotations
 
 import hashlib
+import re
 import socket
 import time
 from collections.abc import Callable
@@ -19,14 +20,24 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-__all__ = ["DIALECTS", "HttpClient", "KeyChain", "cycle_for", "initialize_pool"]
+from kvmeta.errors import InvalidRequest, KvmetaError
+
+__all__ = [
+    "DIALECTS",
+    "BenchHttpError",
+    "HttpClient",
+    "KeyChain",
+    "cycle_for",
+    "initialize_pool",
+    "pool_size",
+]
 
 DIALECTS = ("s", "v")
 _encode = msgspec.json.encode
 _decode = msgspec.json.decode
 
 
-class BenchHttpError(RuntimeError):
+class BenchHttpError(KvmetaError):
     """Raised when the server under test answers something other than 2xx."""
 
 
@@ -34,11 +45,20 @@ class HttpClient:
     """One keep-alive connection; ``post`` returns (status, body bytes)."""
 
     def __init__(self, url: str, timeout: float = 30.0) -> None:
+        """Raises:
+        InvalidRequest: ``url`` is not ``http://host[:port][/prefix]``."""
         parts = urlsplit(url)
-        if parts.scheme != "http":
-            raise ValueError(f"benchmark URL must be http://host:port, got {url!r}")
-        self.host = parts.hostname or "127.0.0.1"
-        self.port = parts.port or 80
+        try:
+            port = parts.port
+        except ValueError:
+            port = -1
+        if parts.scheme != "http" or not parts.hostname or port == -1:
+            raise InvalidRequest(
+                f"--url must be http://HOST:PORT of a running server (the benchmark speaks plain "
+                f"HTTP), got {url!r}"
+            )
+        self.host = parts.hostname
+        self.port = port or 80
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
         self.sock: socket.socket | None = None
@@ -65,7 +85,14 @@ class HttpClient:
                 "Content-Type: application/json\r\nContent-Length: "
             ).encode()
             self._heads[path] = head
-        data = b"%s%d\r\n\r\n%s" % (head, len(body), body)
+        return self._exchange(b"%s%d\r\n\r\n%s" % (head, len(body), body))
+
+    def get(self, path: str) -> tuple[int, bytes]:
+        """GET ``path`` (not timed: only set-up uses it)."""
+        head = f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n"
+        return self._exchange(head.encode())
+
+    def _exchange(self, data: bytes) -> tuple[int, bytes]:
         sock = self.sock or self._connect()
         try:
             sock.sendall(data)
@@ -192,12 +219,43 @@ def cycle_for(dialect: str) -> Callable[[int, Timed, list[tuple[str, str | None]
     raise ValueError(f"dialect must be one of {DIALECTS}, got {dialect!r}")
 
 
-def initialize_pool(client: HttpClient, dialect: str, rank: int, num_pages: int) -> None:
-    """Create the pool (idempotent on both dialects)."""
+def initialize_pool(client: HttpClient, dialect: str, rank: int, num_pages: int) -> object:
+    """Create the pool (idempotent on both dialects); the server's reply (None when empty)."""
     if dialect == "s":
-        client.call(f"/{rank}/initialize", {"num_pages": num_pages})
-    else:
-        client.call(f"/rank/{rank}/initialize", {"role": "worker", "num_pages": num_pages})
+        return client.call(f"/{rank}/initialize", {"num_pages": num_pages})
+    return client.call(f"/rank/{rank}/initialize", {"role": "worker", "num_pages": num_pages})
+
+
+_INITIALIZED_RE = re.compile(r"initialized with (\d+) pages")
+
+
+def pool_size(client: HttpClient, dialect: str, rank: int, init_reply: object) -> int | None:
+    """The size of the pool the benchmark will drive, as the server reports it; None when the
+    server does not say.
+
+    A pool that already existed keeps its size whatever ``initialize`` asked for (both dialects
+    answer success), so the size is read back: from kvmeta's ``/v1/pools``, else from the vLLM
+    dialect's ``initialize`` message ("Rank 0 initialized with N pages").
+    """
+    status, body = client.get("/v1/pools")
+    if status == 200:
+        try:
+            pools = _decode(body).get("pools", [])
+        except (msgspec.DecodeError, AttributeError):
+            pools = []
+        namespace = "kv" if dialect == "s" else ""
+        for view in pools:
+            if (view.get("dialect"), view.get("rank"), view.get("namespace")) == (
+                dialect,
+                rank,
+                namespace,
+            ):
+                return int(view["num_pages"])
+    if isinstance(init_reply, dict):
+        match = _INITIALIZED_RE.search(str(init_reply.get("message", "")))
+        if match:
+            return int(match.group(1))
+    return None
 
 
 def prefill(
