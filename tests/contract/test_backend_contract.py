@@ -178,15 +178,26 @@ def test_out_of_range_pages_are_rejected_and_change_nothing(
     assert _stats(backend, S0) == (2, 2, 0)
 
 
-def test_release_frees_only_after_every_holder_lets_go(backend: Sync) -> None:
+def test_a_joined_page_is_left_to_a_confirm_or_its_lease(backend: Sync) -> None:
     backend.initialize(S0, 4)
     ((_, page),) = backend.reserve(S0, ["a"])
-    backend.reserve(S0, ["a"])  # a second writer
+    backend.reserve(S0, ["a"])  # a second writer, or the first one's retry
     backend.confirm(S0, [], [page])
+    backend.confirm(S0, [], [page, page])  # which writer lets go cannot be told: none frees
     assert _stats(backend, S0) == (3, 1, 0)
-    backend.confirm(S0, [], [page])
-    assert _stats(backend, S0) == (4, 0, 0)
-    backend.confirm(S0, [], [page])  # releasing a FREE page is a no-op
+    assert backend.reserve(S0, ["b"])[0][1] != page
+    backend.confirm(S0, [("a", page)], [])
+    assert backend.get(S0, ["a"]) == [page]
+    assert backend.stats()[0].counters["releases"] == 0
+
+
+def test_a_released_page_cools_before_it_is_handed_out_again(backend: Sync) -> None:
+    backend.initialize(S0, 1)
+    ((_, page),) = backend.reserve(S0, ["a"])
+    backend.confirm(S0, [], [page, page])  # named twice: released once
+    assert _stats(backend, S0) == (1, 0, 0)
+    assert backend.reserve(S0, ["b"]) == [(False, -1)]  # within RELEASE_GRACE
+    backend.confirm(S0, [], [page])  # a retried copy of the release changes nothing
     assert backend.stats()[0].counters["releases"] == 1
 
 

@@ -16,7 +16,12 @@ from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
 from kvmeta.client.http import DEFAULT_TIMEOUT
 from kvmeta.errors import InvalidRequest, NotInitialized
-from kvmeta.service.vllm import INIT_ERROR, check_initialize, confirm_error
+from kvmeta.service.vllm import (
+    INIT_ERROR,
+    check_initialize,
+    check_world_size_body,
+    confirm_error,
+)
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -63,6 +68,22 @@ class Hf3fsMetadataInterface:
 
     def clear(self) -> None:
         """Drop every key; worker registrations stay (a kvmeta addition to vLLM's client)."""
+        raise NotImplementedError
+
+    # kvmeta additions for operators ---------------------------------------------------------
+
+    def remove_rank(self, rank: int) -> bool:
+        """Deregister a worker rank (a stray or retired one) and drop its keys; False when it
+        was not registered. A rank that registers again starts empty."""
+        raise NotImplementedError
+
+    def set_world_size(self, world_size: int | None) -> None:
+        """Pin the ranks a key needs to ``0..world_size-1``; None unpins them (then the
+        contiguous registered ranks from 0 count)."""
+        raise NotImplementedError
+
+    def rank_registry(self) -> dict[str, Any]:
+        """``world_size``, ``ranks``, ``required``, ``ignored`` and ``missing`` ranks."""
         raise NotImplementedError
 
 
@@ -127,6 +148,17 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
 
     def clear(self) -> None:
         self._http.post("/clear", {})
+
+    def remove_rank(self, rank: int) -> bool:
+        reply = self._http.post(f"/v1/vllm/ranks/{int(rank)}/remove", {})
+        self._known.pop(PoolId("v", rank, ""), None)  # auto_reinitialize must not bring it back
+        return bool(reply["removed"])
+
+    def set_world_size(self, world_size: int | None) -> None:
+        self._http.post("/v1/vllm/world_size", {"world_size": world_size})
+
+    def rank_registry(self) -> dict[str, Any]:
+        return dict(self._http.get("/v1/vllm"))
 
 
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
@@ -193,3 +225,16 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     def clear(self) -> None:
         with self._lock:
             self._store.v_clear()
+
+    def remove_rank(self, rank: int) -> bool:
+        with self._lock:
+            return self._store.v_remove(rank) is not None
+
+    def set_world_size(self, world_size: int | None) -> None:
+        size = check_world_size_body({"world_size": world_size})
+        with self._lock:
+            self._store.v_set_world_size(size)
+
+    def rank_registry(self) -> dict[str, Any]:
+        with self._lock:
+            return self._store.v_index().view()

@@ -445,9 +445,14 @@ class Pool:
             st = state[page]
             if st == RESERVED and page_key[page] == key:
                 del reserved[key]
-                if holders:
-                    holders.pop(page, None)
-                del res_deadline[page]
+                deadline = res_deadline.pop(page)
+                if holders and holders.pop(page, None) is not None:
+                    # Other writers joined this page and may still be writing (the same
+                    # bytes): keep it from eviction and reuse until their lease ends, as if
+                    # it were being read, so no late write lands on the next key's page.
+                    read_until = self._read_until
+                    if read_until[page] < deadline:
+                        read_until[page] = deadline
                 state[page] = STORED
                 stored[key] = page
                 # _link_tail, inlined: this loop runs once per written page.

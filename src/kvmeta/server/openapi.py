@@ -92,6 +92,45 @@ SCHEMAS: dict[str, Schema] = {
     "VKeys": _obj({"keys": _list(STR)}, ("keys",)),
     "VRankKeys": _obj({"rank": INT, "keys": _list(STR)}, ("rank", "keys")),
     "VLocations": _obj({"locations": _list(INT_OR_NULL)}, ("locations",), closed=True),
+    # operating the vLLM rank registry
+    "VIndex": _obj(
+        {
+            "world_size": {
+                "type": ["integer", "null"],
+                "description": "pinned tensor-parallel size; null: not set",
+            },
+            "ranks": {**_list(INT), "description": "registered worker ranks"},
+            "required": {
+                **_list(INT),
+                "description": "ranks a block must be stored on to be complete: 0..world_size-1, "
+                "or without world_size the contiguous registered ranks from 0",
+            },
+            "ignored": {**_list(INT), "description": "registered but not counted (stray)"},
+            "missing": {**_list(INT), "description": "required but not registered"},
+        },
+        ("world_size", "ranks", "required", "ignored", "missing"),
+        closed=True,
+    ),
+    "VRemoved": _obj(
+        {
+            "rank": INT,
+            "removed": {"type": "boolean", "description": "false: the rank was not registered"},
+            "keys_dropped": INT,
+            "required": _list(INT),
+            "message": STR,
+        },
+        ("rank", "removed", "keys_dropped", "required", "message"),
+        closed=True,
+    ),
+    "VWorldSize": _obj(
+        {"world_size": {"type": ["integer", "null"], "minimum": 1, "description": "null unsets"}},
+        ("world_size",),
+    ),
+    "VWorldSizeSet": _obj(
+        {"world_size": {"type": ["integer", "null"]}, "required": _list(INT), "message": STR},
+        ("world_size", "required", "message"),
+        closed=True,
+    ),
     # operations
     "Health": _obj({"status": {"const": "ok"}, "version": STR, "uptime_seconds": NUM}, ("status",)),
     "Ready": _obj({"ready": BOOL, "backend": STR}, ("ready",)),
@@ -113,7 +152,10 @@ SCHEMAS: dict[str, Schema] = {
         },
         ("dialect", "rank", "namespace", "num_pages", "free", "reserved", "stored"),
     ),
-    "Pools": _obj({"server": {"type": "object"}, "pools": _list(_ref("Pool"))}, ("pools",)),
+    "Pools": _obj(
+        {"server": {"type": "object"}, "pools": _list(_ref("Pool")), "vllm": _ref("VIndex")},
+        ("pools",),
+    ),
     "Check": _obj(
         {"ok": BOOL, "checked": INT, "problems": _list(STR), "supported": BOOL},
         ("ok", "problems"),
@@ -203,6 +245,25 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
     ),
     ("POST", "/clear"): _op(
         "vLLM: drop every key (rank registrations stay)", None, ("204", None), ("401",)
+    ),
+    ("GET", "/v1/vllm"): _op(
+        "vLLM rank registry: world size, registered, required, ignored and missing ranks",
+        None,
+        ("200", "VIndex"),
+        _AUTH,
+    ),
+    ("POST", "/v1/vllm/ranks/{rank}/remove"): _op(
+        "vLLM: deregister a worker rank and drop its keys, durably (idempotent: an unknown rank "
+        "answers removed=false)",
+        None,
+        ("200", "VRemoved"),
+        ("401", "422"),
+    ),
+    ("POST", "/v1/vllm/world_size"): _op(
+        "vLLM: pin the ranks a block needs to 0..world_size-1, or unpin them (null)",
+        "VWorldSize",
+        ("200", "VWorldSizeSet"),
+        ("400", "401", "413"),
     ),
     ("GET", "/health"): _op("process is up (never needs auth)", None, ("200", "Health"), ()),
     ("GET", "/ready"): _op("backend loaded and reachable", None, ("200", "Ready"), _AUTH),

@@ -170,6 +170,7 @@ def add_routes(app: App, state: OpsState) -> None:
             {
                 "server": settings_view(state.settings, state.backend),
                 "pools": [pool_view(st) for st in stats],
+                "vllm": (await state.service.v_index()).view(),
             }
         )
 

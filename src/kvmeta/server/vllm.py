@@ -1,4 +1,5 @@
-"""Dialect V: vLLM's HF3FS connector routes (``/rank/{rank}/initialize``, ``/keys/*``, ``/clear``).
+"""Dialect V: vLLM's HF3FS connector routes (``/rank/{rank}/initialize``, ``/keys/*``, ``/clear``),
+plus kvmeta's operator routes for the rank registry (``/v1/vllm``: see ``add_routes``).
 
 Wire shapes only. Each worker rank is its own pool ``PoolId("v", rank, "")``, apart from SGLang's
 pools of the same rank numbers; the key-centric view vLLM expects (a key is present when every
@@ -26,8 +27,12 @@ from kvmeta.service.vllm import (
     INIT_ERROR,
     SCHEDULER_MESSAGE,
     VALID_INIT,
+    WORLD_SIZE_USAGE,
     check_initialize,
+    check_world_size_body,
+    completeness,
     confirm_error,
+    remove_message,
     worker_message,
 )
 
@@ -195,6 +200,43 @@ def add_routes(app: App, service: Service) -> None:
         await service.v_clear()
         return NO_CONTENT
 
+    # Operator routes (kvmeta's own, behind --auth-token like every route but /health): see the
+    # registry, remove a stray or retired rank, pin or unpin the ranks a block needs.
+
+    async def vllm_index(req: Request, _: int) -> Response:
+        return json_response((await service.v_index()).view())
+
+    async def remove_rank(req: Request, rank: int) -> Response:
+        # The body is ignored: the rank is in the path.
+        dropped = await service.v_remove(rank)
+        index = await service.v_index()
+        return json_response(
+            {
+                "rank": rank,
+                "removed": dropped is not None,
+                "keys_dropped": dropped or 0,
+                "required": index.required,
+                "message": remove_message(rank, dropped, index),
+            }
+        )
+
+    async def world_size(req: Request, _: int) -> Response:
+        try:
+            data = msgspec.json.decode(_body(req.body))
+        except msgspec.DecodeError as exc:
+            raise InvalidRequest(
+                f"Request body is not valid JSON ({exc}). {WORLD_SIZE_USAGE}", "world_size"
+            ) from None
+        size = check_world_size_body(data)
+        await service.v_set_world_size(size)
+        index = await service.v_index()
+        return json_response(
+            {"world_size": size, "required": index.required, "message": completeness(index)}
+        )
+
+    app.add("GET", "/v1/vllm", vllm_index)
+    app.add("POST", "/v1/vllm/ranks/{rank}/remove", remove_rank)
+    app.add("POST", "/v1/vllm/world_size", world_size)
     app.add("POST", "/rank/{rank}/initialize", initialize)
     app.add("POST", "/keys/batch_allocate", batch_allocate)
     app.add("POST", "/keys/confirm_write", confirm_write)

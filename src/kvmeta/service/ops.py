@@ -13,7 +13,8 @@ from operator import itemgetter
 
 from kvmeta._types import PoolId
 from kvmeta.service.limits import RequestLimits
-from kvmeta.store.base import Backend, InitResult, PoolStats
+from kvmeta.service.vllm import ignored_rank_warning
+from kvmeta.store.base import Backend, InitResult, PoolStats, VIndex
 
 __all__ = ["Service"]
 
@@ -71,6 +72,9 @@ class Service:
         result = await self.backend.v_register(rank, num_pages, world_size)
         if result.created:
             logger.info("Registered vLLM worker rank %d with %d pages", rank, num_pages)
+        warning = ignored_rank_warning(rank, await self.backend.v_index())
+        if warning:
+            logger.warning("%s", warning)
         return result
 
     async def v_exists(self, keys: list[str]) -> list[bool]:
@@ -79,6 +83,22 @@ class Service:
 
     async def v_clear(self) -> int:
         return await self.backend.v_clear()
+
+    async def v_remove(self, rank: int) -> int | None:
+        dropped = await self.backend.v_remove(rank)
+        if dropped is not None:
+            logger.warning("Removed vLLM worker rank %d and its %d stored keys", rank, dropped)
+        return dropped
+
+    async def v_set_world_size(self, world_size: int | None) -> None:
+        await self.backend.v_set_world_size(world_size)
+        if world_size is None:
+            logger.info("vLLM world_size unset: the contiguous registered ranks from 0 count")
+        else:
+            logger.info("vLLM world_size set to %d", world_size)
+
+    async def v_index(self) -> VIndex:
+        return await self.backend.v_index()
 
     async def stats(self) -> list[PoolStats]:
         return await self.backend.stats()

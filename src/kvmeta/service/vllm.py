@@ -15,14 +15,20 @@ from typing import Any
 import msgspec
 
 from kvmeta.errors import InvalidRequest
+from kvmeta.store.base import VIndex
 
 __all__ = [
     "INIT_ERROR",
     "SCHEDULER_MESSAGE",
     "VALID_INIT",
+    "WORLD_SIZE_USAGE",
     "WorkerInit",
     "check_initialize",
+    "check_world_size_body",
+    "completeness",
     "confirm_error",
+    "ignored_rank_warning",
+    "remove_message",
     "worker_message",
 ]
 
@@ -118,3 +124,91 @@ def confirm_error(exc: InvalidRequest) -> InvalidRequest:
         return exc
     message = str(exc).replace("`written_keys_to_confirm`", "`confirmations`")
     return InvalidRequest(message, "confirmations")
+
+
+# ---------------------------------------------------------------------- operating the rank registry
+
+WORLD_SIZE_USAGE = (
+    'Send {"world_size": N} with N the tensor-parallel size (ranks 0..N-1 make a block '
+    'complete), or {"world_size": null} to unset it'
+)
+
+
+def check_world_size_body(data: Any) -> int | None:
+    """The world size of a ``POST /v1/vllm/world_size`` body (None: unset it).
+
+    Raises:
+        InvalidRequest: not an object, no ``world_size`` field, or not a positive integer/null.
+    """
+    if not isinstance(data, dict):
+        raise InvalidRequest(
+            f"the body must be a JSON object, got {type(data).__name__}. {WORLD_SIZE_USAGE}",
+            "world_size",
+        )
+    if "world_size" not in data:
+        raise InvalidRequest(
+            f"need `world_size`, which is missing. {WORLD_SIZE_USAGE}", "world_size"
+        )
+    value = data["world_size"]
+    if value is not None and not _positive_int(value):
+        kind = " (a boolean)" if isinstance(value, bool) else ""
+        raise InvalidRequest(
+            f"`world_size` must be an integer > 0 or null, got {_show(value)}{kind}. "
+            + WORLD_SIZE_USAGE,
+            "world_size",
+        )
+    return value  # type: ignore[no-any-return]
+
+
+def _span(ranks: list[int]) -> str:
+    return f"{ranks[0]}..{ranks[-1]}" if len(ranks) > 1 else str(ranks[0])
+
+
+def completeness(index: VIndex) -> str:
+    """Which ranks make a block complete now, in one sentence."""
+    if index.world_size is not None:
+        text = f"world_size {index.world_size}: blocks are complete when stored on ranks " + _span(
+            index.required
+        )
+        if index.missing:
+            text += (
+                f"; rank(s) {', '.join(map(str, index.missing[:8]))} not registered, so no "
+                "block is complete until they are"
+            )
+        return text
+    if not index.required:
+        return "no world_size and rank 0 is not registered: no block is complete until it is"
+    return (
+        "no world_size: blocks are complete when stored on the registered ranks "
+        f"{_span(index.required)} (the contiguous run from 0)"
+    )
+
+
+def remove_message(rank: int, dropped: int | None, index: VIndex) -> str:
+    """The reply to a rank removal, with what completeness now means."""
+    if dropped is None:
+        return f"Rank {rank} is not registered: nothing to remove. Now {completeness(index)}"
+    return (
+        f"Rank {rank} removed: its registration and its {dropped} stored key(s) are gone (if it "
+        f"registers again it starts empty). Now {completeness(index)}"
+    )
+
+
+def ignored_rank_warning(rank: int, index: VIndex) -> str | None:
+    """The log line for a registered rank that does not count for completeness, or None."""
+    if rank not in index.ignored:
+        return None
+    fix = (
+        f"if the registration is a mistake, remove it: POST /v1/vllm/ranks/{rank}/remove "
+        "(kvmeta's client: remove_rank)"
+    )
+    if index.world_size is not None:
+        why = f"world_size is {index.world_size} (ranks 0..{index.world_size - 1})"
+    elif rank < 0:
+        why = "worker ranks are counted from 0"
+    else:
+        why = (
+            f"ranks 0..{rank - 1} are not all registered (normal for a moment while workers "
+            "start; otherwise pin the ranks with POST /v1/vllm/world_size)"
+        )
+    return f"vLLM worker rank {rank} does not count for completeness: {why}; {fix}"

@@ -7,12 +7,13 @@ exactly the semantics of ``core.pool``; the shared behavioural test suite runs a
 
 from __future__ import annotations
 
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmeta._types import PoolId
 
-__all__ = ["Backend", "InitResult", "PoolStats"]
+__all__ = ["Backend", "InitResult", "PoolStats", "VIndex", "required_ranks"]
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,56 @@ class PoolStats:
     stored: int
     counters: dict[str, int] = field(default_factory=dict)
     size_conflicts: int = 0
+
+
+def required_ranks(ranks: Collection[int], world_size: int | None) -> range:
+    """The vLLM worker ranks a key must be stored on to be complete (every backend's rule).
+
+    With a world size: ranks ``0..world_size-1``, registered or not (a missing one makes nothing
+    complete). Without: the contiguous run ``0..k-1`` of registered ranks, because vLLM's
+    tensor-parallel workers are numbered from 0 without gaps. So a later contiguous rank makes
+    older keys incomplete (honest), while a stray registration (``77`` next to ``0, 1``) or a
+    rank beyond the world size counts for nothing instead of hiding every block.
+    """
+    if world_size is not None:
+        return range(world_size)
+    k = 0
+    while k in ranks:
+        k += 1
+    return range(k)
+
+
+@dataclass(frozen=True)
+class VIndex:
+    """The vLLM rank registry as an operator sees it (``GET /v1/vllm``)."""
+
+    world_size: int | None
+    ranks: tuple[int, ...]  # registered worker ranks, ascending
+
+    @property
+    def required(self) -> list[int]:
+        return list(required_ranks(self.ranks, self.world_size))
+
+    @property
+    def ignored(self) -> list[int]:
+        """Registered but not counted for completeness (stray, or beyond the world size)."""
+        needed = required_ranks(self.ranks, self.world_size)
+        return [r for r in self.ranks if r not in needed]
+
+    @property
+    def missing(self) -> list[int]:
+        """Required by the world size but not registered: nothing is complete meanwhile."""
+        have = set(self.ranks)
+        return [r for r in required_ranks(self.ranks, self.world_size) if r not in have]
+
+    def view(self) -> dict[str, object]:
+        return {
+            "world_size": self.world_size,
+            "ranks": list(self.ranks),
+            "required": self.required,
+            "ignored": self.ignored,
+            "missing": self.missing,
+        }
 
 
 class Backend(Protocol):
@@ -74,5 +125,16 @@ class Backend(Protocol):
     async def v_exists(self, keys: list[str]) -> list[bool]: ...
 
     async def v_clear(self) -> int: ...
+
+    async def v_remove(self, rank: int) -> int | None:
+        """Deregister a worker rank and drop its pool; the number of keys dropped, or None
+        when the rank was not registered (idempotent)."""
+        ...
+
+    async def v_set_world_size(self, world_size: int | None) -> None:
+        """Pin (an int) or unpin (None) the ranks that make a key complete."""
+        ...
+
+    async def v_index(self) -> VIndex: ...
 
     async def stats(self) -> list[PoolStats]: ...

@@ -2,7 +2,7 @@
 
 A journal segment file is a 8-byte header followed by framed records::
 
-    header  = b"KVMJ" + u8 version (=1) + 3 zero bytes
+    header  = b"KVMJ" + u8 version (=2) + 3 zero bytes
     frame   = u32 little-endian payload length + u32 crc32(payload) + payload
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
 
@@ -11,6 +11,7 @@ A journal segment file is a 8-byte header followed by framed records::
     ["remove", pool_id, [[key, page], ...]]     deletes and evictions
     ["clear",  pool_id]
     ["vworld", world_size_or_nil]
+    ["drop",   pool_id]                         a vLLM rank removed (format 2)
 
 Evolution rules: a tag's fields are only ever appended (old readers ignore extra trailing
 fields), a field's type never changes, and a new kind of record gets a new tag plus a version
@@ -37,7 +38,7 @@ __all__ = [
     "encode_record",
 ]
 
-VERSION = 1
+VERSION = 2  # 2: the drop record
 HEADER = b"KVMJ" + bytes([VERSION, 0, 0, 0])
 _FRAME = struct.Struct("<II")
 # A single record never holds more than one request's keys; anything larger is garbage.

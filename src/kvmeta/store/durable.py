@@ -75,6 +75,7 @@ class DurableBackend(MemoryBackend):
         self.snapshots = 0
         self.snapshot_stall_max = 0.0
         self.reserve_waits = 0  # reserves that waited for the disk (write-ahead rule)
+        self._drop_seq = 0  # journal position of the last vLLM rank removal
         self._snapshot_records = 0
         self._snapshot_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
@@ -277,9 +278,26 @@ class DurableBackend(MemoryBackend):
         return result
 
     async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+        # A removed rank registered again reuses its page file: not before the removal is on
+        # disk, or a crash could bring back its old ``key -> page`` over new bytes.
+        journal = self.journal
+        if journal is not None and journal.durable_seq < self._drop_seq:
+            await journal.wait(self._drop_seq)
         result = self.store.v_register(rank, num_pages, world_size)
         await self._created()
         return result
+
+    async def v_remove(self, rank: int) -> int | None:
+        """Replies once the removal is durable (operators expect it to stick)."""
+        dropped = self.store.v_remove(rank)
+        if dropped is not None and self.journal is not None:
+            self._drop_seq = self.journal.seq
+            await self._created()
+        return dropped
+
+    async def v_set_world_size(self, world_size: int | None) -> None:
+        self.store.v_set_world_size(world_size)
+        await self._created()
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         """A reserve, with the waits of the write-ahead rule (``store.writeahead``)."""

@@ -8,7 +8,7 @@ writer only after the removal is on disk).
 Journal records are plain tuples, encoded by ``store.journal``:
 ``("pool", pool_id, num_pages)``, ``("commit", pool_id, [(key, page), ...])``,
 ``("remove", pool_id, [(key, page), ...])`` (deletes and evictions), ``("clear", pool_id)``,
-``("vworld", world_size_or_None)``.
+``("vworld", world_size_or_None)``, ``("drop", pool_id)`` (a vLLM rank removed).
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Any, Protocol
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
-from kvmeta.store.base import InitResult, PoolStats
+from kvmeta.store.base import InitResult, PoolStats, VIndex
 from kvmeta.store.writeahead import DurableSink, WriteAhead
 
 __all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
@@ -200,10 +200,14 @@ class MemoryStore:
         return result
 
     def v_required(self) -> list[Pool | None]:
-        """The pools a key must be stored in to be complete (None: rank not registered yet)."""
+        """The pools a key must be stored in to be complete (None: rank not registered yet);
+        which ranks is ``store.base.required_ranks``."""
         if self.vllm_world_size is not None:
             return [self.pools.get(PoolId("v", r, "")) for r in range(self.vllm_world_size)]
-        return [pool for pid, pool in self.pools.items() if pid.dialect == "v"]
+        out: list[Pool | None] = []
+        while (pool := self.pools.get(PoolId("v", len(out), ""))) is not None:
+            out.append(pool)
+        return out
 
     def v_exists(self, keys: list[str]) -> list[bool]:
         """A key exists when every required rank has confirmed its shard."""
@@ -220,6 +224,30 @@ class MemoryStore:
     def v_clear(self) -> int:
         """Drop every vLLM key; rank registrations stay so running workers keep working."""
         return sum(self.clear(pid) for pid in list(self.pools) if pid.dialect == "v")
+
+    def v_remove(self, rank: int) -> int | None:
+        """Deregister ``rank``: its pool, keys and reservations go; None if not registered.
+
+        Journaled as one ``drop`` record (a snapshot simply no longer holds the pool). A
+        journaled caller must not let the rank's page file be written again before that record
+        is durable (``DurableBackend.v_register`` waits for it).
+        """
+        pid = PoolId("v", rank, "")
+        pool = self.pools.pop(pid, None)
+        if pool is None:
+            return None
+        self.size_conflicts.pop(pid, None)
+        self._record(("drop", pid))
+        return pool.stored_count
+
+    def v_set_world_size(self, world_size: int | None) -> None:
+        """Pin the required ranks to ``0..world_size-1``, or unpin them (None)."""
+        if world_size != self.vllm_world_size:
+            self.vllm_world_size = world_size
+            self._record(("vworld", world_size))
+
+    def v_index(self) -> VIndex:
+        return VIndex(self.vllm_world_size, tuple(self.vllm_ranks()))
 
     # ------------------------------------------------------------------ stats
 
@@ -315,6 +343,15 @@ class MemoryBackend:
         count = self.store.v_clear()
         await self._durable()
         return count
+
+    async def v_remove(self, rank: int) -> int | None:
+        return self.store.v_remove(rank)
+
+    async def v_set_world_size(self, world_size: int | None) -> None:
+        self.store.v_set_world_size(world_size)
+
+    async def v_index(self) -> VIndex:
+        return self.store.v_index()
 
     async def stats(self) -> list[PoolStats]:
         return self.store.stats()

@@ -200,6 +200,9 @@ def _apply(out: Recovered, record: list[Any]) -> None:
         if pid not in out.pools:
             out.pools[pid] = (int(record[2]), {})
         return
+    if tag == "drop":
+        out.pools.pop(pid, None)
+        return
     entries = out.pools[pid][1]
     if tag == "commit":
         for key, page in record[2]:

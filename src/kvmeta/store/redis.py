@@ -34,7 +34,7 @@ from redis.exceptions import NoScriptError, RedisError
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
-from kvmeta.store.base import InitResult, PoolStats
+from kvmeta.store.base import InitResult, PoolStats, VIndex
 
 __all__ = ["RedisBackend", "redact_url"]
 
@@ -56,6 +56,9 @@ _SCRIPTS = (
     "v_register",
     "v_exists",
     "v_clear",
+    "v_remove",
+    "v_world",
+    "v_index",
 )
 _MAX_IDLE = 64  # connections kept open per server process for concurrent requests
 _COUNTERS = (
@@ -354,6 +357,19 @@ class RedisBackend:
 
     async def v_clear(self) -> int:
         return int((await self._run("v_clear", _V_PREFIX, []))[1])
+
+    async def v_remove(self, rank: int) -> int | None:
+        dropped = int((await self._run("v_remove", _V_PREFIX, [rank]))[1])
+        return None if dropped < 0 else dropped
+
+    async def v_set_world_size(self, world_size: int | None) -> None:
+        await self._run("v_world", _V_PREFIX, ["" if world_size is None else world_size])
+
+    async def v_index(self) -> VIndex:
+        reply = await self._run("v_index", _V_PREFIX, [])
+        world = _text(reply[1])
+        ranks = tuple(sorted(int(r) for r in reply[2:]))
+        return VIndex(int(world) if world else None, ranks)
 
     # ------------------------------------------------------------------ stats and check
 

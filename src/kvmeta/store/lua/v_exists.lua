@@ -1,6 +1,7 @@
--- v_exists: a key is complete when every required rank has it STORED. Required: ranks
--- 0..world-1 when a world size is known (none registered yet: nothing is complete), else
--- every registered rank; each of their pools counts exists hits/misses.
+-- v_exists: a key is complete when every required rank has it STORED. Required (as
+-- store.base.required_ranks): ranks 0..world-1 when a world size is known (one not registered
+-- yet: nothing is complete), else the contiguous run 0..k-1 of registered ranks (a stray rank
+-- such as 77 counts for nothing); each of their pools counts exists hits/misses.
 -- KEYS[1] vLLM prefix; ARGV[1] [key, ...].  Returns [0, 1|0 ...].
 local v = KEYS[1]
 local keys = cjson.decode(ARGV[1])
@@ -18,7 +19,10 @@ if world then
     ranks[#ranks + 1] = rank
   end
 else
-  ranks = redis.call('SMEMBERS', v .. 'ranks')
+  ranks = {}
+  while redis.call('SISMEMBER', v .. 'ranks', string.format('%d', #ranks)) == 1 do
+    ranks[#ranks + 1] = string.format('%d', #ranks)
+  end
 end
 -- Like MemoryStore: every required rank's pool counts its exists hits and misses.
 local ok = {}
