@@ -19,6 +19,9 @@
 -- are one JSON document each (ARGV[1] / the return value): one argument to pack and one
 -- string to parse instead of one per key, which is most of a request's client-side cost.
 
+-- Seconds a released page cools before reuse: core.pool.RELEASE_GRACE (a test keeps them equal).
+local RELEASE_GRACE = 10.0
+
 local function fmt(x)
   return string.format('%.6f', x)
 end

@@ -1,6 +1,6 @@
 -- confirm: commit (key, page) pairs whose page is RESERVED for the key (already STORED for
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
--- write failed (FREE only when RESERVED and its last holder lets go; STORED: ignored).
+-- write failed (FREE only when RESERVED by a single writer; STORED: ignored); as Pool.confirm.
 -- KEYS[1] pool prefix; ARGV[1] [[[key, page], ...], [page to release, ...]].
 -- Returns [0, refused, first refused key, first refused page], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
@@ -61,24 +61,47 @@ for i, pair in ipairs(pairs_) do
     refused = refused + 1
   end
 end
+-- A committed page that other writers joined stays protected like a read page until their
+-- lease ends: they may still be writing (the same bytes).
+if #w_pages > 0 then
+  local held = hmget(k.holders, w_pages)
+  for i, page in ipairs(w_pages) do
+    if held[i] and tonumber(held[i]) > 1 then
+      local deadline = tonumber(redis.call('ZSCORE', k.resq, page))
+      local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
+      if deadline > reading then
+        redis.call('ZADD', k.reads, fmt(deadline), page)
+      end
+    end
+  end
+end
+-- A page named twice is released once. A page several writers joined is left to a confirm
+-- or its lease (a release does not say which writer lets go). A released page cools for
+-- RELEASE_GRACE, so a retried copy of this request finds it FREE and changes nothing.
 local released = 0
+local seen = {}
 for _, p in ipairs(release) do
   local page = string.format('%d', p)
   local v = pk[page]
   if v == nil then
     v = redis.call('HGET', k.pk, page)
   end
-  if v and string.sub(v, 1, 1) == 'R' then
-    if redis.call('HINCRBY', k.holders, page, -1) <= 0 then
-      redis.call('HDEL', k.reserved, string.sub(v, 2))
-      redis.call('HDEL', k.holders, page)
-      redis.call('ZREM', k.resq, page)
-      redis.call('HDEL', k.pk, page)
-      pk[page] = false
-      free_page(k, page, now)
-      released = released + 1
+  if not seen[page] and v and string.sub(v, 1, 1) == 'R'
+      and tonumber(redis.call('HGET', k.holders, page) or '1') <= 1 then
+    redis.call('HDEL', k.reserved, string.sub(v, 2))
+    redis.call('HDEL', k.holders, page)
+    redis.call('ZREM', k.resq, page)
+    redis.call('HDEL', k.pk, page)
+    pk[page] = false
+    local until_ = now + RELEASE_GRACE
+    local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
+    if reading > until_ then
+      until_ = reading
     end
+    redis.call('ZADD', k.cool, fmt(until_), page)
+    released = released + 1
   end
+  seen[page] = true
 end
 if #w_keys > 0 then
   call_many('HDEL', k.reserved, w_keys)
