@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-__all__ = ["DEFAULT_NAMESPACE", "PoolId", "normalize_namespace", "sglang_pool", "vllm_pool"]
+__all__ = ["DEFAULT_NAMESPACE", "PoolId", "normalize_namespace"]
 
 DEFAULT_NAMESPACE = "kv"
 
@@ -33,11 +33,3 @@ class PoolId(NamedTuple):
         if self.dialect == "v":
             return f"vllm rank {self.rank}"
         return f"rank {self.rank} namespace '{self.namespace}'"
-
-
-def sglang_pool(rank: int, namespace: str = DEFAULT_NAMESPACE) -> PoolId:
-    return PoolId("s", rank, namespace)
-
-
-def vllm_pool(rank: int) -> PoolId:
-    return PoolId("v", rank, "")

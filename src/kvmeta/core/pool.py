@@ -263,16 +263,9 @@ class Pool:
         return self.num_pages - len(self._stored) - len(self._reserved)
 
     def stored_items(self) -> list[tuple[str, int]]:
-        """STORED (key, page) pairs, coldest first: what a snapshot writes. O(stored)."""
-        out: list[tuple[str, int]] = []
-        page_key, nxt = self._page_key, self._next
-        page = self._head
-        while page != -1:
-            key = page_key[page]
-            assert key is not None
-            out.append((key, page))
-            page = nxt[page]
-        return out
+        """STORED (key, page) pairs, coldest first. O(stored)."""
+        keys, pages = lru_order(self._page_key, self._next, self._head)
+        return list(zip(keys, pages, strict=True))
 
     def lru_copy(self) -> tuple[list[str | None], array[int], int]:
         """Copies of the page->key table, the LRU next-links and the LRU head.
@@ -396,7 +389,9 @@ class Pool:
                     evicted.append((old, page))
                     evictions += 1
                 else:
-                    page = self._take_page(now, evicted, hits)
+                    page = self._evict_one(now, evicted, hits)
+                    if page >= 0:
+                        evictions += 1
             if page < 0:
                 refused += 1
                 append((False, -1))
@@ -626,15 +621,6 @@ class Pool:
                     f"0..{n - 1}; release only pages returned by reserve",
                     "pages_to_release",
                 )
-
-    def _take_page(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
-        """A page for a new reservation: a free one, else the coldest evictable STORED one."""
-        if self._free:
-            return self._free.pop()
-        page = self._evict_one(now, evicted, keep)
-        if page >= 0:
-            self.counters.evictions += 1
-        return page
 
     def _evict_one(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
         """Remove the coldest STORED page not under a read lease and not in ``keep``; -1 if
