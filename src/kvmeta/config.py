@@ -58,10 +58,13 @@ class Settings:
     max_keys: int = 65536
     max_key_length: int = 1024
     max_namespace_length: int = 128
-    max_pages: int = 1 << 28
+    max_pages: int = 1 << 26
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False
+    # resource limits on pools (each page costs ~30 bytes of memory once its pool exists)
+    max_world_size: int = 4096
+    max_total_pages: int = 1 << 27
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -138,10 +141,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_keys", "most keys in one request", _positive_int),
     Option("max_key_length", "longest key accepted, characters", _positive_int),
     Option("max_namespace_length", "longest namespace accepted, characters", _positive_int),
-    Option("max_pages", "largest num_pages accepted", _positive_int),
+    Option(
+        "max_pages", "largest num_pages of one pool (~30 bytes of memory per page)", _positive_int
+    ),
     Option("log_level", "logging level", str, ("debug", "info", "warning", "error")),
     Option("log_format", "log line format", str, ("text", "json")),
     Option("access_log", "log one line per request", _bool, flag_only=True),
+    # resource limits on pools
+    Option("max_world_size", "largest vLLM world_size accepted", _positive_int),
+    Option(
+        "max_total_pages",
+        "pages of all pools together (~30 bytes of memory each), checked before a pool is made",
+        _positive_int,
+    ),
 )
 
 

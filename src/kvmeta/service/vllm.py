@@ -18,11 +18,11 @@ from kvmeta.errors import InvalidRequest
 
 __all__ = [
     "INIT_ERROR",
+    "INIT_FIELDS",
     "SCHEDULER_MESSAGE",
     "VALID_INIT",
     "WorkerInit",
     "check_initialize",
-    "confirm_error",
     "worker_message",
 ]
 
@@ -32,6 +32,7 @@ VALID_INIT = (
     'valid combinations: {"role": "worker", "num_pages": N} with an integer N > 0 (each '
     'worker: page file size // page size), or {"role": "scheduler"} (num_pages ignored)'
 )
+INIT_FIELDS = ("role", "num_pages", "world_size")  # what an initialize body may hold
 _ROLES = ("worker", "scheduler")
 _MISSING: Any = object()
 
@@ -110,11 +111,3 @@ def worker_message(rank: int, num_pages: int, requested: int) -> str:
             "ignored: resizing would make workers overwrite each other's pages)"
         )
     return message
-
-
-def confirm_error(exc: InvalidRequest) -> InvalidRequest:
-    """The core names dialect S's field; say `confirmations` to a vLLM caller."""
-    if exc.field != "written_keys_to_confirm":
-        return exc
-    message = str(exc).replace("`written_keys_to_confirm`", "`confirmations`")
-    return InvalidRequest(message, "confirmations")
