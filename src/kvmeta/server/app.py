@@ -72,11 +72,17 @@ def nested_error(usage: str, prefix: str = "") -> InvalidRequest:
     )
 
 
-def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, usage: str) -> T:
+def decode_body(
+    decoder: msgspec.json.Decoder[T],
+    body: bytes,
+    usage: str,
+    explain: Callable[[bytes, str], InvalidRequest] | None = None,
+) -> T:
     """Decode and validate a JSON body; an empty body means ``{}``.
 
     Raises:
-        InvalidRequest: naming the JSON path that is wrong and the shape expected (``usage``).
+        InvalidRequest: naming the JSON path that is wrong and the shape expected (``usage``),
+        or as ``explain(body, msgspec's detail)`` words a validation failure.
     """
     if not body or body.isspace():
         body = b"{}"
@@ -84,6 +90,8 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, usage: str) -> T:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
+        if explain is not None:
+            raise explain(body, text) from None
         raise InvalidRequest(
             f"Invalid request body: {text}. Expected {usage}", _field_of(text)
         ) from None
@@ -170,17 +178,7 @@ class BodyDecoder(Generic[T]):
             return self._strict.decode(body), []
         except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
             pass
-        if self._explain is None:
-            value = decode_body(self._lenient, body, self.usage)
-        else:
-            try:
-                value = decode_body(self._lenient, body, self.usage)
-            except InvalidRequest:
-                try:
-                    self._lenient.decode(body)
-                except msgspec.ValidationError as exc:
-                    raise self._explain(body, str(exc)) from None
-                raise
+        value = decode_body(self._lenient, body, self.usage, self._explain)
         return value, self.unknown(body)
 
     def unknown(self, body: bytes) -> list[CallerWarning]:
