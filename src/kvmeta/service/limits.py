@@ -63,7 +63,11 @@ def rank_error(rank: int | str, field: str) -> str:
 
 
 def _gib(pages: int) -> str:
-    return f"~{pages * BYTES_PER_PAGE / (1 << 30):.1f} GiB"
+    """Memory that many pages take, roughly."""
+    size = pages * BYTES_PER_PAGE
+    if size >= 1 << 30:
+        return f"~{size / (1 << 30):.1f} GiB"
+    return f"~{max(size >> 20, 1)} MiB"
 
 
 @dataclass(frozen=True)
