@@ -48,7 +48,9 @@ S_CASES: dict[str, Call] = {
     "confirm page past the end": lambda c: c.confirm_write(0, [("a", 100)], []),
     "confirm negative page": lambda c: c.confirm_write(0, [("a", -1)], []),
     "release page past the end": lambda c: c.confirm_write(0, [], [0, 100]),
-    "confirm too many entries": lambda c: c.confirm_write(0, [("a", 1), ("b", 2), ("c", 3)], [4, 5]),
+    "confirm too many entries": lambda c: c.confirm_write(
+        0, [("a", 1), ("b", 2), ("c", 3)], [4, 5]
+    ),
     "confirm long key": lambda c: c.confirm_write(0, [(LONG, 1)], []),
 }
 

@@ -118,9 +118,7 @@ def _header_value(text: str) -> bytes:
     return safe.encode("ascii")
 
 
-def reply(
-    response: Response, warnings: Iterable[CallerWarning] = ()
-) -> Response:
+def reply(response: Response, warnings: Iterable[CallerWarning] = ()) -> Response:
     """``response`` with one ``X-Kvmeta-Warning`` header per warning (counted per kind)."""
     headers = []
     for kind, text in warnings:
