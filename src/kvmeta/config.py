@@ -132,7 +132,7 @@ OPTIONS: tuple[Option, ...] = (
         "start, rewritten every --save-interval for rollback",
     ),
     Option("save_interval", "seconds between writes of --persistence-path", _positive_float),
-    Option("backend", "shared state URL, e.g. redis://host:6379/0 (default: this process)"),
+    Option("backend", "shared state URL, e.g. redis://host:6379/0; unset: state in this process"),
     Option("workers", "server processes on one port (needs a shared --backend)", _positive_int),
     Option("auth_token", "require this token (Bearer, or as the password in the URL)"),
     Option("ssl_certfile", "TLS certificate (PEM) to serve https"),
@@ -169,14 +169,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per option; defaults stay None so the merge can tell 'not given'."""
     defaults = Settings()
     for opt in OPTIONS:
-        default = getattr(defaults, opt.name)
-        help_text = f"{opt.help} (env {_env(opt)}; default {default})"
+        default = _shown_default(getattr(defaults, opt.name))
+        choices = f"one of {'|'.join(opt.choices)}; " if opt.choices else ""
+        help_text = f"{opt.help} ({choices}default {default}; env {_env(opt)})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if opt.flag_only:
             parser.add_argument(
                 _flag(opt), action="store_const", const=True, default=None, help=help_text
             )
         else:
-            parser.add_argument(_flag(opt), default=None, metavar=opt.name.upper(), help=help_text)
+            metavar = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper()
+            parser.add_argument(_flag(opt), default=None, metavar=metavar, help=help_text)
+
+
+def _shown_default(value: Any) -> str:
+    """A default as a user would type it (or what leaving the flag out means)."""
+    if value is None:
+        return "unset"
+    if value is True or value is False:
+        return "on" if value else "off"
+    return str(value)
 
 
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:
