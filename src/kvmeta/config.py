@@ -58,7 +58,7 @@ class Settings:
     max_keys: int = 65536
     max_key_length: int = 1024
     max_namespace_length: int = 128
-    max_pages: int = 1 << 26
+    max_pages: int = 1 << 24
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False

@@ -21,6 +21,7 @@ __all__ = [
     "ConfirmFields",
     "RequestLimits",
     "rank_error",
+    "show_number",
 ]
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:\-]+")
@@ -49,15 +50,21 @@ CONFIRM_FIELDS: dict[str, ConfirmFields] = {
 }
 
 
-def _shown(number: int | str) -> str:
-    text = str(number)
-    return text if len(text) <= 24 else f"a {len(text.lstrip('+-'))}-digit number"
+def show_number(number: int | str) -> str:
+    """A number as given, or its size when it is too long to echo (or to print at all)."""
+    if isinstance(number, int):
+        if abs(number).bit_length() <= 80:
+            return str(number)
+        digits = int(abs(number).bit_length() * 0.30103) + 1
+        return f"a number of about {digits} digits"
+    text = number.lstrip("+-")
+    return number if len(text) <= 24 else f"a {len(text)}-digit number"
 
 
 def rank_error(rank: int | str, field: str) -> str:
     """The message for a rank outside a signed 64-bit integer, wherever it came from."""
     return (
-        f"`{field}` {_shown(rank)} is out of range: a rank must fit in a signed 64-bit integer "
+        f"`{field}` {show_number(rank)} is out of range: a rank must fit in a signed 64-bit integer "
         f"({INT64_MIN}..{INT64_MAX}); pass the engine's tensor-parallel rank (0, 1, ...)"
     )
 
@@ -80,7 +87,7 @@ class RequestLimits:
     max_keys: int = 65536
     max_key_length: int = 1024
     max_namespace_length: int = 128
-    max_pages: int = 1 << 26
+    max_pages: int = 1 << 24
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
 
@@ -133,7 +140,7 @@ class RequestLimits:
             for page in values:
                 if not 0 <= page < num_pages:
                     raise InvalidRequest(
-                        f"page {_shown(page)} in `{which}` is outside this pool's pages "
+                        f"page {show_number(page)} in `{which}` is outside this pool's pages "
                         f"0..{num_pages - 1}; {verb} only pages returned by {fields.reserve}",
                         which,
                     )
@@ -156,13 +163,13 @@ class RequestLimits:
     def check_num_pages(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise InvalidRequest(
-                f"`num_pages` must be a positive integer, got {_shown(num_pages)}; pass the "
+                f"`num_pages` must be a positive integer, got {show_number(num_pages)}; pass the "
                 "number of pages in the pool's backing file (file size // page size)",
                 "num_pages",
             )
         if num_pages > self.max_pages:
             raise InvalidRequest(
-                f"`num_pages` {_shown(num_pages)} exceeds the limit of {self.max_pages} "
+                f"`num_pages` {show_number(num_pages)} exceeds the limit of {self.max_pages} "
                 f"({_gib(self.max_pages)} of memory); check the page size computation or raise "
                 "--max-pages",
                 "num_pages",
@@ -188,7 +195,7 @@ class RequestLimits:
     def check_world_size(self, world_size: int | None) -> None:
         if world_size is not None and world_size > self.max_world_size:
             raise InvalidRequest(
-                f"`world_size` {_shown(world_size)} exceeds the limit of {self.max_world_size}; "
+                f"`world_size` {show_number(world_size)} exceeds the limit of {self.max_world_size}; "
                 "pass the tensor-parallel size, or raise --max-world-size",
                 "world_size",
             )

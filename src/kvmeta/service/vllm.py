@@ -15,6 +15,7 @@ from typing import Any
 import msgspec
 
 from kvmeta.errors import InvalidRequest
+from kvmeta.service.limits import show_number
 
 __all__ = [
     "INIT_ERROR",
@@ -48,6 +49,8 @@ class WorkerInit:
 
 def _show(value: Any) -> str:
     """A value as the caller wrote it (JSON when it came from JSON)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return show_number(value)
     try:
         return msgspec.json.encode(value).decode()
     except (TypeError, msgspec.EncodeError):
