@@ -64,8 +64,8 @@ def show_number(number: int | str) -> str:
 def rank_error(rank: int | str, field: str) -> str:
     """The message for a rank outside a signed 64-bit integer, wherever it came from."""
     return (
-        f"`{field}` {show_number(rank)} is out of range: a rank must fit in a signed 64-bit integer "
-        f"({INT64_MIN}..{INT64_MAX}); pass the engine's tensor-parallel rank (0, 1, ...)"
+        f"`{field}` {show_number(rank)} is out of range: a rank must fit in a signed 64-bit "
+        f"integer ({INT64_MIN}..{INT64_MAX}); pass the engine's tensor-parallel rank (0, 1, ...)"
     )
 
 
@@ -195,7 +195,7 @@ class RequestLimits:
     def check_world_size(self, world_size: int | None) -> None:
         if world_size is not None and world_size > self.max_world_size:
             raise InvalidRequest(
-                f"`world_size` {show_number(world_size)} exceeds the limit of {self.max_world_size}; "
-                "pass the tensor-parallel size, or raise --max-world-size",
+                f"`world_size` {show_number(world_size)} exceeds the limit of "
+                f"{self.max_world_size}; pass the tensor-parallel size, or raise --max-world-size",
                 "world_size",
             )
