@@ -7,12 +7,14 @@ logger. Each subcommand's work lives elsewhere; this module parses and dispatche
 from __future__ import annotations
 
 import argparse
+import difflib
 import json
 import logging
 import sys
 import time
 from collections.abc import Sequence
 
+from kvmeta import __version__
 from kvmeta.config import add_arguments, env_setting, settings_from_args
 from kvmeta.errors import KvmetaError
 
@@ -83,7 +85,9 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         "status",
         help="show a server's readiness and pools (exit 1: not ready, 2: unreachable)",
     )
-    cmd.add_argument("--url", default="http://127.0.0.1:18000", help="server base URL")
+    cmd.add_argument(
+        "--url", default="http://127.0.0.1:18000", help="server base URL (default %(default)s)"
+    )
     cmd.add_argument(
         "--token",
         default=None,
@@ -112,21 +116,52 @@ def build_parser() -> argparse.ArgumentParser:
         prog="kvmeta",
         description="KV-cache page metadata service for SGLang HiCache and vLLM HF3FS.",
     )
+    parser.add_argument("--version", action="version", version=f"kvmeta {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     _add_bench(sub)
-    serve = sub.add_parser("serve", help="run the metadata server")
+    serve = sub.add_parser(
+        "serve",
+        help="run the metadata server",
+        description="Run the metadata server. Every flag can also be set by the environment "
+        "variable shown in its help; flags win over the environment.",
+    )
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     _add_status(sub)
     check = sub.add_parser("check", help="verify a data directory offline (exit 1 on problems)")
-    check.add_argument("--data-dir", default="./kvmeta-data", help="directory to check")
+    check.add_argument(
+        "--data-dir", default="./kvmeta-data", help="directory to check (default %(default)s)"
+    )
     check.set_defaults(func=_cmd_check)
     return parser
 
 
+def _unrecognized(
+    parser: argparse.ArgumentParser, args: argparse.Namespace, extra: list[str]
+) -> None:
+    """Report flags no parser took with the usage of the command they were given to (argparse
+    would print the top-level usage) and the closest real flag."""
+    command = getattr(args, "command", None)
+    subparsers = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    target = parser
+    if command and subparsers:
+        target = subparsers[0].choices.get(command, parser)
+    message = f"unrecognized arguments: {' '.join(extra)}"
+    known = [s for a in target._actions for s in a.option_strings if s.startswith("--")]
+    for word in extra:
+        if word.startswith("-"):
+            close = difflib.get_close_matches(word.split("=", 1)[0], known, n=1, cutoff=0.6)
+            if close:
+                message += f" (did you mean {close[0]}?)"
+                break
+    target.error(message)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        _unrecognized(parser, args, extra)
     try:
         return int(args.func(args))
     except KvmetaError as exc:

@@ -58,10 +58,13 @@ class Settings:
     max_keys: int = 65536
     max_key_length: int = 1024
     max_namespace_length: int = 128
-    max_pages: int = 1 << 28
+    max_pages: int = 1 << 24
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False
+    # resource limits on pools (each page costs ~30 bytes of memory once its pool exists)
+    max_world_size: int = 4096
+    max_total_pages: int = 1 << 27
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -129,7 +132,7 @@ OPTIONS: tuple[Option, ...] = (
         "start, rewritten every --save-interval for rollback",
     ),
     Option("save_interval", "seconds between writes of --persistence-path", _positive_float),
-    Option("backend", "shared state URL, e.g. redis://host:6379/0 (default: this process)"),
+    Option("backend", "shared state URL, e.g. redis://host:6379/0; unset: state in this process"),
     Option("workers", "server processes on one port (needs a shared --backend)", _positive_int),
     Option("auth_token", "require this token (Bearer, or as the password in the URL)"),
     Option("ssl_certfile", "TLS certificate (PEM) to serve https"),
@@ -138,10 +141,19 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_keys", "most keys in one request", _positive_int),
     Option("max_key_length", "longest key accepted, characters", _positive_int),
     Option("max_namespace_length", "longest namespace accepted, characters", _positive_int),
-    Option("max_pages", "largest num_pages accepted", _positive_int),
+    Option(
+        "max_pages", "largest num_pages of one pool (~30 bytes of memory per page)", _positive_int
+    ),
     Option("log_level", "logging level", str, ("debug", "info", "warning", "error")),
     Option("log_format", "log line format", str, ("text", "json")),
     Option("access_log", "log one line per request", _bool, flag_only=True),
+    # resource limits on pools
+    Option("max_world_size", "largest vLLM world_size accepted", _positive_int),
+    Option(
+        "max_total_pages",
+        "pages of all pools together (~30 bytes of memory each), checked before a pool is made",
+        _positive_int,
+    ),
 )
 
 
@@ -157,14 +169,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Add one flag per option; defaults stay None so the merge can tell 'not given'."""
     defaults = Settings()
     for opt in OPTIONS:
-        default = getattr(defaults, opt.name)
-        help_text = f"{opt.help} (env {_env(opt)}; default {default})"
+        default = _shown_default(getattr(defaults, opt.name))
+        choices = f"one of {'|'.join(opt.choices)}; " if opt.choices else ""
+        help_text = f"{opt.help} ({choices}default {default}; env {_env(opt)})"
+        help_text = help_text.replace("%", "%%")  # argparse formats help with %
         if opt.flag_only:
             parser.add_argument(
                 _flag(opt), action="store_const", const=True, default=None, help=help_text
             )
         else:
-            parser.add_argument(_flag(opt), default=None, metavar=opt.name.upper(), help=help_text)
+            metavar = "{" + ",".join(opt.choices) + "}" if opt.choices else opt.name.upper()
+            parser.add_argument(_flag(opt), default=None, metavar=metavar, help=help_text)
+
+
+def _shown_default(value: Any) -> str:
+    """A default as a user would type it (or what leaving the flag out means)."""
+    if value is None:
+        return "unset"
+    if value is True or value is False:
+        return "on" if value else "off"
+    return str(value)
 
 
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -111,10 +111,11 @@ def test_http_not_initialized_keeps_server_message(server: ServerProcess) -> Non
 
 
 def test_local_not_initialized_message() -> None:
+    """The in-process client words it as the server does (and is still a RuntimeError)."""
     client = Hf3fsLocalMetadataClient()
-    with pytest.raises(NotInitialized, match=r"^Namespace 'mamba' for rank 2 not initialized"):
+    with pytest.raises(NotInitialized, match=r"^Rank 2 namespace 'mamba' not initialized\."):
         client.exists(2, ["a"], PoolName.MAMBA)
-    with pytest.raises(RuntimeError, match="initialize\\(2, num_pages"):
+    with pytest.raises(RuntimeError, match="Please call /2/initialize first"):
         client.get_page_indices(2, ["a"])
 
 

@@ -14,7 +14,6 @@ from typing import Any, TypeVar
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
-from kvmeta.errors import NotInitialized
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -149,29 +148,20 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same pools in this process, no server: for a single-node engine.
 
-    Thread-safe (one lock); state is lost when the process exits.
+    Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
+    same class, same message.
     """
 
     def _run(self, rank: int, ns: str, fn: Callable[[PoolId], T]) -> T:
         pid = PoolId("s", rank, ns)
         with self._lock:
-            if pid not in self._store.pools:
-                raise NotInitialized(
-                    f"Namespace '{ns}' for rank {rank} not initialized; call "
-                    f"initialize({rank}, num_pages, namespace={ns!r}) first",
-                    rank,
-                    ns,
-                )
+            self._store.pool(pid)  # NotInitialized, in the server's words
             return fn(pid)
 
     def initialize(
         self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
-        ns = _ns(namespace)
-        self._limits.check_num_pages(num_pages)
-        self._limits.check_namespace(ns)
-        with self._lock:
-            self._store.initialize(PoolId("s", rank, ns), num_pages)
+        self._initialize(PoolId("s", rank, _ns(namespace)), num_pages)
 
     def reserve_and_allocate_page_indices(
         self,
@@ -180,6 +170,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
         namespace: NamespaceLike = DEFAULT_NAMESPACE,
     ) -> list[tuple[bool, int]]:
         plain = [k[0] for k in keys]
+        self._limits.check_rank(rank)
         self._limits.check_keys(plain)
         return self._run(rank, _ns(namespace), lambda pid: self._store.reserve(pid, plain))
 
@@ -192,12 +183,13 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in written_keys_to_confirm]
         release = [int(p) for p in pages_to_release]
-        self._run(rank, _ns(namespace), lambda pid: self._store.confirm(pid, pairs, release))
+        self._confirm(PoolId("s", rank, _ns(namespace)), pairs, release)
 
     def get_page_indices(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> list[int | None]:
         plain = list(keys)
+        self._limits.check_rank(rank)
         self._limits.check_keys(plain)
         return self._run(rank, _ns(namespace), lambda pid: self._store.get(pid, plain))
 

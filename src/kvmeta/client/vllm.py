@@ -15,13 +15,8 @@ from kvmeta._types import PoolId
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
 from kvmeta.client.http import DEFAULT_TIMEOUT
-from kvmeta.errors import InvalidRequest, NotInitialized
-from kvmeta.service.vllm import (
-    INIT_ERROR,
-    check_initialize,
-    check_world_size_body,
-    confirm_error,
-)
+from kvmeta.errors import InvalidRequest
+from kvmeta.service.vllm import INIT_ERROR, check_initialize, check_world_size_body
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -164,35 +159,31 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same index in this process, no server: for a single-node engine.
 
-    Thread-safe (one lock); state is lost when the process exits.
+    Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
+    same class, same message.
     """
 
     def _run(self, rank: int, fn: Callable[[PoolId], T]) -> T:
         pid = PoolId("v", rank, "")
         with self._lock:
-            if pid not in self._store.pools:
-                raise NotInitialized(
-                    f"Rank {rank} not initialized; call initialize({rank}, num_pages) with role "
-                    "'worker' and num_pages > 0 first",
-                    rank,
-                )
+            self._store.pool(pid)  # NotInitialized, in the server's words
             return fn(pid)
 
     def initialize(
         self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
     ) -> None:
+        self._limits.check_rank(rank)  # (the server's path check, before anything else)
         worker = check_initialize(rank, role, num_pages, world_size)
         if worker is None:
             return
         try:
-            self._limits.check_num_pages(worker.num_pages)
-        except InvalidRequest as exc:
+            self._v_register(rank, worker.num_pages, worker.world_size)
+        except InvalidRequest as exc:  # a limit such as --max-pages, as the server words it
             raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
-        with self._lock:
-            self._store.v_register(rank, worker.num_pages, worker.world_size)
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         plain = [_key(k) for k in keys]
+        self._limits.check_rank(rank)
         self._limits.check_keys(plain)
         out = self._run(rank, lambda pid: self._store.reserve(pid, plain))
         return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
@@ -205,11 +196,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in key_confirmations]
         release = [int(p) for p in pages_to_release or []]
-        self._limits.check_keys([k for k, _ in pairs], "confirmations")
-        try:
-            self._run(rank, lambda pid: self._store.confirm(pid, pairs, release))
-        except InvalidRequest as exc:
-            raise confirm_error(exc) from None
+        self._confirm(PoolId("v", rank, ""), pairs, release)
 
     def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
         plain = list(keys)
@@ -219,6 +206,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
 
     def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
         plain = list(keys)
+        self._limits.check_rank(rank)
         self._limits.check_keys(plain)
         return self._run(rank, lambda pid: self._store.get(pid, plain))
 

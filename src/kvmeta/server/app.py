@@ -8,22 +8,33 @@ one ``{rank}`` segment. Every ``KvmetaError`` becomes ``{"detail": message}`` wi
 
 from __future__ import annotations
 
+import difflib
+import json
 import logging
-from collections.abc import Callable, Coroutine
-from typing import Any, TypeVar
+import types
+from collections.abc import Callable, Coroutine, Iterable
+from typing import Any, Generic, TypeVar
 
 import msgspec
 
 from kvmeta.errors import InvalidRequest, KvmetaError, MethodNotAllowed, NotFound, Unauthorized
 from kvmeta.server.http import Request, Response
+from kvmeta.service.limits import INT64_MAX, INT64_MIN, rank_error
 
 __all__ = [
+    "CALLER_WARNINGS",
     "NO_CONTENT",
+    "WARNING_HEADER",
     "App",
+    "BodyDecoder",
     "InvalidPathParameter",
     "RouteHandler",
+    "CallerWarning",
     "decode_body",
     "json_response",
+    "nested_error",
+    "reply",
+    "unknown_fields_warning",
 ]
 
 logger = logging.getLogger(__name__)
@@ -53,11 +64,25 @@ def error_response(status: int, detail: str) -> Response:
 _CHALLENGE = ((b"www-authenticate", b'Bearer realm="kvmeta", Basic realm="kvmeta"'),)
 
 
-def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, usage: str) -> T:
+def nested_error(usage: str, prefix: str = "") -> InvalidRequest:
+    """A body nested deeper than the JSON parser's recursion limit (engines send depth 3)."""
+    return InvalidRequest(
+        f"{prefix}Request body is nested too deeply for the JSON parser (engines' bodies are "
+        f"at most 3 levels deep). Expected {usage}"
+    )
+
+
+def decode_body(
+    decoder: msgspec.json.Decoder[T],
+    body: bytes,
+    usage: str,
+    explain: Callable[[bytes, str], InvalidRequest] | None = None,
+) -> T:
     """Decode and validate a JSON body; an empty body means ``{}``.
 
     Raises:
-        InvalidRequest: naming the JSON path that is wrong and the shape expected (``usage``).
+        InvalidRequest: naming the JSON path that is wrong and the shape expected (``usage``),
+        or as ``explain(body, msgspec's detail)`` words a validation failure.
     """
     if not body or body.isspace():
         body = b"{}"
@@ -65,11 +90,103 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, usage: str) -> T:
         return decoder.decode(body)
     except msgspec.ValidationError as exc:
         text = str(exc)
+        if explain is not None:
+            raise explain(body, text) from None
         raise InvalidRequest(
             f"Invalid request body: {text}. Expected {usage}", _field_of(text)
         ) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(f"Request body is not valid JSON ({exc}). Expected {usage}") from None
+    except RecursionError:
+        raise nested_error(usage) from None
+
+
+# Caller mistakes that keep their compatible reply (204/200) but are worth seeing: each adds an
+# ``X-Kvmeta-Warning`` header to the reply and counts in ``kvmeta_caller_warnings_total{kind}``.
+WARNING_HEADER = b"x-kvmeta-warning"
+WARNING_KINDS = ("size_conflict", "unknown_field", "confirm_refused")
+CALLER_WARNINGS: dict[str, int] = dict.fromkeys(WARNING_KINDS, 0)
+CallerWarning = tuple[str, str]  # (kind, text)
+_MAX_WARNING_CHARS = 512
+
+
+def _header_value(text: str) -> bytes:
+    """ASCII only, no control characters (a caller's field name can hold anything)."""
+    safe = json.dumps(text, ensure_ascii=True)[1:-1]
+    if len(safe) > _MAX_WARNING_CHARS:
+        safe = safe[: _MAX_WARNING_CHARS - 3] + "..."
+    return safe.encode("ascii")
+
+
+def reply(response: Response, warnings: Iterable[CallerWarning] = ()) -> Response:
+    """``response`` with one ``X-Kvmeta-Warning`` header per warning (counted per kind)."""
+    headers = []
+    for kind, text in warnings:
+        CALLER_WARNINGS[kind] = CALLER_WARNINGS.get(kind, 0) + 1
+        headers.append((WARNING_HEADER, _header_value(f"{kind}: {text}")))
+    if not headers:
+        return response
+    return Response(response.status, response.body, response.content_type, tuple(headers))
+
+
+def _quoted(name: str) -> str:
+    return "`" + (name if len(name) <= 64 else name[:61] + "...") + "`"
+
+
+def unknown_fields_warning(unknown: list[str], known: tuple[str, ...]) -> CallerWarning:
+    """Name each field the route ignored, with the closest known name when there is one."""
+    parts = []
+    for name in unknown[:3]:
+        part = f"unknown field {_quoted(name)} ignored"
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        parts.append(part + (f"; did you mean {_quoted(close[0])}?" if close else ""))
+    if len(unknown) > 3:
+        parts.append(f"and {len(unknown) - 3} more unknown field(s)")
+    fields = ", ".join(map(_quoted, known))
+    return ("unknown_field", "; ".join(parts) + f" (this route reads {fields})")
+
+
+class BodyDecoder(Generic[T]):
+    """Typed decoding that also notices fields the route does not read (a misspelt
+    ``nmespace`` would otherwise silently mean the default pool).
+
+    The fast path is one strict decode; only a body that fails it is decoded again leniently
+    (raising the real error, if any) and looked at for unknown fields."""
+
+    def __init__(
+        self,
+        struct: type[T],
+        usage: str,
+        explain: Callable[[bytes, str], InvalidRequest] | None = None,
+    ) -> None:
+        """``explain(body, detail)`` words a validation failure (default: msgspec's detail,
+        the JSON path and ``usage``)."""
+        self.usage = usage
+        self._explain = explain
+        self.fields: tuple[str, ...] = struct.__struct_fields__  # type: ignore[attr-defined]
+        strict = types.new_class(struct.__name__, (struct,), {"forbid_unknown_fields": True})
+        self._strict: msgspec.json.Decoder[Any] = msgspec.json.Decoder(strict)
+        self._lenient = msgspec.json.Decoder(struct)
+
+    def decode(self, body: bytes) -> tuple[T, list[CallerWarning]]:
+        """Raises InvalidRequest naming the wrong JSON path and the shape expected."""
+        if not body or body.isspace():
+            body = b"{}"
+        try:
+            return self._strict.decode(body), []
+        except (msgspec.ValidationError, msgspec.DecodeError, RecursionError):
+            pass
+        value = decode_body(self._lenient, body, self.usage, self._explain)
+        return value, self.unknown(body)
+
+    def unknown(self, body: bytes) -> list[CallerWarning]:
+        """The unknown-field warning for a body that decoded (so is a JSON object)."""
+        try:
+            data = msgspec.json.decode(body)
+        except (msgspec.MsgspecError, RecursionError):  # pragma: no cover - decoded above
+            return []
+        extra = [k for k in data if k not in self.fields] if isinstance(data, dict) else []
+        return [unknown_fields_warning(extra, self.fields)] if extra else []
 
 
 def _field_of(message: str) -> str | None:
@@ -90,11 +207,16 @@ def parse_rank(segment: str) -> int:
     """
     digits = segment[1:] if segment[:1] in ("-", "+") else segment
     if not (digits.isascii() and digits.isdigit()):
+        shown = segment if len(segment) <= 40 else segment[:37] + "..."
         raise InvalidPathParameter(
-            f"Path parameter `rank` must be an integer, got {segment!r}; use e.g. /0/...",
+            f"Path parameter `rank` must be an integer, got {shown!r}; use e.g. /0/...",
             "rank",
         )
-    return int(segment)
+    # (int() of thousands of digits is slow and refused past 4300; no int64 has over 19)
+    rank = int(segment) if len(digits.lstrip("0")) <= 19 else None
+    if rank is None or not INT64_MIN <= rank <= INT64_MAX:
+        raise InvalidPathParameter("Path parameter " + rank_error(segment, "rank"), "rank")
+    return rank
 
 
 class _Route:
@@ -188,6 +310,8 @@ class App:
             return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
         except KvmetaError as exc:
             return error_response(exc.status, str(exc))
+        except RecursionError:  # a body nested too deeply for a decoder that did not say so
+            return error_response(400, nested_error("a flat JSON object").message)
         except Exception:
             logger.exception("Unhandled error serving %s %s", request.method, request.path)
             return error_response(

@@ -245,6 +245,7 @@ def render_metrics(snapshot: _Snapshot) -> bytes:
     """The Prometheus text exposition of ``snapshot``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(snapshot)  # type: ignore[arg-type]
+    registry.register(_CallerWarnings())  # type: ignore[arg-type]
     return generate_latest(registry)
 
 
@@ -253,3 +254,21 @@ def new_snapshot(**fields: Any) -> _Snapshot:
     for name, value in fields.items():
         setattr(snap, name, value)
     return snap
+
+
+class _CallerWarnings:
+    """``kvmeta_caller_warnings_total{kind}``: replies that carried an ``X-Kvmeta-Warning``
+    (kinds are a fixed set, see ``server.app.WARNING_KINDS``)."""
+
+    def collect(self) -> Iterator[Metric]:
+        from kvmeta.server.app import CALLER_WARNINGS
+
+        family = CounterMetricFamily(
+            "kvmeta_caller_warnings",
+            "caller mistakes answered as the reference servers do, with an X-Kvmeta-Warning "
+            "header, by kind",
+            labels=["kind"],
+        )
+        for kind, count in sorted(CALLER_WARNINGS.items()):
+            family.add_metric([kind], count)
+        yield family

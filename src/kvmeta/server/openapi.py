@@ -40,6 +40,11 @@ def _list(items: Schema) -> Schema:
 
 STR: Schema = {"type": "string"}
 INT: Schema = {"type": "integer"}
+RANK: Schema = {
+    "type": "integer",
+    "format": "int64",
+    "description": "a rank must fit in a signed 64-bit integer; larger is 400 (422 in a path)",
+}
 BOOL: Schema = {"type": "boolean"}
 NUM: Schema = {"type": "number"}
 INT_OR_NULL: Schema = {"type": ["integer", "null"]}
@@ -76,21 +81,27 @@ SCHEMAS: dict[str, Schema] = {
         {
             "role": {"type": "string", "enum": ["worker", "scheduler"], "default": "worker"},
             "num_pages": {"type": "integer", "default": 0},
+            "world_size": {
+                "type": "integer",
+                "minimum": 1,
+                "description": "kvmeta extension: ranks 0..world_size-1 make a key complete; "
+                "at most --max-world-size (default 4096)",
+            },
         }
     ),
     "VMessage": _obj({"message": STR}, ("message",), closed=True),
-    "VAllocate": _obj({"rank": INT, "keys": _list(KEY_PAIR)}, ("rank", "keys")),
+    "VAllocate": _obj({"rank": RANK, "keys": _list(KEY_PAIR)}, ("rank", "keys")),
     "VAllocated": _obj({"rank": INT, "results": _list(KEY_PAGE)}, ("rank", "results"), closed=True),
     "VConfirm": _obj(
         {
-            "rank": INT,
+            "rank": RANK,
             "confirmations": _list(KEY_PAGE),
             "pages_to_release": {**_list(INT), "default": []},
         },
         ("rank", "confirmations"),
     ),
     "VKeys": _obj({"keys": _list(STR)}, ("keys",)),
-    "VRankKeys": _obj({"rank": INT, "keys": _list(STR)}, ("rank", "keys")),
+    "VRankKeys": _obj({"rank": RANK, "keys": _list(STR)}, ("rank", "keys")),
     "VLocations": _obj({"locations": _list(INT_OR_NULL)}, ("locations",), closed=True),
     # operating the vLLM rank registry
     "VIndex": _obj(
@@ -168,10 +179,23 @@ def _json(schema: Schema, description: str) -> dict[str, Any]:
 
 
 _ERRORS = {
-    "400": "malformed body or a value out of range; `detail` names the field and the fix",
+    "400": "malformed body (JSON nested too deeply included) or a value out of range: "
+    "num_pages above --max-pages or, for a new pool, above what --max-total-pages has left; "
+    "world_size above --max-world-size; a rank beyond a signed 64-bit integer. `detail` names "
+    "the field and the fix; nothing was changed",
     "401": "--auth-token is set and the request lacks it",
     "404": "pool/rank not initialised (detail says how), or unknown path",
     "413": "a size limit (body bytes, keys per request); `detail` names the flag to raise it",
+}
+
+
+_WARNING = {
+    "description": "a caller mistake answered as the reference servers do (one header per "
+    "mistake): `<kind>: <what happened and the fix>`, kind one of size_conflict (initialize with "
+    "another num_pages: the pool keeps its size), unknown_field (a body field the route does not "
+    "read, with the closest known name), confirm_refused (how many pairs were not committed: "
+    "page not reserved for that key). Counted in kvmeta_caller_warnings_total{kind}",
+    "schema": STR,
 }
 
 
@@ -183,6 +207,8 @@ def _op(
     responses: dict[str, Any] = {
         status: _json(_ref(schema), "success") if schema else {"description": "success, no body"}
     }
+    if body is not None:
+        responses[status]["headers"] = {"X-Kvmeta-Warning": _WARNING}
     for code in errors:
         responses[code] = _json(_ref("Error"), _ERRORS.get(code, "error"))
     op: dict[str, Any] = {"summary": summary, "responses": responses}
@@ -300,8 +326,9 @@ _RANK_PARAM = {
     "name": "rank",
     "in": "path",
     "required": True,
-    "description": "integer rank (-1 and 007 parse as integers); anything else is 422",
-    "schema": INT,
+    "description": "integer rank (-1 and 007 parse as integers) that fits in a signed 64-bit "
+    "integer; anything else is 422",
+    "schema": {"type": "integer", "format": "int64"},
 }
 
 

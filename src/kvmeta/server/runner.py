@@ -79,6 +79,8 @@ def _limits(settings: Settings) -> RequestLimits:
         max_key_length=settings.max_key_length,
         max_namespace_length=settings.max_namespace_length,
         max_pages=settings.max_pages,
+        max_world_size=settings.max_world_size,
+        max_total_pages=settings.max_total_pages,
     )
 
 

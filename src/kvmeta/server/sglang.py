@@ -6,14 +6,14 @@ Wire shapes only; the pool logic lives in ``core`` and the shared operations in 
 from __future__ import annotations
 
 from operator import itemgetter
-from typing import Annotated
 
 import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
-from kvmeta.server.app import NO_CONTENT, App, decode_body, json_response
+from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, json_response, reply
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
+from kvmeta.service.warnings import confirm_refused, size_conflict
 
 __all__ = ["add_routes"]
 
@@ -29,7 +29,8 @@ class NamespaceBody(msgspec.Struct, kw_only=True):
 
 
 class InitializeBody(NamespaceBody, kw_only=True):
-    num_pages: Annotated[int, msgspec.Meta(gt=0)]
+    # (range checked by the service, in the words the in-process client uses too)
+    num_pages: int
 
 
 class KeysBody(NamespaceBody, kw_only=True):
@@ -59,49 +60,54 @@ _USAGE = {
 
 def add_routes(app: App, service: Service) -> None:
     """Register every dialect-S route on ``app``."""
-    init_dec = msgspec.json.Decoder(InitializeBody)
-    keys_dec = msgspec.json.Decoder(KeysBody)
-    reserve_dec = msgspec.json.Decoder(ReserveBody)
-    confirm_dec = msgspec.json.Decoder(ConfirmBody)
-    ns_dec = msgspec.json.Decoder(NamespaceBody)
+    init_dec = BodyDecoder(InitializeBody, _USAGE["initialize"])
+    keys_dec = BodyDecoder(KeysBody, _USAGE["keys"])
+    reserve_dec = BodyDecoder(ReserveBody, _USAGE["reserve"])
+    confirm_dec = BodyDecoder(ConfirmBody, _USAGE["confirm"])
+    ns_dec = BodyDecoder(NamespaceBody, _USAGE["clear"])
 
     async def initialize(req: Request, rank: int) -> Response:
-        body = decode_body(init_dec, req.body, _USAGE["initialize"])
-        await service.initialize(PoolId("s", rank, body.namespace), body.num_pages)
-        return NO_CONTENT
+        body, warnings = init_dec.decode(req.body)
+        pool = PoolId("s", rank, body.namespace)
+        result = await service.initialize(pool, body.num_pages)
+        if result.conflict:
+            warnings.append(size_conflict(pool, result))
+        return reply(NO_CONTENT, warnings)
 
     async def exists(req: Request, rank: int) -> Response:
-        body = decode_body(keys_dec, req.body, _USAGE["keys"])
+        body, warnings = keys_dec.decode(req.body)
         out = await service.exists(PoolId("s", rank, body.namespace), body.keys)
-        return json_response({"exists": out})
+        return reply(json_response({"exists": out}), warnings)
 
     async def reserve(req: Request, rank: int) -> Response:
-        body = decode_body(reserve_dec, req.body, _USAGE["reserve"])
+        body, warnings = reserve_dec.decode(req.body)
         keys = list(map(_first, body.keys))
         out = await service.reserve(PoolId("s", rank, body.namespace), keys)
-        return json_response({"indices": out})
+        return reply(json_response({"indices": out}), warnings)
 
     async def confirm(req: Request, rank: int) -> Response:
-        body = decode_body(confirm_dec, req.body, _USAGE["confirm"])
-        await service.confirm(
+        body, warnings = confirm_dec.decode(req.body)
+        refused = await service.confirm(
             PoolId("s", rank, body.namespace), body.written_keys_to_confirm, body.pages_to_release
         )
-        return NO_CONTENT
+        if refused:
+            warnings.append(confirm_refused(refused))
+        return reply(NO_CONTENT, warnings)
 
     async def get(req: Request, rank: int) -> Response:
-        body = decode_body(keys_dec, req.body, _USAGE["keys"])
+        body, warnings = keys_dec.decode(req.body)
         out = await service.get(PoolId("s", rank, body.namespace), body.keys)
-        return json_response({"indices": out})
+        return reply(json_response({"indices": out}), warnings)
 
     async def delete(req: Request, rank: int) -> Response:
-        body = decode_body(keys_dec, req.body, _USAGE["keys"])
+        body, warnings = keys_dec.decode(req.body)
         await service.delete(PoolId("s", rank, body.namespace), body.keys)
-        return NO_CONTENT
+        return reply(NO_CONTENT, warnings)
 
     async def clear(req: Request, rank: int) -> Response:
-        body = decode_body(ns_dec, req.body, _USAGE["clear"])
+        body, warnings = ns_dec.decode(req.body)
         await service.clear(PoolId("s", rank, body.namespace))
-        return NO_CONTENT
+        return reply(NO_CONTENT, warnings)
 
     for op, handler in (
         ("initialize", initialize),

@@ -20,21 +20,31 @@ import msgspec
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
-from kvmeta.server.app import NO_CONTENT, App, json_response
+from kvmeta.server.app import (
+    NO_CONTENT,
+    App,
+    BodyDecoder,
+    CallerWarning,
+    json_response,
+    nested_error,
+    reply,
+    unknown_fields_warning,
+)
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import (
     INIT_ERROR,
+    INIT_FIELDS,
     SCHEDULER_MESSAGE,
     VALID_INIT,
     WORLD_SIZE_USAGE,
     check_initialize,
     check_world_size_body,
     completeness,
-    confirm_error,
     remove_message,
     worker_message,
 )
+from kvmeta.service.warnings import confirm_refused, size_conflict
 
 __all__ = ["add_routes"]
 
@@ -91,19 +101,14 @@ def _not_json(exc: Exception, usage: str) -> InvalidRequest:
     return InvalidRequest(f"Request body is not valid JSON ({exc}). Expected {usage}")
 
 
-def _decode(decoder: msgspec.json.Decoder[T], raw: bytes, op: _Op) -> T:
-    """Decode a body; on failure raise the reference server's message, made actionable.
+def _decode(decoder: BodyDecoder[T], raw: bytes) -> tuple[T, list[CallerWarning]]:
+    """Decode a body; on failure raise the reference server's message, made actionable
+    (``_diagnose``).
 
     Raises:
         InvalidRequest: naming the missing or wrong field and the shape expected.
     """
-    body = _body(raw)
-    try:
-        return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        raise _diagnose(body, op, str(exc)) from None
-    except msgspec.DecodeError as exc:
-        raise _not_json(exc, op.usage) from None
+    return decoder.decode(_body(raw))
 
 
 def _diagnose(body: bytes, op: _Op, detail: str) -> InvalidRequest:
@@ -111,6 +116,10 @@ def _diagnose(body: bytes, op: _Op, detail: str) -> InvalidRequest:
         data = msgspec.json.decode(body)
     except msgspec.DecodeError as exc:
         return _not_json(exc, op.usage)
+    except msgspec.ValidationError as exc:  # e.g. an integer of thousands of digits
+        return InvalidRequest(f"Invalid request format: {exc}. Send {op.usage}", _at(str(exc)))
+    except RecursionError:
+        return nested_error(op.usage, "Invalid request format: ")
     need = " and ".join(f"'{name}'" for name in op.required)
     if not isinstance(data, dict):
         return InvalidRequest(
@@ -129,17 +138,35 @@ def _diagnose(body: bytes, op: _Op, detail: str) -> InvalidRequest:
             f"{type(data[op.list_field]).__name__}. Send {op.usage}",
             op.list_field,
         )
-    return InvalidRequest(f"Invalid request format: {detail}. Send {op.usage}")
+    return InvalidRequest(f"Invalid request format: {detail}. Send {op.usage}", _at(detail))
+
+
+def _at(detail: str) -> str | None:
+    """The top-level field a msgspec error's JSON path names (`$.rank` -> rank)."""
+    if "- at `$." not in detail:
+        return None
+    return detail.rsplit("- at `$.", 1)[1].rstrip("`").split("[", 1)[0].split(".", 1)[0]
+
+
+def _decoder(struct: type[T], op: _Op) -> BodyDecoder[T]:
+    return BodyDecoder(struct, op.usage, lambda body, detail: _diagnose(body, op, detail))
+
+
+_RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
 def _init_fields(raw: bytes) -> dict[str, Any]:
     body = _body(raw)
     try:
         data = msgspec.json.decode(body)
+    except msgspec.ValidationError as exc:  # valid JSON, but e.g. an integer of 5000 digits
+        raise _out_of_range(body, exc) from None
     except msgspec.DecodeError as exc:
         raise InvalidRequest(
             f"{INIT_ERROR}the body is not valid JSON ({exc}); {VALID_INIT}"
         ) from None
+    except RecursionError:
+        raise nested_error(VALID_INIT, INIT_ERROR) from None
     if not isinstance(data, dict):
         raise InvalidRequest(
             f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; " + VALID_INIT
@@ -147,53 +174,74 @@ def _init_fields(raw: bytes) -> dict[str, Any]:
     return data
 
 
+def _out_of_range(body: bytes, exc: msgspec.ValidationError) -> InvalidRequest:
+    """Name the field whose value the untyped decoder refused (the error path only)."""
+    try:
+        fields = _RAW_FIELDS.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        fields = {}
+    for name, value in fields.items():
+        try:
+            msgspec.json.decode(value)
+        except msgspec.ValidationError:
+            return InvalidRequest(
+                f"{INIT_ERROR}`{name}` is out of range ({exc}); {VALID_INIT}", name
+            )
+    return InvalidRequest(f"{INIT_ERROR}a value is out of range ({exc}); {VALID_INIT}")
+
+
 def add_routes(app: App, service: Service) -> None:
     """Register every dialect-V route on ``app``."""
-    allocate_dec = msgspec.json.Decoder(AllocateBody)
-    confirm_dec = msgspec.json.Decoder(ConfirmBody)
-    exists_dec = msgspec.json.Decoder(ExistsBody)
-    locations_dec = msgspec.json.Decoder(LocationsBody)
+    allocate_dec = _decoder(AllocateBody, _ALLOCATE)
+    confirm_dec = _decoder(ConfirmBody, _CONFIRM)
+    exists_dec = _decoder(ExistsBody, _EXISTS)
+    locations_dec = _decoder(LocationsBody, _LOCATIONS)
 
     async def initialize(req: Request, rank: int) -> Response:
         data = _init_fields(req.body)
-        fields = {k: data[k] for k in ("role", "num_pages", "world_size") if k in data}
+        fields = {k: data[k] for k in INIT_FIELDS if k in data}
+        warnings: list[CallerWarning] = []
+        extra = [k for k in data if k not in INIT_FIELDS]
+        if extra:
+            warnings.append(unknown_fields_warning(extra, INIT_FIELDS))
         worker = check_initialize(rank, **fields)
         if worker is None:
-            return json_response({"message": SCHEDULER_MESSAGE})
+            return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
         try:
             result = await service.v_register(rank, worker.num_pages, worker.world_size)
         except InvalidRequest as exc:  # a service limit such as --max-pages
             raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
+        if result.conflict:
+            warnings.append(size_conflict(PoolId("v", rank, ""), result))
         message = worker_message(rank, result.num_pages, result.requested)
-        return json_response({"message": message})
+        return reply(json_response({"message": message}), warnings)
 
     async def batch_allocate(req: Request, _: int) -> Response:
-        body = _decode(allocate_dec, req.body, _ALLOCATE)
+        body, warnings = _decode(allocate_dec, req.body)
         keys = body.keys
         if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
             keys = [k if isinstance(k, str) else k[0] for k in keys]
         out = await service.reserve(PoolId("v", body.rank, ""), keys)  # type: ignore[arg-type]
         results = list(zip(keys, map(_second, out), strict=True))
-        return json_response({"rank": body.rank, "results": results})
+        return reply(json_response({"rank": body.rank, "results": results}), warnings)
 
     async def confirm_write(req: Request, _: int) -> Response:
-        body = _decode(confirm_dec, req.body, _CONFIRM)
-        try:
-            await service.confirm(
-                PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
-            )
-        except InvalidRequest as exc:
-            raise confirm_error(exc) from None
-        return NO_CONTENT
+        body, warnings = _decode(confirm_dec, req.body)
+        refused = await service.confirm(
+            PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
+        )
+        if refused:
+            warnings.append(confirm_refused(refused))
+        return reply(NO_CONTENT, warnings)
 
     async def batch_exists(req: Request, _: int) -> Response:
-        body = _decode(exists_dec, req.body, _EXISTS)
-        return json_response({"exists": await service.v_exists(body.keys)})
+        body, warnings = _decode(exists_dec, req.body)
+        return reply(json_response({"exists": await service.v_exists(body.keys)}), warnings)
 
     async def get_locations(req: Request, _: int) -> Response:
-        body = _decode(locations_dec, req.body, _LOCATIONS)
+        body, warnings = _decode(locations_dec, req.body)
         out = await service.get(PoolId("v", body.rank, ""), body.keys)
-        return json_response({"locations": out})
+        return reply(json_response({"locations": out}), warnings)
 
     async def clear(req: Request, _: int) -> Response:
         # The body is ignored, as in the reference: vLLM's /clear takes no parameters.

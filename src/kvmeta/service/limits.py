@@ -1,26 +1,95 @@
-"""Request size limits: each has a flag, a default, and an error that says how to raise it."""
+"""Request limits: each has a flag, a default, and an error that says how to raise it.
+
+The same ``RequestLimits`` object is applied by the server's service layer and by the
+in-process clients, and every check takes the field names of the caller's dialect, so an error
+reads the same in-process and over HTTP and never names another dialect's fields.
+"""
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
+from operator import itemgetter
 
 from kvmeta.errors import InvalidRequest, PayloadTooLarge
 
-__all__ = ["RequestLimits"]
+__all__ = [
+    "BYTES_PER_PAGE",
+    "CONFIRM_FIELDS",
+    "INT64_MAX",
+    "INT64_MIN",
+    "ConfirmFields",
+    "RequestLimits",
+    "rank_error",
+    "show_number",
+]
 
 _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:\-]+")
+
+INT64_MIN = -(1 << 63)
+INT64_MAX = (1 << 63) - 1
+
+# Memory a fresh in-process pool takes per page (measured with tracemalloc: a state byte, a key
+# slot, a read-lease double and three int32 arrays, ~30 bytes; ~34 while it is being built).
+# Used to explain --max-pages / --max-total-pages in their errors.
+BYTES_PER_PAGE = 30
+
+
+@dataclass(frozen=True)
+class ConfirmFields:
+    """What a dialect calls the parts of a confirm, and the op that hands out pages."""
+
+    pairs: str
+    release: str
+    reserve: str
+
+
+CONFIRM_FIELDS: dict[str, ConfirmFields] = {
+    "s": ConfirmFields("written_keys_to_confirm", "pages_to_release", "reserve"),
+    "v": ConfirmFields("confirmations", "pages_to_release", "batch_allocate"),
+}
+
+
+def show_number(number: int | str) -> str:
+    """A number as given, or its size when it is too long to echo (or to print at all)."""
+    if isinstance(number, int):
+        if abs(number).bit_length() <= 80:
+            return str(number)
+        digits = int(abs(number).bit_length() * 0.30103) + 1
+        return f"a number of about {digits} digits"
+    text = number.lstrip("+-")
+    return number if len(text) <= 24 else f"a {len(text)}-digit number"
+
+
+def rank_error(rank: int | str, field: str) -> str:
+    """The message for a rank outside a signed 64-bit integer, wherever it came from."""
+    return (
+        f"`{field}` {show_number(rank)} is out of range: a rank must fit in a signed 64-bit "
+        f"integer ({INT64_MIN}..{INT64_MAX}); pass the engine's tensor-parallel rank (0, 1, ...)"
+    )
+
+
+def _gib(pages: int) -> str:
+    """Memory that many pages take, roughly."""
+    size = pages * BYTES_PER_PAGE
+    if size >= 1 << 30:
+        return f"~{size / (1 << 30):.1f} GiB"
+    return f"~{max(size >> 20, 1)} MiB"
 
 
 @dataclass(frozen=True)
 class RequestLimits:
     """Defaults fit every engine batch seen in the wild (<= 256 keys of <= 80 characters)
-    with a wide margin, while keeping one request's CPU time bounded."""
+    with a wide margin, while keeping one request's CPU time bounded. Page limits keep one
+    initialize from taking more memory than a small (2-core, 24 GiB) machine has: a pool costs
+    ``BYTES_PER_PAGE`` bytes per page as soon as it is created."""
 
     max_keys: int = 65536
     max_key_length: int = 1024
     max_namespace_length: int = 128
-    max_pages: int = 1 << 28
+    max_pages: int = 1 << 24
+    max_world_size: int = 4096
+    max_total_pages: int = 1 << 27
 
     def check_keys(self, keys: list[str], field: str = "keys") -> None:
         """Raises PayloadTooLarge / InvalidRequest naming the limit and its flag."""
@@ -41,6 +110,41 @@ class RequestLimits:
                     field,
                 )
 
+    def check_confirm(
+        self, pairs: list[tuple[str, int]], release: list[int], fields: ConfirmFields
+    ) -> None:
+        """Entry count and key lengths of a confirm, in the caller's dialect."""
+        if len(pairs) + len(release) > self.max_keys:
+            raise PayloadTooLarge(
+                f"`{fields.pairs}` + `{fields.release}` have {len(pairs) + len(release)} "
+                f"entries, more than the limit of {self.max_keys} per request; split the batch "
+                "or raise --max-keys",
+                fields.pairs,
+            )
+        if pairs and max(map(len, map(itemgetter(0), pairs))) > self.max_key_length:
+            self.check_keys([k for k, _ in pairs], fields.pairs)
+
+    @staticmethod
+    def check_pages(
+        pairs: list[tuple[str, int]], release: list[int], num_pages: int, fields: ConfirmFields
+    ) -> None:
+        """Every page of a confirm lies in the pool, named in the caller's dialect."""
+        pages = list(map(itemgetter(1), pairs))
+        pages += release
+        if not pages or (min(pages) >= 0 and max(pages) < num_pages):
+            return  # the common case, checked in C; the loops below name the culprit
+        for which, verb, values in (
+            (fields.pairs, "confirm", [p for _, p in pairs]),
+            (fields.release, "release", release),
+        ):
+            for page in values:
+                if not 0 <= page < num_pages:
+                    raise InvalidRequest(
+                        f"page {show_number(page)} in `{which}` is outside this pool's pages "
+                        f"0..{num_pages - 1}; {verb} only pages returned by {fields.reserve}",
+                        which,
+                    )
+
     def check_namespace(self, namespace: str) -> None:
         if len(namespace) > self.max_namespace_length:
             raise InvalidRequest(
@@ -59,13 +163,39 @@ class RequestLimits:
     def check_num_pages(self, num_pages: int) -> None:
         if num_pages <= 0:
             raise InvalidRequest(
-                f"`num_pages` must be a positive integer, got {num_pages}; pass the number of "
-                "pages in the pool's backing file (file size // page size)",
+                f"`num_pages` must be a positive integer, got {show_number(num_pages)}; pass the "
+                "number of pages in the pool's backing file (file size // page size)",
                 "num_pages",
             )
         if num_pages > self.max_pages:
             raise InvalidRequest(
-                f"`num_pages` {num_pages} exceeds the limit of {self.max_pages}; check the page "
-                "size computation or raise --max-pages",
+                f"`num_pages` {show_number(num_pages)} exceeds the limit of {self.max_pages} "
+                f"({_gib(self.max_pages)} of memory); check the page size computation or raise "
+                "--max-pages",
                 "num_pages",
+            )
+
+    def check_total_pages(self, used: int, num_pages: int) -> None:
+        """A new pool of ``num_pages`` fits the budget across all pools (``used`` so far)."""
+        if used + num_pages > self.max_total_pages:
+            raise InvalidRequest(
+                f"`num_pages` {num_pages} for a new pool would bring all pools to "
+                f"{used + num_pages} pages, more than --max-total-pages {self.max_total_pages} "
+                f"({_gib(self.max_total_pages)} of memory; {used} pages are in use); use "
+                "smaller pools, clear out unused ones, or raise --max-total-pages if the "
+                "machine has the memory",
+                "num_pages",
+            )
+
+    @staticmethod
+    def check_rank(rank: int, field: str = "rank") -> None:
+        if not INT64_MIN <= rank <= INT64_MAX:
+            raise InvalidRequest(rank_error(rank, field), field)
+
+    def check_world_size(self, world_size: int | None) -> None:
+        if world_size is not None and world_size > self.max_world_size:
+            raise InvalidRequest(
+                f"`world_size` {show_number(world_size)} exceeds the limit of "
+                f"{self.max_world_size}; pass the tensor-parallel size, or raise --max-world-size",
+                "world_size",
             )

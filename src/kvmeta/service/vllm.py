@@ -15,10 +15,12 @@ from typing import Any
 import msgspec
 
 from kvmeta.errors import InvalidRequest
+from kvmeta.service.limits import show_number
 from kvmeta.store.base import VIndex
 
 __all__ = [
     "INIT_ERROR",
+    "INIT_FIELDS",
     "SCHEDULER_MESSAGE",
     "VALID_INIT",
     "WORLD_SIZE_USAGE",
@@ -26,7 +28,6 @@ __all__ = [
     "check_initialize",
     "check_world_size_body",
     "completeness",
-    "confirm_error",
     "ignored_rank_warning",
     "remove_message",
     "worker_message",
@@ -38,6 +39,7 @@ VALID_INIT = (
     'valid combinations: {"role": "worker", "num_pages": N} with an integer N > 0 (each '
     'worker: page file size // page size), or {"role": "scheduler"} (num_pages ignored)'
 )
+INIT_FIELDS = ("role", "num_pages", "world_size")  # what an initialize body may hold
 _ROLES = ("worker", "scheduler")
 _MISSING: Any = object()
 
@@ -53,6 +55,8 @@ class WorkerInit:
 
 def _show(value: Any) -> str:
     """A value as the caller wrote it (JSON when it came from JSON)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return show_number(value)
     try:
         return msgspec.json.encode(value).decode()
     except (TypeError, msgspec.EncodeError):
@@ -116,14 +120,6 @@ def worker_message(rank: int, num_pages: int, requested: int) -> str:
             "ignored: resizing would make workers overwrite each other's pages)"
         )
     return message
-
-
-def confirm_error(exc: InvalidRequest) -> InvalidRequest:
-    """The core names dialect S's field; say `confirmations` to a vLLM caller."""
-    if exc.field != "written_keys_to_confirm":
-        return exc
-    message = str(exc).replace("`written_keys_to_confirm`", "`confirmations`")
-    return InvalidRequest(message, "confirmations")
 
 
 # ---------------------------------------------------------------------- operating the rank registry
