@@ -1,6 +1,7 @@
 -- confirm: commit (key, page) pairs whose page is RESERVED for the key (already STORED for
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
--- write failed (FREE only when RESERVED and its last holder lets go; STORED: ignored).
+-- write failed (FREE only when RESERVED and its last holder lets go; STORED: ignored; a page
+-- listed twice is released once).
 -- KEYS[1] pool prefix; ARGV[1] [[[key, page], ...], [page to release, ...]].
 -- Returns [0, refused, first refused key, first refused page], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
@@ -61,22 +62,27 @@ for i, pair in ipairs(pairs_) do
     refused = refused + 1
   end
 end
-local released = 0
+-- The release list is a set: one writer lets go of a page once per call, however often it is
+-- listed, or a repeat would drop another writer's hold and free a page still being written.
+local released, let_go = 0, {}
 for _, p in ipairs(release) do
   local page = string.format('%d', p)
-  local v = pk[page]
-  if v == nil then
-    v = redis.call('HGET', k.pk, page)
-  end
-  if v and string.sub(v, 1, 1) == 'R' then
-    if redis.call('HINCRBY', k.holders, page, -1) <= 0 then
-      redis.call('HDEL', k.reserved, string.sub(v, 2))
-      redis.call('HDEL', k.holders, page)
-      redis.call('ZREM', k.resq, page)
-      redis.call('HDEL', k.pk, page)
-      pk[page] = false
-      free_page(k, page, now)
-      released = released + 1
+  if not let_go[page] then
+    let_go[page] = true
+    local v = pk[page]
+    if v == nil then
+      v = redis.call('HGET', k.pk, page)
+    end
+    if v and string.sub(v, 1, 1) == 'R' then
+      if redis.call('HINCRBY', k.holders, page, -1) <= 0 then
+        redis.call('HDEL', k.reserved, string.sub(v, 2))
+        redis.call('HDEL', k.holders, page)
+        redis.call('ZREM', k.resq, page)
+        redis.call('HDEL', k.pk, page)
+        pk[page] = false
+        free_page(k, page, now)
+        released = released + 1
+      end
     end
   end
 end
