@@ -7,9 +7,10 @@ semantics of ``core.pool`` + ``store.memory``; the contract suite runs against b
 
 Key layout (see ``_lib.lua`` for the per-pool structures): each SGLang pool lives under its own
 hash tag ``kvmeta:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one pool's
-keys stay in one slot. A pool script gets every key it touches in ``KEYS`` (``pool_keys``); the
-vLLM index scripts (``v_*``) still name per-rank keys inside Lua (all under ``{v}``, one slot). The vLLM index (per-rank pools, the rank registry and the world size) is
+keys stay in one slot. The vLLM index (per-rank pools, the rank registry and the world size) is
 one unit under ``kvmeta:{v}:``, because completeness and ``/clear`` span every rank atomically.
+A pool script gets every key it touches in ``KEYS`` (``pool_keys``), as Redis Cluster requires;
+the vLLM index scripts (``v_*``) still name per-rank keys inside Lua (all in the ``{v}`` slot).
 ``kvmeta:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
@@ -250,9 +251,7 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ calls
 
-    async def _run(
-        self, script: str, keys: str | tuple[str, ...], args: list[Any]
-    ) -> list[Any]:
+    async def _run(self, script: str, keys: str | tuple[str, ...], args: list[Any]) -> list[Any]:
         """EVALSHA one script on a connection of our own (see ``_evalsha``); errors -> 503.
 
         ``keys`` is every key the script touches (a pool's ``pool_keys``), or one prefix for
@@ -263,7 +262,8 @@ class RedisBackend:
         await _in_task()
         conn = self._idle.pop() if self._idle else self._new_connection()
         try:
-            raw = await self._evalsha(conn, script, (keys,) if isinstance(keys, str) else keys, args)
+            names = (keys,) if isinstance(keys, str) else keys
+            raw = await self._evalsha(conn, script, names, args)
         except BaseException as exc:
             # A failed or cancelled call may leave a reply in flight: never reuse the socket.
             await conn.disconnect(nowait=True)
@@ -450,7 +450,8 @@ class RedisBackend:
         """
         problems = []
         for pid in await self.pools():
-            keys, found = pool_keys(pid), []
+            keys = pool_keys(pid)
+            found: list[str] = []
             for part in _CHECK_PARTS:
                 cursor = "0"
                 while len(found) < _MAX_PROBLEMS:
