@@ -30,19 +30,26 @@ import hashlib
 import logging
 from collections.abc import Callable
 from importlib import resources
+from pathlib import Path
 from typing import Any
-from urllib.parse import quote, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.connection import Connection
-from redis.exceptions import NoScriptError, RedisError
+from redis.exceptions import (
+    AuthenticationError,
+    ConnectionError,
+    NoScriptError,
+    RedisError,
+    ResponseError,
+)
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
 from kvmeta.store.base import InitResult, PoolStats
 
-__all__ = ["POOL_PARTS", "RedisBackend", "pool_keys", "redact_url"]
+__all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -164,6 +171,71 @@ def redact_url(url: str) -> str:
     return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
 
 
+# URL query parameters that name a file redis-py opens only when it connects.
+_TLS_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ca_path")
+_DB_HINT = (
+    "databases are numbered 0..N-1, N being Redis's `databases` setting (16 by default); "
+    "write the number after the port, e.g. redis://host:6379/0"
+)
+
+
+def check_url(url: str) -> None:
+    """Refuse a ``--backend`` URL that redis-py would misread or fail on only when connecting.
+
+    redis-py takes ``/abc`` as database 0 without a word, and opens TLS files only inside the
+    connection attempt (a bare "No such file" with no name); both are checked here instead.
+
+    Raises:
+        InvalidRequest: naming the part of the URL and the fix.
+    """
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    if parts.scheme not in ("redis", "rediss", "unix"):
+        raise InvalidRequest(
+            f"Expected `--backend` to be a redis://, rediss:// or unix:// URL, got {shown!r}"
+            " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
+            "backend",
+        )
+    try:
+        parts.port  # noqa: B018  (raises on a port that is not a number 0..65535)
+    except ValueError as exc:
+        raise InvalidRequest(f"`--backend` URL {shown}: {exc}", "backend") from None
+    query = parse_qs(parts.query, keep_blank_values=True)
+    dbs = [f"db={v}" for v in query.get("db", [])]
+    if parts.scheme != "unix" and parts.path not in ("", "/"):
+        dbs.append(parts.path)
+    for db in dbs:
+        number = db[3:] if db.startswith("db=") else unquote(db[1:])
+        if not (number.isascii() and number.isdecimal()):
+            raise InvalidRequest(
+                f"`--backend` URL {shown}: the database {db!r} is not a number; {_DB_HINT}",
+                "backend",
+            )
+    for param in _TLS_FILES:
+        for value in query.get(param, []):
+            if not Path(value).exists():
+                raise InvalidRequest(
+                    f"`--backend` URL {shown}: {param}={value}: file not found (the path is "
+                    "read on the machine running kvmeta; fix it or drop the parameter)",
+                    "backend",
+                )
+
+
+def _set_up_refused(url: str, exc: RedisError) -> str:
+    """Start-up message for a Redis that answered but refused the connection set-up."""
+    answer = str(exc)
+    text = f"Redis at {redact_url(url)} refused the connection set-up: {answer!r}"
+    if "DB index is out of range" in answer:
+        db = urlsplit(url).path or "?db=" + ",".join(parse_qs(urlsplit(url).query).get("db", []))
+        return f"{text}: it has no database {db} ({_DB_HINT})"
+    if isinstance(exc, AuthenticationError) or "auth" in answer.lower():
+        return (
+            f"{text}: check the password in the URL (redis://:PASSWORD@host:port/db, or "
+            "redis://USER:PASSWORD@... for an ACL user)"
+        )
+    return text
+
+
 def pool_prefix(pid: PoolId) -> str:
     """The hash-tagged key prefix of one pool (namespaces are %-quoted: no braces inside)."""
     if pid.dialect == "v":
@@ -191,13 +263,7 @@ class RedisBackend:
     name = "redis"
 
     def __init__(self, url: str, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
-        if urlsplit(url).scheme not in ("redis", "rediss", "unix"):
-            raise InvalidRequest(
-                "Expected `--backend` to be a redis://, rediss:// or unix:// URL, got "
-                f"{redact_url(url)!r}"
-                " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
-                "backend",
-            )
+        check_url(url)
         self.url = url
         self.describe = f"redis at {redact_url(url)}"
         self.reservation_ttl = reservation_ttl
@@ -215,14 +281,29 @@ class RedisBackend:
         """Connect and check Redis answers, so a wrong URL fails at start-up, not per request.
 
         Raises:
-            BackendUnavailable: Redis cannot be reached at the URL.
+            BackendUnavailable: Redis cannot be reached at the URL, or it answered but refused
+                the connection set-up (wrong database or password: Redis's own answer is in
+                the message).
         """
-        client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
+        try:
+            client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
+        except (ValueError, TypeError) as exc:
+            raise InvalidRequest(
+                f"`--backend` URL {redact_url(self.url)} is not understood: {exc}", "backend"
+            ) from None
         self._client = client
         self._idle = []
-        if not await self.ready():
+        await _in_task()
+        try:
+            await client.ping()
+        except (ResponseError, AuthenticationError) as exc:
             await self.close()
-            raise BackendUnavailable(f"cannot reach Redis at {redact_url(self.url)}")
+            raise BackendUnavailable(_set_up_refused(self.url, exc)) from None
+        except (ConnectionError, RedisError, OSError) as exc:
+            await self.close()
+            raise BackendUnavailable(
+                f"cannot reach Redis at {redact_url(self.url)}: {exc}"
+            ) from None
         try:  # load every script now; EVALSHA reloads one only if Redis loses it later
             for source in self._sources.values():
                 await client.script_load(source)
