@@ -207,6 +207,7 @@ def settings_from_args(
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
     for opt in OPTIONS:
         given = getattr(args, opt.name, None)
         source = _flag(opt)
@@ -214,6 +215,7 @@ def settings_from_args(
             given, source = env[_env(opt)], f"env {_env(opt)}"
         if given is None:
             continue
+        sources[opt.name] = source
         if given is True and opt.flag_only:
             values[opt.name] = True
             continue
@@ -240,6 +242,20 @@ def settings_from_args(
             "`--workers` > 1 needs a shared `--backend` (e.g. redis://127.0.0.1:6379/0): "
             "separate processes cannot share in-process state",
             "workers",
+        )
+    # Local state options next to a shared backend: kvmeta would silently ignore them.
+    local = [name for name in ("data_dir", "in_memory", "persistence_path") if name in values]
+    if settings.backend and local:
+        given = ", ".join(
+            f"`--{name.replace('_', '-')}`"
+            + ("" if sources[name].startswith("--") else f" (set by {sources[name]})")
+            for name in local
+        )
+        raise InvalidRequest(
+            f"{given} conflicts with `--backend`: with a shared backend all state lives there "
+            "and no local data directory is used. Drop the local-state option (or its "
+            "KVMETA_* variable), or drop `--backend` to keep state locally",
+            local[0],
         )
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         raise InvalidRequest(

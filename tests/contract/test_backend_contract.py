@@ -201,6 +201,24 @@ def test_a_released_page_cools_before_it_is_handed_out_again(backend: Sync) -> N
     assert backend.stats()[0].counters["releases"] == 1
 
 
+@pytest.mark.parametrize("pool", [S0, V0], ids=["s", "v"])
+def test_a_page_listed_twice_in_one_release_counts_once(backend: Sync, pool: PoolId) -> None:
+    """A release list is a set per call: writer A listing page p twice must not also drop
+    writer B's hold, or p goes FREE (and to another key) while B is still writing it."""
+    backend.initialize(pool, 4)
+    ((_, page),) = backend.reserve(pool, ["k"])  # writer A
+    assert backend.reserve(pool, ["k"]) == [(False, page)]  # writer B joins: two holders
+    backend.confirm(pool, [], [page, page])  # A's write failed; its list repeats p
+    assert _stats(backend, pool) == (3, 1, 0)  # p stays RESERVED: B holds it
+    # A third writer, for another key, must not be handed p while B holds it.
+    others = backend.reserve(pool, ["x", "y", "z"])
+    assert page not in [p for _, p in others]
+    assert backend.confirm(pool, [("k", page)], []) == 0  # B's write lands
+    assert backend.get(pool, ["k"]) == [page]
+    assert _stats(backend, pool) == (0, 3, 1)
+    assert backend.stats()[0].counters["releases"] == 0
+
+
 def test_releasing_a_stored_page_is_ignored(backend: Sync) -> None:
     backend.initialize(S0, 2)
     (page,) = _store(backend, S0, ["a"])

@@ -31,6 +31,8 @@ def _random_call(rng: random.Random, reserved: list[tuple[str, int]]) -> tuple[s
         if rng.random() < 0.2:
             pairs.append((rng.choice(keys), rng.randrange(12)))  # foreign or stale
         release = [p for _, p in rng.sample(reserved, min(len(reserved), rng.randrange(0, 3)))]
+        if release and rng.random() < 0.3:
+            release.append(rng.choice(release))  # listed twice: released once
         if rng.random() < 0.05:
             release.append(rng.choice([-1, 12, 99]))  # out of range: rejected
         return "confirm", (pool, pairs, release)
@@ -67,7 +69,7 @@ async def _run(url: str, seed: int, lease: float) -> None:
         for pool in POOLS:
             await _both("initialize", (pool, 12), memory, red)
         reserved: list[tuple[str, int]] = []
-        for _ in range(300):
+        for _ in range(600):
             name, args = _random_call(rng, reserved)
             result = await _both(name, args, memory, red)
             if name == "reserve" and isinstance(result, list):

@@ -3,13 +3,15 @@
 from __future__ import annotations
 
 import argparse
+import re
+from pathlib import Path
 
 import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.config import add_arguments, settings_from_args
 from kvmeta.errors import InvalidRequest
-from kvmeta.store.redis import RedisBackend, pool_prefix, redact_url
+from kvmeta.store.redis import RedisBackend, check_url, pool_prefix, redact_url
 
 
 def _settings(argv: list[str], env: dict[str, str]) -> object:
@@ -47,3 +49,61 @@ def test_each_pool_has_its_own_hash_tag_and_vllm_shares_one() -> None:
     assert pool_prefix(PoolId("s", 0, "kv")) == "kvmeta:{s:0:kv}:"
     assert pool_prefix(PoolId("s", 1, "a}b{c:d")) == "kvmeta:{s:1:a%7Db%7Bc%3Ad}:"
     assert pool_prefix(PoolId("v", 3, "")) == "kvmeta:{v}:r3:"
+
+
+@pytest.mark.parametrize(
+    "url",
+    [
+        "redis://h:1",
+        "redis://h:1/",
+        "redis://h:1/0",
+        "redis://:pw@h:1/15",
+        "rediss://h:1/3",
+        "unix:///tmp/r.sock",
+        "unix:///tmp/r.sock?db=2",
+        "redis://h:1/0?socket_timeout=5",
+    ],
+)
+def test_good_urls_pass(url: str) -> None:
+    check_url(url)
+
+
+@pytest.mark.parametrize(
+    ("url", "part"),
+    [
+        ("redis://h:1/abc", "'/abc'"),
+        ("redis://h:1/-1", "'/-1'"),
+        ("redis://h:1/1/2", "'/1/2'"),
+        ("redis://h:1/%C2%B2", "'/%C2%B2'"),  # a superscript two: a digit, not a number
+        ("unix:///tmp/r.sock?db=x", "'db=x'"),
+        ("redis://h:1/0?db=", "'db='"),
+    ],
+)
+def test_a_database_that_is_not_a_number_names_the_url_part(url: str, part: str) -> None:
+    with pytest.raises(InvalidRequest, match="the database " + re.escape(part)) as info:
+        check_url(url)
+    assert "databases are numbered 0..N-1" in str(info.value)
+
+
+def test_a_port_out_of_range_is_named() -> None:
+    with pytest.raises(InvalidRequest, match="out of range"):
+        check_url("redis://h:70000/0")
+
+
+def test_a_missing_tls_file_is_named_and_an_existing_one_passes(tmp_path: Path) -> None:
+    ca = tmp_path / "ca.pem"
+    with pytest.raises(InvalidRequest, match=f"ssl_ca_certs={re.escape(str(ca))}: file not found"):
+        check_url(f"rediss://:pw@h:1/0?ssl_ca_certs={ca}")
+    ca.write_text("x")
+    check_url(f"rediss://:pw@h:1/0?ssl_ca_certs={ca}")
+    with pytest.raises(InvalidRequest, match="ssl_keyfile=/nope/key.pem: file not found") as info:
+        check_url(f"rediss://:secret@h:1/0?ssl_certfile={ca}&ssl_keyfile=/nope/key.pem")
+    assert "secret" not in str(info.value)
+
+
+def test_local_state_options_with_a_backend_are_refused() -> None:
+    with pytest.raises(InvalidRequest, match="`--data-dir` conflicts with `--backend`"):
+        _settings(["--backend", "redis://h:1/0", "--data-dir", "d"], {})
+    with pytest.raises(InvalidRequest, match=r"`--in-memory` \(set by env KVMETA_IN_MEMORY\)"):
+        _settings([], {"KVMETA_REDIS_URL": "redis://h:1/0", "KVMETA_IN_MEMORY": "1"})
+    _settings(["--data-dir", "d"], {})  # without a backend it is the normal case

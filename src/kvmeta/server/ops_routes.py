@@ -99,8 +99,11 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
     return {
         "version": __version__,
         "backend": str(getattr(backend, "describe", backend.name)),
-        "durability": "in-memory" if settings.in_memory else settings.data_dir,
-        "fsync": settings.fsync,
+        # A shared backend keeps all state itself: no local data directory or fsync applies.
+        "durability": backend.name
+        if settings.backend
+        else ("in-memory" if settings.in_memory else settings.data_dir),
+        "fsync": None if settings.backend else settings.fsync,
         "reservation_ttl": settings.reservation_ttl,
         "read_lease": settings.read_lease,
         "auth": bool(settings.auth_token),

@@ -2,7 +2,9 @@
 -- per operation; this file is not a script of its own). Everything is local: Redis refuses
 -- scripts that create globals.
 --
--- One pool's state, all under one hash tag (the prefix P, passed as KEYS[1]):
+-- One pool's state, all under one hash tag. Every key a script touches is passed in KEYS
+-- (so Redis, and Redis Cluster, know them up front): a pool script's KEYS are the ten keys
+-- below, in this order (``store.redis.POOL_PARTS``), all named P .. part for the pool's prefix P:
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
 --                     conflicts (re-initialisations with another size), c:<counter> ...
 --   P.stored    hash  key -> page of a STORED key
@@ -31,12 +33,27 @@ local function now_s()
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
 
+local PARTS = { 'meta', 'stored', 'reserved', 'pk', 'holders', 'free', 'lru', 'resq', 'reads',
+                'cool' }
+
+-- A pool's keys from the script's KEYS, starting at KEYS[first] (default 1).
+local function pool_keys_from(keys, first)
+  local k = {}
+  for i, part in ipairs(PARTS) do
+    k[part] = keys[(first or 1) + i - 1]
+  end
+  return k
+end
+
+-- A pool's keys built from its prefix p inside the script. Only the vLLM index scripts (v_*)
+-- still do this, for ranks found in the registry at run time; every pool script takes its
+-- keys from KEYS (pool_keys_from).
 local function pool_keys(p)
-  return {
-    meta = p .. 'meta', stored = p .. 'stored', reserved = p .. 'reserved', pk = p .. 'pk',
-    holders = p .. 'holders', free = p .. 'free', lru = p .. 'lru', resq = p .. 'resq',
-    reads = p .. 'reads', cool = p .. 'cool',
-  }
+  local k = {}
+  for _, part in ipairs(PARTS) do
+    k[part] = p .. part
+  end
+  return k
 end
 
 -- The per-call pool state: page count, allocator high-water mark, LRU clock. nil: no pool.
@@ -69,16 +86,21 @@ local function call_many(cmd, key, args)
   end
 end
 
--- HMGET over any number of fields: a list with false for each missing one.
-local function hmget(key, fields)
+-- A multi-field read (HMGET, ZMSCORE) over any number of fields: a list with false for each
+-- missing one.
+local function read_many(cmd, key, fields)
   local out = {}
   for i = 1, #fields, CHUNK do
-    local part = redis.call('HMGET', key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
+    local part = redis.call(cmd, key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
     for j = 1, #part do
       out[i + j - 1] = part[j]
     end
   end
   return out
+end
+
+local function hmget(key, fields)
+  return read_many('HMGET', key, fields)
 end
 
 -- Counters are summed in a Lua table and written once per call.
@@ -150,7 +172,8 @@ local function init_pool(k, requested)
   return { 0, 1, requested }
 end
 
--- Every STORED page becomes FREE; reservations stay. O(stored). Returns the count.
+-- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear
+-- still uses it (a pool's clear goes in chunks, clear_chunk). Returns the count.
 local function clear_pool(k, now)
   local c = {}
   expire(k, now, c)
@@ -163,4 +186,30 @@ local function clear_pool(k, now)
   bump(c, 'clears', 1)
   flush(k, c)
   return #all / 2
+end
+
+-- One chunk of a clear: up to count STORED keys, found by HSCAN of the stored hash from
+-- cursor, become FREE (after any live read lease). Returns the next cursor ('0': every key
+-- stored since the first chunk's cursor was handed out has been visited) and how many keys.
+local function clear_chunk(k, now, cursor, count)
+  local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
+  local flat = scan[2]
+  local keys, pages = {}, {}
+  for i = 1, #flat, 2 do
+    keys[#keys + 1] = flat[i]
+    pages[#pages + 1] = flat[i + 1]
+  end
+  if #keys > 0 then
+    call_many('HDEL', k.stored, keys)
+    call_many('ZREM', k.lru, pages)
+    call_many('HDEL', k.pk, pages)
+    if redis.call('ZCARD', k.reads) == 0 then
+      call_many('RPUSH', k.free, pages) -- no read leases at all: one push per CHUNK pages
+    else
+      for _, page in ipairs(pages) do
+        free_page(k, page, now)
+      end
+    end
+  end
+  return scan[1], #keys
 end

@@ -1,72 +1,152 @@
--- check: the full page invariant of one pool, O(pool): for tests and diagnostics only.
--- KEYS[1] pool prefix.  Returns [0, violation, ...] (none: consistent) or [1].
-local k = pool_keys(KEYS[1])
+-- check, one chunk: the page invariant over one part of one pool, read-only. The caller walks
+-- every part chunk by chunk ('totals' last), so no call holds Redis for longer than a chunk.
+-- Each entry is checked against the other structures within one call (atomic), so writes
+-- between chunks never produce a false report; 'totals' compares the sizes, O(1), in one call.
+-- KEYS the pool's keys; ARGV[1] part (pk, stored, reserved, free, cool, lru, resq, totals),
+-- ARGV[2] cursor (HSCAN cursor of a hash, start index of a list/zset), ARGV[3] chunk size.
+-- Returns [0, next cursor ('0': part done), violation, ...] or [1] (no pool).
+local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })
 end
-local out = { 0 }
+local part, cursor, count = ARGV[1], ARGV[2], tonumber(ARGV[3])
+local out = { 0, '0' }
 local function bad(msg)
-  if #out <= 20 then
+  if #out <= 21 then
     out[#out + 1] = msg
   end
 end
-local function as_map(flat)
-  local m, count = {}, 0
-  for i = 1, #flat, 2 do
-    m[flat[i]] = flat[i + 1]
-    count = count + 1
+local function in_range(page, what)
+  local p = tonumber(page)
+  if p == nil or p < 0 or p >= st.next or p % 1 ~= 0 then
+    bad(what .. ' page ' .. page .. ' is outside 0..' .. (st.next - 1))
   end
-  return m, count
 end
-local function as_set(list)
-  local s, count = {}, 0
-  for _, x in ipairs(list) do
-    if s[x] then
-      bad('page ' .. x .. ' appears twice in one structure')
+-- A hash chunk by HSCAN, as a flat field/value list; sets the next cursor.
+local function hscan(key)
+  local scan = redis.call('HSCAN', key, cursor, 'COUNT', count)
+  out[2] = scan[1]
+  return scan[2]
+end
+-- A list/zset chunk by index; sets the next cursor unless this is the last chunk.
+local function by_index(items)
+  if #items == count then
+    out[2] = string.format('%d', tonumber(cursor) + count)
+  end
+  return items
+end
+local first = tonumber(cursor)
+-- Entries are read in a few batched calls per chunk, not several calls per entry.
+local function column(flat, from)
+  local out = {}
+  for i = from, #flat, 2 do
+    out[#out + 1] = flat[i]
+  end
+  return out
+end
+if part == 'pk' then
+  local flat = hscan(k.pk)
+  local pages, values = column(flat, 1), column(flat, 2)
+  local s_pages, s_keys, r_pages, r_keys = {}, {}, {}, {}
+  for i, v in ipairs(values) do
+    in_range(pages[i], 'used')
+    if string.sub(v, 1, 1) == 'S' then
+      s_pages[#s_pages + 1], s_keys[#s_keys + 1] = pages[i], string.sub(v, 2)
+    else
+      r_pages[#r_pages + 1], r_keys[#r_keys + 1] = pages[i], string.sub(v, 2)
     end
-    s[x] = true
-    count = count + 1
   end
-  return s, count
-end
-local stored, n_stored = as_map(redis.call('HGETALL', k.stored))
-local reserved, n_reserved = as_map(redis.call('HGETALL', k.reserved))
-local pk, n_pk = as_map(redis.call('HGETALL', k.pk))
-local holders, n_holders = as_map(redis.call('HGETALL', k.holders))
-local lru, n_lru = as_set(redis.call('ZRANGE', k.lru, 0, -1))
-local resq, n_resq = as_set(redis.call('ZRANGE', k.resq, 0, -1))
-local free, n_free = as_set(redis.call('LRANGE', k.free, 0, -1))
-local cool, n_cool = as_set(redis.call('ZRANGE', k.cool, 0, -1))
-for key, page in pairs(stored) do
-  if pk[page] ~= 'S' .. key then bad('stored key ' .. key .. ' -> page ' .. page .. ' disagrees with page -> key') end
-  if not lru[page] then bad('STORED page ' .. page .. ' is not in the LRU') end
-  if reserved[key] then bad('key ' .. key .. ' is both STORED and RESERVED') end
-end
-for key, page in pairs(reserved) do
-  if pk[page] ~= 'R' .. key then bad('reserved key ' .. key .. ' -> page ' .. page .. ' disagrees with page -> key') end
-  if not holders[page] or tonumber(holders[page]) < 1 then bad('RESERVED page ' .. page .. ' has no holder') end
-  if not resq[page] then bad('RESERVED page ' .. page .. ' has no lease') end
-end
-for page, v in pairs(pk) do
-  local p = tonumber(page)
-  if p == nil or p < 0 or p >= st.next then bad('page ' .. page .. ' is outside 0..' .. (st.next - 1)) end
-  local map = (string.sub(v, 1, 1) == 'S') and stored or reserved
-  if map[string.sub(v, 2)] ~= page then bad('page ' .. page .. ' -> ' .. v .. ' has no matching key entry') end
-  if free[page] or cool[page] then bad('page ' .. page .. ' is both FREE and in use') end
-end
-for page in pairs(cool) do
-  if free[page] then bad('page ' .. page .. ' is both free and cooling') end
-end
-for page in pairs(free) do
-  local p = tonumber(page)
-  if p == nil or p < 0 or p >= st.next then bad('free page ' .. page .. ' is outside 0..' .. (st.next - 1)) end
-end
-if n_pk ~= n_stored + n_reserved then bad('page -> key has ' .. n_pk .. ' entries for ' .. (n_stored + n_reserved) .. ' keys') end
-if n_lru ~= n_stored then bad('LRU holds ' .. n_lru .. ' pages for ' .. n_stored .. ' STORED keys') end
-if n_holders ~= n_reserved or n_resq ~= n_reserved then bad('holders/leases do not match RESERVED keys') end
-local total = n_free + n_cool + (st.n - st.next) + n_stored + n_reserved
-if total ~= st.n then
-  bad('FREE ' .. (n_free + n_cool + st.n - st.next) .. ' + RESERVED ' .. n_reserved .. ' + STORED ' .. n_stored .. ' != ' .. st.n)
+  local s_at, s_lru = hmget(k.stored, s_keys), read_many('ZMSCORE', k.lru, s_pages)
+  for i, page in ipairs(s_pages) do
+    if s_at[i] ~= page then
+      bad('page ' .. page .. ' -> S' .. s_keys[i] .. ' has no matching key entry')
+    end
+    if not s_lru[i] then
+      bad('STORED page ' .. page .. ' is not in the LRU')
+    end
+  end
+  local r_at, r_hold = hmget(k.reserved, r_keys), hmget(k.holders, r_pages)
+  local r_lease = read_many('ZMSCORE', k.resq, r_pages)
+  for i, page in ipairs(r_pages) do
+    if r_at[i] ~= page then
+      bad('page ' .. page .. ' -> R' .. r_keys[i] .. ' has no matching key entry')
+    end
+    if not r_hold[i] or tonumber(r_hold[i]) < 1 then
+      bad('RESERVED page ' .. page .. ' has no holder')
+    end
+    if not r_lease[i] then
+      bad('RESERVED page ' .. page .. ' has no lease')
+    end
+  end
+  local cooling = read_many('ZMSCORE', k.cool, pages)
+  for i, page in ipairs(pages) do
+    if cooling[i] then
+      bad('page ' .. page .. ' is both FREE (cooling) and in use')
+    end
+  end
+elseif part == 'stored' or part == 'reserved' then
+  local flat = hscan(k[part])
+  local keys, pages = column(flat, 1), column(flat, 2)
+  local tag = (part == 'stored') and 'S' or 'R'
+  local at = hmget(k.pk, pages)
+  local both = (tag == 'S') and hmget(k.reserved, keys) or {}
+  for i, key in ipairs(keys) do
+    if at[i] ~= tag .. key then
+      bad(part .. ' key ' .. key .. ' -> page ' .. pages[i] .. ' disagrees with page -> key')
+    end
+    if both[i] then
+      bad('key ' .. key .. ' is both STORED and RESERVED')
+    end
+  end
+elseif part == 'free' then
+  local pages = by_index(redis.call('LRANGE', k.free, first, first + count - 1))
+  local used, cooling, seen = hmget(k.pk, pages), read_many('ZMSCORE', k.cool, pages), {}
+  for i, page in ipairs(pages) do
+    in_range(page, 'free')
+    if seen[page] then
+      bad('page ' .. page .. ' is free twice')
+    end
+    seen[page] = true
+    if used[i] then
+      bad('page ' .. page .. ' is both FREE and in use')
+    end
+    if cooling[i] then
+      bad('page ' .. page .. ' is both free and cooling')
+    end
+  end
+elseif part == 'cool' or part == 'lru' or part == 'resq' then
+  local want = ({ cool = false, lru = 'S', resq = 'R' })[part]
+  local pages = by_index(redis.call('ZRANGE', k[part], first, first + count - 1))
+  local used = hmget(k.pk, pages)
+  for i, page in ipairs(pages) do
+    local v = used[i]
+    if want == false and v then
+      bad('cooling page ' .. page .. ' is in use')
+    elseif want and (not v or string.sub(v, 1, 1) ~= want) then
+      bad(part .. ' page ' .. page .. ' is not ' .. (want == 'S' and 'STORED' or 'RESERVED'))
+    end
+  end
+elseif part == 'totals' then
+  local n_stored, n_reserved = redis.call('HLEN', k.stored), redis.call('HLEN', k.reserved)
+  local n_pk, n_lru = redis.call('HLEN', k.pk), redis.call('ZCARD', k.lru)
+  local n_holders, n_resq = redis.call('HLEN', k.holders), redis.call('ZCARD', k.resq)
+  local n_free, n_cool = redis.call('LLEN', k.free), redis.call('ZCARD', k.cool)
+  if n_pk ~= n_stored + n_reserved then
+    bad('page -> key has ' .. n_pk .. ' entries for ' .. (n_stored + n_reserved) .. ' keys')
+  end
+  if n_lru ~= n_stored then
+    bad('LRU holds ' .. n_lru .. ' pages for ' .. n_stored .. ' STORED keys')
+  end
+  if n_holders ~= n_reserved or n_resq ~= n_reserved then
+    bad('holders/leases do not match RESERVED keys')
+  end
+  local free = n_free + n_cool + st.n - st.next
+  if free + n_reserved + n_stored ~= st.n then
+    bad('FREE ' .. free .. ' + RESERVED ' .. n_reserved .. ' + STORED ' .. n_stored .. ' != '
+      .. st.n)
+  end
+else
+  return redis.error_reply('unknown check part ' .. part)
 end
 return cjson.encode(out)

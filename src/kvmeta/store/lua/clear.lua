@@ -1,7 +1,20 @@
--- clear: every STORED page becomes FREE; reservations in flight stay. O(stored).
--- KEYS[1] pool prefix.  Returns [0, cleared] or [1] (no pool).
-local k = pool_keys(KEYS[1])
+-- clear, one chunk: up to ARGV[2] STORED keys become FREE; reservations in flight stay. The
+-- caller repeats with the returned cursor until it is '0', so no call holds Redis (and every
+-- other pool on it) for longer than one chunk, and each call leaves the pool consistent.
+-- Every key STORED from the first chunk to the last is cleared; one confirmed while the
+-- clear runs may be cleared too (HSCAN: visited or not). ARGV[1] '0' starts a clear.
+-- KEYS the pool's keys; ARGV[1] HSCAN cursor, ARGV[2] keys per chunk.
+-- Returns [0, next cursor, keys cleared by this chunk] or [1] (no pool).
+local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end
-return cjson.encode({ 0, clear_pool(k, now_s()) })
+local now = now_s()
+local c = {}
+expire(k, now, c)
+if ARGV[1] == '0' then
+  bump(c, 'clears', 1)
+end
+local cursor, cleared = clear_chunk(k, now, ARGV[1], tonumber(ARGV[2]))
+flush(k, c)
+return cjson.encode({ 0, cursor, cleared })

@@ -1,10 +1,10 @@
 -- confirm: commit (key, page) pairs whose page is RESERVED for the key (already STORED for
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
 -- write failed (FREE only when RESERVED by a single writer; STORED: ignored); as Pool.confirm.
--- KEYS[1] pool prefix; ARGV[1] [[[key, page], ...], [page to release, ...]].
+-- KEYS the pool's keys; ARGV[1] [[[key, page], ...], [page to release, ...]].
 -- Returns [0, refused, first refused key, first refused page], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
-local k = pool_keys(KEYS[1])
+local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })

@@ -1,6 +1,6 @@
 -- delete: STORED keys become FREE (after any live read lease).
--- KEYS[1] pool prefix; ARGV[1] [key, ...].  Returns [0, removed] or [1] (no pool).
-local k = pool_keys(KEYS[1])
+-- KEYS the pool's keys; ARGV[1] [key, ...].  Returns [0, removed] or [1] (no pool).
+local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end

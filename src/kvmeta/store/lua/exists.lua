@@ -1,6 +1,6 @@
 -- exists: whether each key is STORED; no LRU touch, no lease expiry (like core.pool).
--- KEYS[1] pool prefix; ARGV[1] [key, ...].  Returns [0, 1|0 ...] or [1] (no pool).
-local k = pool_keys(KEYS[1])
+-- KEYS the pool's keys; ARGV[1] [key, ...].  Returns [0, 1|0 ...] or [1] (no pool).
+local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end

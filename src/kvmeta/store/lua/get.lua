@@ -1,7 +1,7 @@
 -- get: page of each STORED key (-1 if none); a use for LRU and a read lease on the page.
--- KEYS[1] pool prefix; ARGV[1] [read lease seconds (0: none), [key, ...]].
+-- KEYS the pool's keys; ARGV[1] [read lease seconds (0: none), [key, ...]].
 -- Returns [0, page|-1 ...] or [1] (no pool).
-local k = pool_keys(KEYS[1])
+local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })

@@ -1,7 +1,7 @@
 -- reserve: per key (1, page) if STORED, (0, page) to write, (0, -1) if no page is free and
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
--- KEYS[1] pool prefix; ARGV[1] [reservation lease seconds, [key, ...]].
+-- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
 -- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
 
 -- Read-leased pages one call may step over (moving them warm): a fixed allowance plus two per
@@ -45,7 +45,7 @@ local function take_page(k, st, now, keep, c, free, gone)
   return nil
 end
 
-local k = pool_keys(KEYS[1])
+local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })

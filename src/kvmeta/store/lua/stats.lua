@@ -1,6 +1,6 @@
 -- stats: one pool's occupancy after lease expiry, and its meta hash (counters, conflicts).
--- KEYS[1] pool prefix.  Returns [0, n, reserved, stored, [meta field, value, ...]] or [1].
-local k = pool_keys(KEYS[1])
+-- KEYS the pool's keys.  Returns [0, n, reserved, stored, [meta field, value, ...]] or [1].
+local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })

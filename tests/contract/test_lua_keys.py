@@ -1,0 +1,94 @@
+"""Every Redis key a pool script touches is passed in KEYS (a static check of the Lua sources).
+
+Redis (and Redis Cluster, which routes a script by its KEYS) only knows the keys a script
+declares; a script that builds key names inside Lua works on one server but breaks on a
+cluster. Pool scripts get their pool's keys as ``KEYS`` (``store.redis.pool_keys``) and read
+them through ``pool_keys_from(KEYS)``; each ``redis.call`` must name its key as a field of
+that table (``k.stored``, ``k[part]``), ``KEYS[i]``, or a helper's ``key`` parameter whose
+callers pass such a field.
+"""
+
+from __future__ import annotations
+
+import re
+from importlib import resources
+
+import pytest
+
+from kvmeta._types import PoolId
+from kvmeta.store.redis import _SCRIPTS, POOL_PARTS, pool_keys, pool_prefix
+
+# The vLLM index scripts still build per-rank key names from the {v} prefix (ranks are found
+# in the registry at run time; all in one hash slot). Fixing one means removing it here.
+DYNAMIC = {"v_register", "v_exists", "v_clear", "v_index", "v_remove", "v_world"}
+
+_LUA = resources.files("kvmeta.store").joinpath("lua")
+_KEY_ARG = re.compile(r"^(k\.\w+|k\[\w+\]|KEYS\[\d+\]|key)$")
+_NO_KEY = {"TIME"}
+# redis.call('CMD', first-argument ...
+_CALL = re.compile(r"redis\.call\(\s*'(\w+)'\s*(?:,\s*([^,)]+))?")
+# helpers whose key is their (first / second) argument
+_HELPER = re.compile(r"\b(?:call_many|read_many)\(\s*'\w+'\s*,\s*([^,)]+)|\bhmget\(\s*([^,)]+)")
+
+
+def _source(name: str) -> str:
+    return _LUA.joinpath(f"{name}.lua").read_text()
+
+
+def _undeclared(source: str) -> list[str]:
+    """Key arguments in ``source`` that do not come from KEYS."""
+    bad = []
+    for cmd, arg in _CALL.findall(source):
+        if cmd.upper() in _NO_KEY:
+            continue
+        if not _KEY_ARG.match(arg.strip()):
+            bad.append(f"redis.call('{cmd}', {arg.strip()}")
+    for first, second in _HELPER.findall(source):
+        arg = (first or second).strip()
+        if arg != "key" and not _KEY_ARG.match(arg):
+            bad.append(f"helper key argument {arg}")
+    if re.search(r"\bpool_keys\(", source):
+        bad.append("pool_keys(prefix) builds key names inside Lua")
+    for match in re.finditer(r"\blocal\s+k\s*=\s*(.+)", source):
+        if match.group(1).strip() not in ("pool_keys_from(KEYS)", "{}"):
+            bad.append(f"k = {match.group(1).strip()}")
+    return bad
+
+
+def _lib_pool_functions() -> str:
+    """_lib.lua without the definition of the dynamic ``pool_keys`` (only v_* call it)."""
+    lib = _source("_lib")
+    start = lib.index("local function pool_keys(p)")
+    end = lib.index("\nend\n", start) + len("\nend\n")
+    return lib[:start] + lib[end:]
+
+
+@pytest.mark.parametrize("name", sorted(set(_SCRIPTS) - DYNAMIC))
+def test_pool_scripts_touch_only_keys_passed_in_keys(name: str) -> None:
+    assert _undeclared(_source(name)) == []
+
+
+def test_shared_helpers_touch_only_keys_they_are_given() -> None:
+    assert _undeclared(_lib_pool_functions()) == []
+
+
+@pytest.mark.parametrize("name", sorted(DYNAMIC))
+def test_the_listed_exceptions_still_build_names(name: str) -> None:
+    """Keeps DYNAMIC exact: a v_* script fixed to use KEYS must leave the list."""
+    assert _undeclared(_source(name)) != []
+
+
+def test_the_check_catches_a_name_built_in_lua() -> None:
+    assert _undeclared("local k = pool_keys(KEYS[1])\nredis.call('HGET', k.meta, 'n')")
+    assert _undeclared("redis.call('HGET', KEYS[1] .. 'meta', 'n')")
+    assert _undeclared("call_many('HDEL', prefix .. 'x', args)")
+    assert _undeclared("local k = pool_keys_from(KEYS)\nredis.call('HGET', k.meta, 'n')") == []
+
+
+def test_pool_keys_are_the_parts_lua_expects_in_order() -> None:
+    lib = _source("_lib")
+    parts = re.search(r"local PARTS = \{([^}]*)\}", lib)
+    assert parts is not None
+    assert tuple(re.findall(r"'(\w+)'", parts.group(1))) == POOL_PARTS
+    pool = PoolId("s", 2, "ns")
+    assert pool_keys(pool) == tuple(pool_prefix(pool) + part for part in POOL_PARTS)

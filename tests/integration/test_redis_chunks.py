@@ -1,0 +1,221 @@
+"""Whole-pool work on Redis (clear, check) runs in short scripts, never one long one.
+
+A script holds Redis for its whole run: every other pool on that Redis waits (and after 5 s
+gets BUSY errors). These tests load a real redis-server, measure the longest single script
+with Redis's own SLOWLOG, and check that writers served between chunks stay correct.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import pytest
+import redis
+
+import kvmeta.store.redis as redis_store
+from kvmeta._types import PoolId
+from kvmeta.store.redis import RedisBackend, pool_prefix
+from tests.redis_support import RedisServer
+
+POOL = PoolId("s", 0, "kv")
+
+
+def _bulk_load(client: redis.Redis, pool: PoolId, n: int) -> None:
+    """A pool of ``n`` pages, every page STORED, written straight into Redis (pipelined)."""
+    prefix = pool_prefix(pool)
+    step = 20000
+    for lo in range(0, n, step):
+        pages = range(lo, min(n, lo + step))
+        pipe = client.pipeline(transaction=False)
+        pipe.hset(prefix + "pk", mapping={str(p): f"Sk{p:08d}" for p in pages})
+        pipe.hset(prefix + "stored", mapping={f"k{p:08d}": str(p) for p in pages})
+        pipe.zadd(prefix + "lru", {str(p): p + 1 for p in pages})
+        pipe.execute()
+    client.sadd("kvmeta:pools", f"{pool.rank}:{pool.namespace}")
+    client.hset(prefix + "meta", mapping={"n": n, "next": n, "tick": n})
+
+
+def _longest_script_ms(
+    client: redis.Redis, run: Callable[[], Awaitable[Any]]
+) -> tuple[Any, float, int]:
+    """Run ``run`` and return its result, the longest EVALSHA by Redis's SLOWLOG (ms) and the
+    number of script calls over 1 ms."""
+    client.config_set("slowlog-log-slower-than", 1000)  # us; inner commands stay out
+    client.config_set("slowlog-max-len", 100000)
+    client.slowlog_reset()
+    result = asyncio.run(run())  # type: ignore[arg-type]
+    calls = [e for e in client.slowlog_get(100000) if e["command"].startswith(b"EVALSHA")]
+    return result, max((e["duration"] for e in calls), default=0) / 1000, len(calls)
+
+
+async def _with_backend(url: str, body: Callable[[RedisBackend], Awaitable[Any]]) -> Any:
+    backend = RedisBackend(url)
+    await backend.start()
+    try:
+        return await body(backend)
+    finally:
+        await backend.close()
+
+
+@pytest.mark.slow
+def test_clear_and_check_of_a_million_page_pool_hold_redis_briefly(
+    redis_server: RedisServer,
+) -> None:
+    """Before: one check script of ~14 s and one clear script of 11-22 s on this pool."""
+    redis_server.flush()
+    client = redis_server.client()
+    _bulk_load(client, POOL, 1_000_000)
+    url = redis_server.url
+
+    problems, check_ms, _ = _longest_script_ms(client, lambda: _with_backend(url, _check))
+    assert problems == []
+    cleared, clear_ms, _ = _longest_script_ms(client, lambda: _with_backend(url, _clear))
+    assert cleared == 1_000_000
+    stats = asyncio.run(_with_backend(url, _stats))
+    assert (stats.free, stats.reserved, stats.stored) == (1_000_000, 0, 0)
+    problems, recheck_ms, _ = _longest_script_ms(client, lambda: _with_backend(url, _check))
+    assert problems == []
+    print(
+        f"longest script: check {check_ms:.1f} ms, clear {clear_ms:.1f} ms, "
+        f"check after clear {recheck_ms:.1f} ms"
+    )
+    # ~5-10 ms each on a 2-core machine; the bound leaves room for a loaded machine while
+    # staying far below the 11-22 s of one whole-pool script.
+    for ms in (check_ms, clear_ms, recheck_ms):
+        assert ms < 500
+
+
+async def _check(b: RedisBackend) -> list[str]:
+    return await b.check()
+
+
+async def _clear(b: RedisBackend) -> int:
+    return await b.clear(POOL)
+
+
+async def _stats(b: RedisBackend) -> Any:
+    (stats,) = await b.stats()
+    return stats
+
+
+def test_writers_served_between_clear_chunks_stay_correct(
+    redis_url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A clear of many small chunks runs while a writer reserves, confirms, releases and reads:
+    every key stored before the clear is gone, no page is handed to two keys, and what the
+    writer confirms after the clear is kept."""
+    monkeypatch.setattr(redis_store, "CLEAR_CHUNK", 20)
+    monkeypatch.setattr(redis_store, "CHECK_CHUNK", 13)
+
+    async def run(b: RedisBackend) -> None:
+        await b.initialize(POOL, 3000)
+        old = [f"old{i}" for i in range(2000)]
+        for lo in range(0, len(old), 500):
+            batch = old[lo : lo + 500]
+            pages = [p for _, p in await b.reserve(POOL, batch)]
+            assert await b.confirm(POOL, list(zip(batch, pages, strict=True)), []) == 0
+        in_flight = await b.reserve(POOL, ["w-in-flight"])  # reserved before the clear
+        done = asyncio.Event()
+        written: dict[str, int] = {}
+
+        async def writer() -> None:
+            i = 0
+            while not done.is_set():
+                keys = [f"new{i}-{j}" for j in range(8)]
+                out = await b.reserve(POOL, keys)
+                pairs = [(k, p) for k, (hit, p) in zip(keys, out, strict=True) if p >= 0]
+                pages = [p for _, p in pairs]
+                assert len(set(pages)) == len(pages)  # one page per key
+                assert await b.confirm(POOL, pairs[:6], pages[6:]) == 0
+                written.update(pairs[:6])
+                for key, page in zip(keys, await b.get(POOL, keys), strict=True):
+                    assert page is None or page == written.get(key), key
+                i += 1
+
+        async def clear() -> int:
+            try:
+                return await b.clear(POOL)
+            finally:
+                done.set()
+
+        task = asyncio.create_task(writer())
+        cleared = await clear()
+        await task
+        assert cleared >= 2000
+        assert written  # the writer was served between chunks
+        assert await b.exists(POOL, old) == [False] * len(old)
+        assert await b.check() == []
+        # The reservation in flight during the clear is still good; confirms after it stay.
+        assert await b.confirm(POOL, [("w-in-flight", in_flight[0][1])], []) == 0
+        after = await b.reserve(POOL, ["after"])
+        assert await b.confirm(POOL, [("after", after[0][1])], []) == 0
+        assert await b.get(POOL, ["w-in-flight", "after"]) == [in_flight[0][1], after[0][1]]
+        (stats,) = await b.stats()
+        assert stats.counters["clears"] == 1
+        assert stats.free + stats.reserved + stats.stored == 3000
+        assert await b.check() == []
+
+    asyncio.run(_with_backend(redis_url, run))
+
+
+def _corrupt_stored_entry(c: redis.Redis, p: str) -> None:
+    c.hdel(p + "stored", "a")  # page -> key says STORED a, a -> page is gone
+
+
+def _corrupt_free_twice(c: redis.Redis, p: str) -> None:
+    c.rpush(p + "free", "5", "5")
+
+
+def _corrupt_used_and_free(c: redis.Redis, p: str) -> None:
+    c.rpush(p + "free", "0")
+
+
+def _corrupt_lru(c: redis.Redis, p: str) -> None:
+    c.zrem(p + "lru", "1")
+
+
+def _corrupt_holders(c: redis.Redis, p: str) -> None:
+    c.hdel(p + "holders", "3")
+
+
+def _corrupt_reserved_page(c: redis.Redis, p: str) -> None:
+    c.hset(p + "reserved", "r", "6")
+
+
+@pytest.mark.parametrize(
+    ("corrupt", "message"),
+    [
+        (_corrupt_stored_entry, "page 0 -> Sa has no matching key entry"),
+        (_corrupt_free_twice, "page 5 is free twice"),
+        (_corrupt_used_and_free, "page 0 is both FREE and in use"),
+        (_corrupt_lru, "STORED page 1 is not in the LRU"),
+        (_corrupt_holders, "RESERVED page 3 has no holder"),
+        (_corrupt_reserved_page, "reserved key r -> page 6 disagrees with page -> key"),
+    ],
+)
+@pytest.mark.parametrize("chunk", [2, 1000])
+def test_check_finds_each_kind_of_damage_in_any_chunk_size(
+    redis_url: str,
+    monkeypatch: pytest.MonkeyPatch,
+    corrupt: Callable[[redis.Redis, str], None],
+    message: str,
+    chunk: int,
+) -> None:
+    monkeypatch.setattr(redis_store, "CHECK_CHUNK", chunk)
+
+    async def run(b: RedisBackend) -> list[str]:
+        await b.initialize(POOL, 8)
+        pages = [p for _, p in await b.reserve(POOL, ["a", "b", "c"])]
+        await b.confirm(POOL, list(zip(["a", "b", "c"], pages, strict=True)), [])
+        await b.reserve(POOL, ["r"])  # page 3, RESERVED
+        await b.reserve(POOL, ["f1", "f2"])
+        await b.confirm(POOL, [], [4, 5])  # pages 4 and 5 FREE on the free list
+        assert await b.check() == []
+        corrupt(redis.Redis.from_url(redis_url), pool_prefix(POOL))
+        return await b.check()
+
+    problems = asyncio.run(_with_backend(redis_url, run))
+    assert any(message in p for p in problems), problems
+    assert all(p.startswith("rank 0 namespace 'kv': ") for p in problems), problems
