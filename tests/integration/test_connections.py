@@ -230,3 +230,29 @@ def test_a_flood_of_half_sent_requests_cannot_starve_the_journal(
         assert again.post("/0/exists", {"keys": keys}).json()["exists"] == [True] * len(keys)
     finally:
         again.stop()
+
+
+def test_a_pipelined_request_without_token_is_refused_behind_a_waiting_one(
+    make_server: Make, tmp_path: Path
+) -> None:
+    server = make_server(
+        "--data-dir", str(tmp_path / "d"), "--fsync", "always", "--auth-token", "s3cret"
+    )
+    body = b'{"num_pages": 4}'
+    first = (
+        b"POST /0/initialize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+    )
+    second = b"POST /1/initialize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
+    sock = _connect(server)
+    sock.sendall(first + second)  # the first waits for its fsync while the second is parsed
+    reply = _read_reply(sock)
+    sock.close()
+    assert reply.startswith(b"HTTP/1.1 204 "), reply
+    assert b"HTTP/1.1 401 " in reply, reply
+    auth = {"Authorization": "Bearer s3cret"}
+    resp = requests.post(server.url + "/1/exists", json={"keys": ["a"]}, headers=auth, timeout=10)
+    assert resp.status_code == 404  # never initialised

@@ -375,8 +375,10 @@ class HttpProtocol(asyncio.Protocol):
         if check is not None:
             refusal = check(self.parser.get_method(), self._url, self._auth)
             if refusal is not None:
-                # Refused before the body: no 100 Continue, nothing more read or buffered.
+                # Refused before the body: no 100 Continue, nothing more read or buffered (the
+                # reply may wait behind earlier pipelined ones; reading stops now).
                 self._respond(render(refusal, False), False)
+                self._closing = True
                 raise _Refused
         if self._expect_continue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
@@ -489,8 +491,8 @@ class HttpProtocol(asyncio.Protocol):
                 data = item
             pending.popleft()
             self._write(data, keep_alive)
-            if self._closing:
-                return
+            if not keep_alive or self.transport is None:
+                return  # the last reply on this connection is out
         self._update_reading()
 
     def _reject(self, status: int, detail: str) -> None:
