@@ -65,6 +65,11 @@ class Settings:
     # resource limits on pools (each page costs ~30 bytes of memory once its pool exists)
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
+    # connections and operator routes (see server/http.py and server/ops_routes.py)
+    header_timeout: float = 10.0
+    idle_timeout: float = 300.0
+    max_connections: int = 4096
+    metrics_max_pools: int = 256
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -82,10 +87,26 @@ class Option:
     flag_only: bool = False  # boolean switch
 
 
-def _positive_float(text: str) -> float:
+def _finite(text: str) -> float:
     value = float(text)
+    if value != value or value in (float("inf"), float("-inf")):
+        raise ValueError("must be a finite number of seconds")
+    return value
+
+
+def _positive_float(text: str) -> float:
+    """Seconds where 0 means off (or 'only at shutdown'): >= 0."""
+    value = _finite(text)
     if value < 0:
         raise ValueError("must be >= 0")
+    return value
+
+
+def _seconds(text: str) -> float:
+    """Seconds that must pass before something happens: > 0 (0 would mean 'at once, always')."""
+    value = _finite(text)
+    if value <= 0:
+        raise ValueError("must be > 0 seconds")
     return value
 
 
@@ -93,6 +114,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise ValueError("must be > 0")
+    return value
+
+
+def _port(text: str) -> int:
+    value = int(text)
+    if not 0 <= value <= 65535:
+        raise ValueError("a TCP port is 0..65535 (0 picks a free one)")
     return value
 
 
@@ -107,8 +135,12 @@ def _bool(text: str) -> bool:
 
 OPTIONS: tuple[Option, ...] = (
     Option("host", "address to bind; 127.0.0.1 serves this machine only, 0.0.0.0 every interface"),
-    Option("port", "TCP port (engines' clients default to 18000)", int),
-    Option("reservation_ttl", "seconds a reserved page waits for confirm/release", _positive_float),
+    Option("port", "TCP port 0..65535 (engines' clients default to 18000; 0: a free one)", _port),
+    Option(
+        "reservation_ttl",
+        "seconds a reserved page waits for confirm/release (> 0)",
+        _seconds,
+    ),
     Option(
         "read_lease",
         "seconds a page is safe from eviction after a lookup (0: off)",
@@ -118,7 +150,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("in_memory", "keep state in memory only (lost on restart)", _bool, flag_only=True),
     Option("fsync", "when the journal is fsynced", str, ("always", "batch", "never")),
     Option(
-        "fsync_interval", "batch mode: longest wait before a group fsync, seconds", _positive_float
+        "fsync_interval", "batch mode: longest wait before a group fsync, seconds (> 0)", _seconds
     ),
     Option("snapshot_interval", "seconds between snapshots (0: only at shutdown)", _positive_float),
     Option(
@@ -152,6 +184,23 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_total_pages",
         "pages of all pools together (~30 bytes of memory each), checked before a pool is made",
+        _positive_int,
+    ),
+    # connections and operator routes
+    Option(
+        "header_timeout",
+        "seconds a client has to send a whole request (headers and body); later: 408, closed",
+        _seconds,
+    ),
+    Option("idle_timeout", "seconds an idle keep-alive connection is kept open", _seconds),
+    Option(
+        "max_connections",
+        "open client connections at most (also capped by the open-file limit minus a reserve)",
+        _positive_int,
+    ),
+    Option(
+        "metrics_max_pools",
+        "pools with their own /metrics series; the rest are summed per dialect as rank _other",
         _positive_int,
     ),
 )

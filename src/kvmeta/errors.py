@@ -12,6 +12,7 @@
     +-- StorageError (OSError)             data directory / journal trouble
     |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
+    +-- CannotListen                       serve: the port is taken / not allowed / bad host
 
 All of them subclass ``RuntimeError`` because both engines' stock clients raise
 ``RuntimeError`` and engine code catches exactly that. Each class has an HTTP ``status`` so the
@@ -23,6 +24,7 @@ from __future__ import annotations
 
 __all__ = [
     "BackendUnavailable",
+    "CannotListen",
     "InvalidRequest",
     "JournalCorrupt",
     "KvmetaError",
@@ -140,6 +142,13 @@ class BackendUnavailable(KvmetaError):
     """Raised when the shared backend (Redis/Valkey) cannot be reached."""
 
     status = 503
+
+
+class CannotListen(KvmetaError):
+    """Raised at start-up when the server cannot listen on ``--host``/``--port`` (taken by
+    another process, a privileged port, an address this machine does not have)."""
+
+    status = 500
 
 
 _BY_STATUS: dict[int, type[KvmetaError]] = {

@@ -237,6 +237,9 @@ class App:
         self._ranked: dict[tuple[int, str], list[_Route]] = {}
         self._public: set[str] = set()
         self.authorize = authorize
+        # True once the HTTP layer calls ``head_check`` before reading bodies (``kvmeta
+        # serve``): then ``__call__`` need not check the token a second time.
+        self.auth_in_head = False
         # path -> match, for ranked paths: engines send the same few paths all day.
         self._matched: dict[str, tuple[_Route, int, str]] = {}
 
@@ -297,13 +300,34 @@ class App:
                 return hit
         raise NotFound("Not Found")
 
+    def head_check(self, method: bytes, url: bytes, authorization: bytes | None) -> Response | None:
+        """The token check, run by the HTTP layer as soon as a request's headers are in, so a
+        client without the token never gets ``100 Continue`` nor has its body read. Returns
+        the 401 to send, or None to go on. Unknown paths need the token too (a 401, not a 404:
+        no route is revealed and no body read without it)."""
+        authorize = self.authorize
+        if authorize is None:
+            return None
+        path = url.split(b"?", 1)[0].decode("latin-1")
+        try:
+            pattern = self._match(path)[2]
+        except KvmetaError:
+            pattern = None
+        if pattern in self._public:
+            return None
+        try:
+            authorize(Request(method.decode("latin-1"), path, "", b"", authorization))
+        except Unauthorized as exc:
+            return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
+        return None
+
     async def __call__(self, request: Request) -> Response:
         try:
             route, rank, pattern = self._match(request.path)
             handler = route.handlers.get(request.method)
             if handler is None:
                 raise MethodNotAllowed("Method Not Allowed")
-            if self.authorize is not None and pattern not in self._public:
+            if self.authorize is not None and not self.auth_in_head and pattern not in self._public:
                 self.authorize(request)
             return await handler(request, rank)
         except Unauthorized as exc:

@@ -7,7 +7,15 @@ raw ASGI app on uvicorn (see benchmarks/README.md). What this module still guara
 - keep-alive and pipelining (responses leave in request order, even when a later request
   finishes first), chunked request bodies (httptools decodes them), ``Expect: 100-continue``;
 - limits: request body size (413), header size (431), both checked while reading, so an
-  oversize body is never buffered whole;
+  oversize body or header is never buffered whole (the header budget is counted on the bytes
+  fed to the parser, since httptools assembles a header value before handing it over);
+- the token is checked (``head_check``) as soon as the headers are in, before any body is read
+  or ``100 Continue`` is sent: a client without the token never makes the server buffer a body;
+- time limits: a request must arrive whole within ``header_timeout`` (else 408 and close), an
+  idle keep-alive connection is closed after ``idle_timeout``; both are checked by one sweep
+  per second over the connections, so a request pays no timer;
+- a connection cap: beyond ``max_connections`` a new connection is closed at once (a rate-
+  limited warning names the flag), so a flood cannot take the descriptors the journal needs;
 - garbage gets ``400`` and the connection is closed; a handler bug gets ``500`` and is logged;
 - back-pressure: reading pauses while the peer does not read its responses;
 - graceful shutdown: stop accepting, let in-flight requests finish, close idle connections.
@@ -20,7 +28,9 @@ a Task and a loop iteration per request.
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
+import socket
 from collections import deque
 from collections.abc import Callable, Coroutine
 from http import HTTPStatus
@@ -29,7 +39,9 @@ from typing import Any
 import httptools
 import msgspec
 
-__all__ = ["HttpLimits", "HttpServer", "Request", "Response"]
+from kvmeta.errors import CannotListen
+
+__all__ = ["HttpLimits", "HttpServer", "Request", "Response", "bind_sockets"]
 
 logger = logging.getLogger(__name__)
 
@@ -79,13 +91,40 @@ Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 class HttpLimits:
-    """Sizes a request may have; exceeding one is answered 413/431 with the flag to raise."""
+    """Sizes and times a request may take, and how many connections may be open; exceeding one
+    is answered 413/431/408 (or a closed connection) with the flag to raise."""
 
-    __slots__ = ("max_body_bytes", "max_header_bytes")
+    __slots__ = (
+        "max_body_bytes",
+        "max_header_bytes",
+        "header_timeout",
+        "idle_timeout",
+        "max_connections",
+    )
 
-    def __init__(self, max_body_bytes: int = 16 * 1024 * 1024, max_header_bytes: int = 64 * 1024):
+    def __init__(
+        self,
+        max_body_bytes: int = 16 * 1024 * 1024,
+        max_header_bytes: int = 64 * 1024,
+        header_timeout: float = 10.0,
+        idle_timeout: float = 300.0,
+        max_connections: int = 4096,
+    ):
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
+        self.header_timeout = header_timeout
+        self.idle_timeout = idle_timeout
+        self.max_connections = max_connections
+
+
+# ``head_check(method, path, authorization)``: called once the headers are in; a Response
+# refuses the request (the connection is closed without reading the body).
+HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | None"]
+
+# After an error reply the connection is half-closed and what the peer still sends is read and
+# dropped for this long, so it sees the reply instead of a reset; then it is closed.
+_LINGER_SECONDS = 2.0
+_WARN_EVERY = 10.0  # seconds between two "connection refused: cap reached" warnings
 
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -133,6 +172,10 @@ def _error_body(detail: str) -> bytes:
     return msgspec.json.encode({"detail": detail})
 
 
+class _Refused(Exception):
+    """Raised inside a parser callback after the refusal was already answered: stop parsing."""
+
+
 class _Reject(Exception):
     """Raised inside a parser callback to answer with an error and close the connection."""
 
@@ -143,23 +186,42 @@ class _Reject(Exception):
 
 
 async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response:
-    """Drive a coroutine that suspended during its eager first step to completion."""
+    """Drive a coroutine that suspended during its eager first step to completion.
+
+    An exception of the awaited future reaches the coroutine on resume (``result()`` raises
+    it). Cancellation of this task, and KeyboardInterrupt/SystemExit, are thrown into the
+    coroutine so its cleanup runs, and always propagate: a cancelled request must never carry
+    on as if nothing happened (e.g. when the future finished just before the cancel).
+    """
     while True:
-        if yielded is None:
-            await asyncio.sleep(0)
-        else:
-            # The eager step already marked this future as awaited (asyncio's blocking flag);
-            # clear it or awaiting it here raises "await wasn't used with future".
-            if getattr(yielded, "_asyncio_future_blocking", False):
-                yielded._asyncio_future_blocking = False
-            try:
-                await yielded
-            except BaseException:  # noqa: BLE001 - the coroutine sees it on resume
-                pass
+        try:
+            if yielded is None:
+                await asyncio.sleep(0)
+            else:
+                # The eager step already marked this future as awaited (asyncio's blocking
+                # flag); clear it or awaiting it here raises "await wasn't used with future".
+                if getattr(yielded, "_asyncio_future_blocking", False):
+                    yielded._asyncio_future_blocking = False
+                try:
+                    await yielded
+                except Exception:  # noqa: BLE001, S110 - the coroutine sees it on resume
+                    pass
+        except BaseException as exc:  # cancellation, KeyboardInterrupt, SystemExit
+            _unwind(coro, exc)
+            raise
         try:
             yielded = coro.send(None)
         except StopIteration as stop:
             return stop.value  # type: ignore[no-any-return]
+
+
+def _unwind(coro: Coroutine[Any, Any, Response], exc: BaseException) -> None:
+    """Throw ``exc`` into a suspended coroutine so its ``finally``/``except`` blocks run."""
+    try:
+        coro.throw(exc)
+    except BaseException:  # noqa: BLE001 - it unwound (re-raised, or returned): done
+        return
+    coro.close()  # it suspended again, ignoring the exception: stop it for good
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -184,13 +246,28 @@ class HttpProtocol(asyncio.Protocol):
         self._reading_paused = False
         self._writing_paused = False
         self._peer: Any = None
+        # Header budget: bytes fed to the parser since this message began, while in its head.
+        self._in_head = False
+        self._head_fed = 0
+        # Coarse times (the server's clock, updated once per sweep) for the timeouts.
+        self._since = server.now  # message begun, or connection idle since
+        self._served = 0
+        self._refused = False
 
     # -------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
+        server = self.server
+        if len(server.connections) >= self.limits.max_connections:
+            self._refused = True
+            self._closing = True
+            server.refuse_connection()
+            self.transport.abort()  # type: ignore[union-attr]
+            return
         self._peer = transport.get_extra_info("peername")
-        self.server.connections.add(self)
+        self._since = server.now
+        server.connections.add(self)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
@@ -198,19 +275,55 @@ class HttpProtocol(asyncio.Protocol):
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
-            return
+            return  # an error reply is out: what the peer still sends is dropped
         try:
-            self.parser.feed_data(data)
+            limit = self.limits.max_header_bytes
+            if not self._in_head and len(data) <= limit // 4:
+                self.parser.feed_data(data)  # the usual case: one small read
+                if self._in_head:
+                    self._head_fed += len(data)
+            else:
+                self._feed_bounded(data, limit)
         except _Reject as rej:
             self._reject(rej.status, rej.detail)
+        except _Refused:
+            pass
         except httptools.HttpParserUpgrade:
             self._reject(400, "Protocol upgrades are not supported; send plain HTTP/1.1")
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _Reject):
                 self._reject(cause.status, cause.detail)
+            elif isinstance(cause, _Refused):
+                pass
             else:
                 self._reject(400, f"Malformed HTTP request: {exc}")
+
+    def _feed_bounded(self, data: bytes, limit: int) -> None:
+        """Feed ``data`` in pieces so that no more than about ``limit`` bytes of one message's
+        head ever reach the parser (which would otherwise assemble a header of any size)."""
+        pos, end, step = 0, len(data), max(1, limit // 4)
+        while pos < end and not self._closing:
+            if self._in_head:
+                budget = limit - self._head_fed
+                if budget <= 0:
+                    raise _Reject(431, self._head_too_large())
+                size = min(budget, step)
+            else:
+                size = step
+            piece = data[pos : pos + size] if size < end - pos or pos else data
+            self.parser.feed_data(piece)
+            if self._in_head:  # counts at most one piece of the previous message too
+                self._head_fed += len(piece)
+            pos += len(piece)
+        if self._in_head and self._head_fed > limit:
+            raise _Reject(431, self._head_too_large())
+
+    def _head_too_large(self) -> str:
+        return (
+            f"Request line and headers exceed {self.limits.max_header_bytes} bytes; "
+            "send fewer or shorter headers"
+        )
 
     def pause_writing(self) -> None:
         self._writing_paused = True
@@ -224,6 +337,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_message_begin(self) -> None:
         self._in_message = True
+        self._in_head = True
+        self._head_fed = 0
+        self._since = self.server.now
         self._url = b""
         self._body = []
         self._body_size = 0
@@ -239,7 +355,7 @@ class HttpProtocol(asyncio.Protocol):
     def on_header(self, name: bytes, value: bytes) -> None:
         self._header_size += len(name) + len(value)
         if self._header_size > self.limits.max_header_bytes:
-            raise _Reject(431, f"Request headers exceed {self.limits.max_header_bytes} bytes")
+            raise _Reject(431, self._head_too_large())
         lname = name.lower()
         if lname == b"authorization":
             self._auth = value
@@ -254,6 +370,16 @@ class HttpProtocol(asyncio.Protocol):
             self._expect_continue = True
 
     def on_headers_complete(self) -> None:
+        self._in_head = False
+        check = self.server.head_check
+        if check is not None:
+            refusal = check(self.parser.get_method(), self._url, self._auth)
+            if refusal is not None:
+                # Refused before the body: no 100 Continue, nothing more read or buffered (the
+                # reply may wait behind earlier pipelined ones; reading stops now).
+                self._respond(render(refusal, False), False)
+                self._closing = True
+                raise _Refused
         if self._expect_continue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
@@ -288,7 +414,7 @@ class HttpProtocol(asyncio.Protocol):
         except StopIteration as stop:
             self._respond(render(stop.value, keep_alive), keep_alive)
             return
-        except BaseException:
+        except Exception:
             logger.exception("Unhandled error in request handler for %s %s", request.method, path)
             self._respond(render(Response(500, _error_body("Internal server error")), False), False)
             return
@@ -319,9 +445,24 @@ class HttpProtocol(asyncio.Protocol):
         if transport is None:
             return
         transport.write(data)
+        self._served += 1
+        if not self._in_message:
+            self._since = self.server.now
         if not keep_alive:
             self._closing = True
             self._pending.clear()
+            self._linger_close(transport)
+
+    def _linger_close(self, transport: asyncio.Transport) -> None:
+        """Half-close after the last reply and drop what the peer still sends for a moment,
+        so a client busy sending a refused body reads the reply instead of a reset."""
+        if transport.can_write_eof() and self._in_message:
+            transport.write_eof()
+            if self._reading_paused:
+                self._reading_paused = False
+                transport.resume_reading()
+            self.loop.call_later(_LINGER_SECONDS, transport.close)
+        else:
             transport.close()
 
     def _task_done(self, task: asyncio.Task[Response]) -> None:
@@ -350,8 +491,8 @@ class HttpProtocol(asyncio.Protocol):
                 data = item
             pending.popleft()
             self._write(data, keep_alive)
-            if self._closing:
-                return
+            if not keep_alive or self.transport is None:
+                return  # the last reply on this connection is out
         self._update_reading()
 
     def _reject(self, status: int, detail: str) -> None:
@@ -374,6 +515,24 @@ class HttpProtocol(asyncio.Protocol):
     def idle(self) -> bool:
         return not self._pending and not self._in_message
 
+    def sweep(self, now: float) -> None:
+        """Enforce the time limits (called about once a second by the server)."""
+        if self._closing or self.transport is None:
+            return
+        if self._in_message:
+            if now - self._since > self.limits.header_timeout:
+                self._reject(
+                    408,
+                    f"Request not received whole within {self.limits.header_timeout:g} s "
+                    "(--header-timeout); send the headers and body without pausing",
+                )
+        elif not self._pending:
+            # A fresh connection owes its first request within header_timeout.
+            timeout = self.limits.idle_timeout if self._served else self.limits.header_timeout
+            if now - self._since > timeout:
+                self._closing = True
+                self.transport.close()
+
     def close(self) -> None:
         if self.transport is not None:
             self.transport.close()
@@ -387,25 +546,66 @@ class HttpServer:
         handler: Handler,
         limits: HttpLimits | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
+        head_check: HeadCheck | None = None,
     ) -> None:
         self.handler = handler
         self.limits = limits or HttpLimits()
         self.loop = loop or asyncio.get_event_loop()
+        self.head_check = head_check
         self.connections: set[HttpProtocol] = set()
         self.tasks: set[asyncio.Task[Response]] = set()
-        self._server: asyncio.AbstractServer | None = None
-
-    async def listen(self, host: str, port: int, **kwargs: Any) -> list[tuple[str, int]]:
-        """Start listening; returns the bound addresses (port 0 picks a free port)."""
-        self._server = await self.loop.create_server(
-            lambda: HttpProtocol(self), host, port, backlog=2048, **kwargs
+        self._servers: list[asyncio.AbstractServer] = []
+        self.now = self.loop.time()
+        self.refused = 0  # connections closed at once because of the cap, ever
+        self._refused_unlogged = 0
+        self._warned_at = float("-inf")
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._tick = max(
+            0.05, min(1.0, self.limits.header_timeout / 4, self.limits.idle_timeout / 4)
         )
-        return [s.getsockname()[:2] for s in self._server.sockets]
+
+    def refuse_connection(self) -> None:
+        """Count a connection closed because of the cap; warn at most every few seconds."""
+        self.refused += 1
+        self._refused_unlogged += 1
+        now = self.loop.time()
+        if now - self._warned_at >= _WARN_EVERY:
+            logger.warning(
+                "refused %d new connection(s): %d connections are open, the limit "
+                "(--max-connections, lowered to fit ulimit -n) is %d; raise --max-connections "
+                "(and the open-file limit) or find the clients holding connections open",
+                self._refused_unlogged,
+                len(self.connections),
+                self.limits.max_connections,
+            )
+            self._warned_at = now
+            self._refused_unlogged = 0
+
+    def _sweep(self) -> None:
+        self.now = now = self.loop.time()
+        for conn in list(self.connections):
+            conn.sweep(now)
+        self._sweeper = self.loop.call_later(self._tick, self._sweep)
+
+    async def listen(self, sockets: list[socket.socket], **kwargs: Any) -> list[tuple[str, int]]:
+        """Serve on listening sockets made by ``bind_sockets``; returns their addresses."""
+        addrs: list[tuple[str, int]] = []
+        for sock in sockets:
+            server = await self.loop.create_server(
+                lambda: HttpProtocol(self), sock=sock, backlog=_BACKLOG, **kwargs
+            )
+            self._servers.append(server)
+            addrs.extend(s.getsockname()[:2] for s in server.sockets)
+        if self._sweeper is None:
+            self._sweeper = self.loop.call_later(self._tick, self._sweep)
+        return addrs
 
     async def shutdown(self, timeout: float = 5.0) -> None:
         """Stop accepting, let in-flight requests finish (up to ``timeout``), close connections."""
-        if self._server is not None:
-            self._server.close()
+        if self._sweeper is not None:
+            self._sweeper.cancel()
+        for server in self._servers:
+            server.close()
         deadline = self.loop.time() + timeout
         while self.tasks and self.loop.time() < deadline:
             await asyncio.wait(list(self.tasks), timeout=max(0.0, deadline - self.loop.time()))
@@ -413,5 +613,73 @@ class HttpServer:
             task.cancel()
         for conn in list(self.connections):
             conn.close()
-        if self._server is not None:
-            await self._server.wait_closed()
+        for server in self._servers:
+            await server.wait_closed()
+
+
+_BACKLOG = 2048
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Listening sockets on every address of ``host`` (port 0: one free port for all).
+
+    No SO_REUSEPORT: a port another process listens on is refused here, at start-up, instead of
+    being silently shared (``--workers`` hands these same sockets to its forked workers).
+
+    Raises:
+        CannotListen: one line naming the port or host and what to change.
+    """
+    try:
+        infos = socket.getaddrinfo(
+            host or None, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
+    except socket.gaierror as exc:
+        raise CannotListen(
+            f"--host {host!r} does not resolve ({exc.strerror}); pass an address of this "
+            "machine, e.g. 127.0.0.1 or 0.0.0.0 (--host / KVMETA_HOST)"
+        ) from None
+    sockets: list[socket.socket] = []
+    seen: set[tuple[Any, ...]] = set()
+    try:
+        for family, kind, proto, _, addr in infos:
+            if (family, addr) in seen:
+                continue
+            seen.add((family, addr))
+            if port == 0 and sockets:  # the same free port on every address
+                addr = (addr[0], sockets[0].getsockname()[1], *addr[2:])
+            sock = socket.socket(family, kind, proto)
+            sockets.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # past TIME_WAIT only
+            if family == socket.AF_INET6:
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(addr)
+            except OSError as exc:
+                raise _cannot_bind(host, int(addr[1]), exc) from None
+            sock.listen(_BACKLOG)
+            sock.setblocking(False)
+    except BaseException:
+        for sock in sockets:
+            sock.close()
+        raise
+    return sockets
+
+
+def _cannot_bind(host: str, port: int, exc: OSError) -> CannotListen:
+    if exc.errno == errno.EADDRINUSE:
+        return CannotListen(
+            f"port {port} on {host} is already in use by another process (find it with "
+            f"`ss -ltnp 'sport = :{port}'`); stop that process or pick another port with "
+            "--port / KVMETA_PORT"
+        )
+    if exc.errno == errno.EACCES:
+        return CannotListen(
+            f"not allowed to listen on port {port} ({exc.strerror}): ports below 1024 need "
+            "root or CAP_NET_BIND_SERVICE; pick another port with --port / KVMETA_PORT"
+        )
+    if exc.errno == errno.EADDRNOTAVAIL:
+        return CannotListen(
+            f"--host {host} is not an address of this machine ({exc.strerror}); pass one of "
+            "its addresses, or 0.0.0.0 for all (--host / KVMETA_HOST)"
+        )
+    return CannotListen(f"cannot listen on {host} port {port}: {exc} (--host / --port)")

@@ -6,11 +6,15 @@ takes a lock and costs several microseconds, against a budget of ~160 us of serv
 request. Requests are served on one event loop thread, so plain ints and a bucket list per
 route, updated without locks, are exact; a custom collector turns them into metric families
 only when Prometheus scrapes. Labels are bounded: dialect, rank, namespace, route pattern,
-method and status, never keys.
+method and status, never keys; and pool series are capped (``--metrics-max-pools``): the first
+pools in (dialect, rank, namespace) order keep their own series, the others are summed per
+dialect under ``rank="_other", namespace="_other"``. With 20k pools the uncapped text was 32 MB.
+The text is rendered in a thread (``render_metrics_async``) so a scrape never stalls serving.
 """
 
 from __future__ import annotations
 
+import asyncio
 import bisect
 from collections.abc import Iterator
 from time import perf_counter
@@ -29,7 +33,18 @@ from kvmeta.server.app import RouteHandler
 from kvmeta.server.http import Request, Response
 from kvmeta.store.base import PoolStats
 
-__all__ = ["CONTENT_TYPE", "LATENCY_BUCKETS", "RequestMetrics", "RouteStats", "render_metrics"]
+__all__ = [
+    "CONTENT_TYPE",
+    "LATENCY_BUCKETS",
+    "OTHER",
+    "RequestMetrics",
+    "RouteStats",
+    "cap_pools",
+    "render_metrics",
+    "render_metrics_async",
+]
+
+OTHER = "_other"  # rank and namespace label of the pools summed beyond --metrics-max-pools
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -107,6 +122,14 @@ class RouteStats:
         self.buckets = [0] * (len(LATENCY_BUCKETS) + 1)  # last one: +Inf
         self.seconds = 0.0
 
+    def copy(self) -> RouteStats:
+        """A copy to render elsewhere while this one keeps counting."""
+        other = RouteStats(self.method, self.pattern)
+        other.statuses = dict(self.statuses)
+        other.buckets = list(self.buckets)
+        other.seconds = self.seconds
+        return other
+
     def record(self, status: int, seconds: float) -> None:
         statuses = self.statuses
         statuses[status] = statuses.get(status, 0) + 1
@@ -151,13 +174,14 @@ class _Snapshot:
         self.auth_failures: int | None = None
         self.info: dict[str, str] = {}
         self.ready = True
+        self.max_pools: int | None = None
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("kvmeta_info", "server build and settings", labels=list(self.info))
         info.add_metric(list(self.info.values()), 1)
         yield info
         yield GaugeMetricFamily("kvmeta_ready", "1 when /ready answers 200", value=self.ready)
-        yield from _pool_metrics(self.pools)
+        yield from _pool_metrics(cap_pools(self.pools, self.max_pools))
         yield from _request_metrics(self.requests)
         if self.auth_failures is not None:
             yield CounterMetricFamily(
@@ -166,7 +190,33 @@ class _Snapshot:
         yield from _durability_metrics(self.durability)
 
 
-def _pool_metrics(pools: list[PoolStats]) -> Iterator[Metric]:
+def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[str], PoolStats]]:
+    """(labels, stats) per series: the first ``max_pools`` pools in (dialect, rank, namespace)
+    order as they are, the rest summed per dialect with rank and namespace ``_other``.
+    The order is stable, so a pool keeps its series until pools sorting before it appear."""
+    ordered = sorted(pools, key=lambda st: st.pool)
+    if max_pools is None or len(ordered) <= max_pools:
+        rest: list[PoolStats] = []
+    else:
+        ordered, rest = ordered[:max_pools], ordered[max_pools:]
+    out = [([st.pool.dialect, str(st.pool.rank), st.pool.namespace], st) for st in ordered]
+    summed: dict[str, PoolStats] = {}
+    for st in rest:
+        agg = summed.get(st.pool.dialect)
+        if agg is None:
+            agg = summed[st.pool.dialect] = PoolStats(st.pool, 0, 0, 0, 0, {}, 0)
+        agg.num_pages += st.num_pages
+        agg.free += st.free
+        agg.reserved += st.reserved
+        agg.stored += st.stored
+        agg.size_conflicts += st.size_conflicts
+        for name, value in st.counters.items():
+            agg.counters[name] = agg.counters.get(name, 0) + value
+    out.extend(([dialect, OTHER, OTHER], agg) for dialect, agg in sorted(summed.items()))
+    return out
+
+
+def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
     size = GaugeMetricFamily("kvmeta_pool_size_pages", "pages in the pool", labels=_POOL_LABELS)
     pages = GaugeMetricFamily(
         "kvmeta_pool_pages", "pages by state", labels=[*_POOL_LABELS, "state"]
@@ -191,8 +241,7 @@ def _pool_metrics(pools: list[PoolStats]) -> Iterator[Metric]:
         name: CounterMetricFamily(f"kvmeta_pool_{name}", help_, labels=_POOL_LABELS)
         for name, help_ in _POOL_SIMPLE.items()
     }
-    for st in pools:
-        labels = [st.pool.dialect, str(st.pool.rank), st.pool.namespace]
+    for labels, st in pools:
         size.add_metric(labels, st.num_pages)
         for state, value in (("free", st.free), ("reserved", st.reserved), ("stored", st.stored)):
             pages.add_metric([*labels, state], value)
@@ -247,6 +296,13 @@ def render_metrics(snapshot: _Snapshot) -> bytes:
     registry.register(snapshot)  # type: ignore[arg-type]
     registry.register(_CallerWarnings())  # type: ignore[arg-type]
     return generate_latest(registry)
+
+
+async def render_metrics_async(snapshot: _Snapshot) -> bytes:
+    """``render_metrics`` in a thread (with 10^4 pools it takes seconds of pure Python); the
+    route counters are copied first, on the loop, as they keep changing."""
+    snapshot.requests = [rs.copy() for rs in snapshot.requests]
+    return await asyncio.to_thread(render_metrics, snapshot)
 
 
 def new_snapshot(**fields: Any) -> _Snapshot:

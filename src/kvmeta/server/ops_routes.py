@@ -3,11 +3,15 @@
 initialize watcher for an app once every dialect's routes are on it.
 
 Only ``/health`` is public: a load balancer may probe it without the token. Everything here is
-read-only; ``/v1/check`` is O(pool size) and meant for diagnostics, not for a probe loop.
+read-only; ``/v1/check`` is O(pool size) and meant for diagnostics, not for a probe loop. Neither
+``/v1/check`` nor ``/metrics`` may stall request serving: the check copies each pool in one step
+on the loop and checks the copies in a thread; ``/metrics`` caps its pool series
+(``--metrics-max-pools``) and renders in a thread.
 """
 
 from __future__ import annotations
 
+import asyncio
 import inspect
 import time
 from typing import Any
@@ -19,7 +23,12 @@ from kvmeta.config import Settings
 from kvmeta.server.app import App, json_response
 from kvmeta.server.auth import TokenAuth
 from kvmeta.server.http import Request, Response
-from kvmeta.server.metrics import CONTENT_TYPE, RequestMetrics, new_snapshot, render_metrics
+from kvmeta.server.metrics import (
+    CONTENT_TYPE,
+    RequestMetrics,
+    new_snapshot,
+    render_metrics_async,
+)
 from kvmeta.server.openapi import build_document
 from kvmeta.server.oplog import InitWatcher
 from kvmeta.service.ops import Service
@@ -40,6 +49,7 @@ class OpsState:
         self.auth = TokenAuth(settings.auth_token) if settings.auth_token else None
         self.started = time.monotonic()
         self._openapi: bytes | None = None
+        self.check_lock = asyncio.Lock()
 
     async def ready(self) -> tuple[bool, str]:
         """(ready, reason) without raising: a backend error is a reason, not a 500."""
@@ -118,7 +128,7 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
     }
 
 
-async def check_pools(backend: Backend) -> dict[str, Any]:
+async def check_pools(backend: Backend, lock: asyncio.Lock | None = None) -> dict[str, Any]:
     """Run the full invariant check: ``backend.check()`` if it has one, else the core check
     over an in-process store's pools."""
     check = getattr(backend, "check", None)
@@ -131,15 +141,47 @@ async def check_pools(backend: Backend) -> dict[str, Any]:
     pools = getattr(getattr(backend, "store", None), "pools", None)
     if not isinstance(pools, dict):
         return {"ok": True, "checked": 0, "problems": [], "supported": False}
-    from kvmeta.core.invariants import InvariantViolation, check_pool
+    async with lock or asyncio.Lock():  # one at a time: each holds copies of what it checks
+        problems, checked = await _check_copies(pools)
+    return {"ok": not problems, "checked": checked, "problems": problems, "supported": True}
 
-    problems = []
-    for pid, pool in sorted(pools.items()):
-        try:
-            check_pool(pool)
-        except InvariantViolation as exc:
-            problems.append(f"{pid}: {exc}")
-    return {"ok": not problems, "checked": len(pools), "problems": problems, "supported": True}
+
+# Pages copied per step before the copies are checked in a thread: the loop pauses for one
+# copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy must be consistent).
+_CHECK_BATCH_PAGES = 1 << 17
+
+
+async def _check_copies(pools: dict[Any, Any]) -> tuple[list[str], int]:
+    from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
+
+    def check_batch(batch: list[tuple[Any, PoolCopy]]) -> list[str]:
+        found = []
+        for pid, copy in batch:
+            try:
+                check_copy(copy)
+            except InvariantViolation as exc:
+                found.append(f"{pid}: {exc}")
+        return found
+
+    problems: list[str] = []
+    checked = 0
+    batch: list[tuple[Any, PoolCopy]] = []
+    pages = 0
+    for pid in sorted(pools):
+        pool = pools.get(pid)
+        if pool is None:  # removed while the check ran
+            continue
+        batch.append((pid, copy_pool(pool)))
+        checked += 1
+        pages += pool.num_pages
+        if pages >= _CHECK_BATCH_PAGES:
+            problems += await asyncio.to_thread(check_batch, batch)
+            batch, pages = [], 0
+        elif checked % 256 == 0:
+            await asyncio.sleep(0)
+    if batch:
+        problems += await asyncio.to_thread(check_batch, batch)
+    return problems, checked
 
 
 def add_routes(app: App, state: OpsState) -> None:
@@ -164,8 +206,9 @@ def add_routes(app: App, state: OpsState) -> None:
             auth_failures=state.auth.failures if state.auth else None,
             info={"version": __version__, "backend": state.backend.name},
             ready=ok,
+            max_pools=state.settings.metrics_max_pools,
         )
-        return Response(200, render_metrics(snapshot), CONTENT_TYPE)
+        return Response(200, await render_metrics_async(snapshot), CONTENT_TYPE)
 
     async def pools(req: Request, rank: int) -> Response:
         stats = await state.service.stats()
@@ -178,7 +221,7 @@ def add_routes(app: App, state: OpsState) -> None:
         )
 
     async def check(req: Request, rank: int) -> Response:
-        return json_response(await check_pools(state.backend))
+        return json_response(await check_pools(state.backend, state.check_lock))
 
     async def openapi(req: Request, rank: int) -> Response:
         return Response(200, state.openapi())

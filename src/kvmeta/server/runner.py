@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import resource
 import signal
+import socket
 import ssl
 from pathlib import Path
 from typing import Any
@@ -13,7 +15,7 @@ from typing import Any
 from kvmeta.config import Settings
 from kvmeta.errors import InvalidRequest
 from kvmeta.server.app import App
-from kvmeta.server.http import HttpLimits, HttpServer
+from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
@@ -92,9 +94,54 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
     return ctx
 
 
-async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
-    """Serve until SIGINT/SIGTERM; a second signal exits at once."""
+# Descriptors kept free of client connections for the journal, snapshots, the fsync helper's
+# pipes and backend connections: a connection flood must never starve them.
+_FD_RESERVE = 64
+
+
+def connection_cap(wanted: int) -> int:
+    """``--max-connections``, lowered to fit the open-file limit minus a reserve."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return wanted
+    reserve = min(_FD_RESERVE, soft // 2)
+    cap = max(1, soft - reserve)
+    if cap < wanted:
+        logger.info(
+            "--max-connections lowered from %d to %d: the open-file limit (ulimit -n) is %d and "
+            "%d descriptors are kept for the journal, snapshots and backend; raise the limit "
+            "to allow more",
+            wanted,
+            cap,
+            soft,
+            reserve,
+        )
+        return cap
+    return wanted
+
+
+def _http_limits(settings: Settings) -> HttpLimits:
+    return HttpLimits(
+        max_body_bytes=settings.max_body_bytes,
+        header_timeout=settings.header_timeout,
+        idle_timeout=settings.idle_timeout,
+        max_connections=connection_cap(settings.max_connections),
+    )
+
+
+async def run(
+    settings: Settings,
+    ready: asyncio.Event | None = None,
+    sockets: list[socket.socket] | None = None,
+) -> None:
+    """Serve until SIGINT/SIGTERM; a second signal exits at once.
+
+    ``sockets``: listening sockets made by the ``--workers`` parent; else the port is bound
+    here, before the state is loaded, so a taken port fails at once.
+    """
     loop = asyncio.get_running_loop()
+    if sockets is None:
+        sockets = bind_sockets(settings.host, settings.port)
     backend = build_backend(settings)
     await backend.start()
     service = Service(backend, _limits(settings))
@@ -102,12 +149,11 @@ async def run(settings: Settings, ready: asyncio.Event | None = None) -> None:
     from kvmeta.server.oplog import access_logged, log_startup
 
     handler = access_logged(app) if settings.access_log else app
-    server = HttpServer(handler, HttpLimits(max_body_bytes=settings.max_body_bytes), loop)
+    server = HttpServer(handler, _http_limits(settings), loop, head_check=app.head_check)
+    app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)
     extra: dict[str, Any] = {"ssl": ctx} if ctx else {}
-    if settings.workers > 1:
-        extra["reuse_port"] = True
-    addrs = await server.listen(settings.host, settings.port, **extra)
+    addrs = await server.listen(sockets, **extra)
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
@@ -150,10 +196,10 @@ def serve(settings: Settings) -> None:
     _serve_one(settings)
 
 
-def _serve_one(settings: Settings) -> None:
+def _serve_one(settings: Settings, sockets: list[socket.socket] | None = None) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(run(settings))
+        asyncio.run(run(settings, sockets=sockets))
     else:
-        uvloop.run(run(settings))
+        uvloop.run(run(settings, sockets=sockets))

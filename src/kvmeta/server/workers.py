@@ -1,10 +1,13 @@
 """``kvmeta serve --workers N``: N server processes sharing one port, supervised by a parent.
 
-Each worker is a full server (its own event loop and Redis connections) bound with
-SO_REUSEPORT, so the kernel spreads new connections over them; state is in the shared
-backend, which is why config refuses ``--workers`` without one. With ``--port 0`` the parent
-picks the port first and keeps a bound (never listening) socket on it, so every worker lands on
-the same port and nobody else can take it. The parent only supervises: it forwards SIGTERM/SIGINT
+Each worker is a full server (its own event loop and Redis connections); state is in the shared
+backend, which is why config refuses ``--workers`` without one. The parent binds the listening
+socket once, without SO_REUSEPORT, and every forked worker accepts on that same socket (the
+kernel hands each new connection to one of them). Why not SO_REUSEPORT per worker: the kernel
+would then let any other process of the same user join the port, and a second ``--workers``
+group (say, with another ``--backend``) would silently split the clients with this one. Binding
+once makes a second server on the port fail at start-up with one clear line, and ``--port 0``
+needs nothing special. The parent only supervises: it forwards SIGTERM/SIGINT
 to the workers (which are in their own process group, so a terminal's Ctrl-C reaches them once,
 through the parent), restarts a worker that dies, and gives up if workers keep dying at start-up.
 """
@@ -27,6 +30,7 @@ from types import FrameType
 
 from kvmeta.config import Settings
 from kvmeta.errors import KvmetaError
+from kvmeta.server.http import bind_sockets
 
 __all__ = ["run_workers"]
 
@@ -39,17 +43,12 @@ _MAX_FAST_FAILS = 3
 _PR_SET_PDEATHSIG = 1
 
 
-def _reserve_port(host: str) -> socket.socket:
-    """A socket bound to a free port with SO_REUSEPORT, so workers can bind the same port."""
-    family, kind, proto, _, addr = socket.getaddrinfo(host, 0, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind(addr)
-    return sock
+ServeOne = Callable[[Settings, list[socket.socket]], None]
 
 
-def _worker_main(index: int, settings: Settings, serve_one: Callable[[Settings], None]) -> None:
+def _worker_main(
+    index: int, settings: Settings, serve_one: ServeOne, sockets: list[socket.socket]
+) -> None:
     os.setpgid(0, 0)  # signals come from the parent only (see module docstring)
     if sys.platform == "linux":
         # Die with the parent even if it is SIGKILLed, instead of serving on as an orphan.
@@ -60,16 +59,19 @@ def _worker_main(index: int, settings: Settings, serve_one: Callable[[Settings],
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
     try:
-        serve_one(settings)
+        serve_one(settings, sockets)
     except KvmetaError as exc:
         logger.error("worker %d: %s", index, exc)
         sys.exit(2)
 
 
 class _Supervisor:
-    def __init__(self, settings: Settings, serve_one: Callable[[Settings], None]) -> None:
+    def __init__(
+        self, settings: Settings, serve_one: ServeOne, sockets: list[socket.socket]
+    ) -> None:
         self.settings = settings
         self.serve_one = serve_one
+        self.sockets = sockets
         self.ctx = multiprocessing.get_context("fork")
         self.workers: dict[int, tuple[BaseProcess, float]] = {}
         self.stopping = False
@@ -78,7 +80,7 @@ class _Supervisor:
     def spawn(self, index: int) -> None:
         proc = self.ctx.Process(
             target=_worker_main,
-            args=(index, self.settings, self.serve_one),
+            args=(index, self.settings, self.serve_one, self.sockets),
             name=f"kvmeta-worker-{index}",
             daemon=False,
         )
@@ -124,12 +126,15 @@ class _Supervisor:
         self.spawn(index)
 
 
-def run_workers(settings: Settings, serve_one: Callable[[Settings], None]) -> int:
-    """Run ``settings.workers`` copies of ``serve_one`` on one port until signalled."""
-    holder = _reserve_port(settings.host) if settings.port == 0 else None
-    if holder is not None:
-        settings = replace(settings, port=holder.getsockname()[1])
-    supervisor = _Supervisor(settings, serve_one)
+def run_workers(settings: Settings, serve_one: ServeOne) -> int:
+    """Run ``settings.workers`` copies of ``serve_one`` on one port until signalled.
+
+    Raises:
+        CannotListen: the port is taken (by anyone, another kvmeta group included).
+    """
+    sockets = bind_sockets(settings.host, settings.port)
+    settings = replace(settings, port=sockets[0].getsockname()[1])
+    supervisor = _Supervisor(settings, serve_one, sockets)
     previous = {s: signal.signal(s, supervisor.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         for index in range(settings.workers):
@@ -139,5 +144,5 @@ def run_workers(settings: Settings, serve_one: Callable[[Settings], None]) -> in
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
-        if holder is not None:
-            holder.close()
+        for sock in sockets:
+            sock.close()

@@ -1,0 +1,129 @@
+"""``/v1/check`` and ``/metrics`` on big state must not stall request serving.
+
+Each test measures the slowest ``exists`` answered while the operator route runs; the numbers
+are printed (``pytest -s``) so a run shows check/metrics time against serving latency.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+
+from tests.support import ServerProcess
+
+Make = Callable[..., ServerProcess]
+
+# A generous bound on a loaded 2-core machine; the old code stalled whole seconds.
+MAX_LATENCY = 0.5
+
+
+class _Prober:
+    """Sends ``exists`` in a loop on one keep-alive connection and keeps the slowest answer."""
+
+    def __init__(self, url: str) -> None:
+        self.url = url
+        self.worst = 0.0
+        self.count = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with requests.Session() as session:
+            while not self._stop.is_set():
+                started = time.monotonic()
+                resp = session.post(self.url + "/0/exists", json={"keys": ["a"]}, timeout=60)
+                took = time.monotonic() - started
+                assert resp.status_code == 200
+                self.worst = max(self.worst, took)
+                self.count += 1
+                time.sleep(0.01)
+
+    def __enter__(self) -> _Prober:
+        self._thread.start()
+        time.sleep(0.3)
+        self.worst = 0.0  # only what happens during the measured call counts
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(60)
+
+
+def _fill(server: ServerProcess, rank: int, num_pages: int) -> None:
+    assert server.post(f"/{rank}/initialize", {"num_pages": num_pages}).status_code == 204
+    with requests.Session() as session:
+        step = 50_000
+        for start in range(0, num_pages, step):
+            keys = [f"r{rank}-{i:07d}" for i in range(start, min(num_pages, start + step))]
+            got = session.post(
+                f"{server.url}/{rank}/reserve_and_allocate_page_indices",
+                json={"keys": [[k, ""] for k in keys]},
+                timeout=120,
+            ).json()["indices"]
+            pairs = [[k, p] for k, (_, p) in zip(keys, got, strict=True)]
+            resp = session.post(
+                f"{server.url}/{rank}/confirm_write",
+                json={"written_keys_to_confirm": pairs},
+                timeout=120,
+            )
+            assert resp.status_code == 204
+
+
+@pytest.mark.slow
+def test_check_of_big_pools_does_not_stall_serving(make_server: Make) -> None:
+    server = make_server("--in-memory", "--read-lease", "0")
+    for rank in (0, 1):
+        _fill(server, rank, 1_000_000)
+    with _Prober(server.url) as probe:
+        started = time.monotonic()
+        resp = requests.get(server.url + "/v1/check", timeout=300)
+        took = time.monotonic() - started
+    body = resp.json()
+    print(
+        f"\n/v1/check 2 x 10^6 stored pages: {took:.2f} s; concurrent exists: "
+        f"{probe.count} answered, slowest {probe.worst * 1000:.0f} ms"
+    )
+    assert resp.status_code == 200 and body["ok"] is True and body["checked"] == 2, body
+    assert probe.count > 0
+    assert probe.worst < MAX_LATENCY, f"exists waited {probe.worst:.2f} s behind /v1/check"
+
+
+@pytest.mark.slow
+def test_metrics_of_20k_pools_is_capped_and_does_not_stall_serving(make_server: Make) -> None:
+    server = make_server("--in-memory", "--read-lease", "0")
+
+    def init(ranks: range) -> None:
+        with requests.Session() as session:
+            for rank in ranks:
+                resp = session.post(
+                    f"{server.url}/{rank}/initialize", json={"num_pages": 4}, timeout=60
+                )
+                assert resp.status_code == 204
+
+    total = 20_000
+    with ThreadPoolExecutor(4) as pool:
+        list(pool.map(init, [range(i, total, 4) for i in range(4)]))
+    with _Prober(server.url) as probe:
+        started = time.monotonic()
+        resp = requests.get(server.url + "/metrics", timeout=300)
+        took = time.monotonic() - started
+    text = resp.text
+    print(
+        f"\n/metrics with {total} pools: {len(resp.content) / 1e6:.2f} MB in {took:.2f} s; "
+        f"concurrent exists: {probe.count} answered, slowest {probe.worst * 1000:.0f} ms"
+    )
+    assert resp.status_code == 200
+    per_pool = [line for line in text.splitlines() if line.startswith("kvmeta_pool_size_pages{")]
+    assert len(per_pool) == 256 + 1, per_pool[-3:]  # --metrics-max-pools, plus one _other
+    other = [line for line in per_pool if 'rank="_other"' in line]
+    assert other == [
+        'kvmeta_pool_size_pages{dialect="s",namespace="_other",rank="_other"} '
+        f"{4.0 * (total - 256)}"
+    ]
+    assert len(resp.content) < 2_000_000
+    assert probe.worst < MAX_LATENCY, f"exists waited {probe.worst:.2f} s behind /metrics"
