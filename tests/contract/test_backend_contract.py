@@ -1,4 +1,4 @@
-"""The behaviour every Backend must have (SEMANTICS.md), run against each backend in BACKENDS.
+"""The behaviour every Backend must have (docs/guarantees.md), run against each backend in BACKENDS.
 
 Leases use real time: short TTLs (0.2-0.4 s) and sleeps, so Redis-side expiry (Redis TIME) is
 exercised for real. Every test ends with the full page invariant checked in the store itself

@@ -1,5 +1,5 @@
 """Dialect V through a real ``kvmeta serve``: every route, status code, shape and error, and the
-regression tests for SEMANTICS.md failures 3, 6, 13 and 14 on vLLM's routes."""
+regression tests for the failures 3, 6, 13 and 14 of docs/guarantees.md on vLLM's routes."""
 
 from __future__ import annotations
 

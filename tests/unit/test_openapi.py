@@ -1,5 +1,5 @@
 """The OpenAPI document: every route the server serves is described, every schema is valid
-JSON Schema 2020-12, and the dialect routes of PROTOCOL.md are all in the catalogue."""
+JSON Schema 2020-12, and the dialect routes of docs/protocol.md are all in the catalogue."""
 
 from __future__ import annotations
 

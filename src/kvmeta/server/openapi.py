@@ -1,6 +1,6 @@
 """The OpenAPI 3.1 document served at ``/openapi.json``.
 
-Written by hand from the wire contract (``PROTOCOL.md``) rather than generated, because the
+Written by hand from the wire contract (``docs/protocol.md``) rather than generated, because the
 contract is the engines' clients, not our structs: the document says what a stock client may
 send and what it gets back, errors included. ``CATALOGUE`` describes every route kvmeta knows;
 ``build_document`` publishes the ones the running app really serves, and a test checks that

@@ -2,7 +2,7 @@
 
 Start-up recovers the data directory (snapshot + journal replay), or imports an SGLang
 persistence file into an empty one. While serving, every durable change goes to the journal and
-replies wait as the write-ahead rule needs (SEMANTICS.md, Durability):
+replies wait as the write-ahead rule needs (docs/guarantees.md, Durability):
 
 - initialize (pool creation, vLLM rank registration) waits until it is durable
   (``--fsync always|batch``): engines must never see "not initialized" after a restart;

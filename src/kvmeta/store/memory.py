@@ -2,7 +2,7 @@
 
 ``MemoryStore`` is synchronous (the embedded clients call it directly); ``MemoryBackend`` is the
 async face the server uses, which is also where a reply waits for its journal group to be
-durable (SEMANTICS.md's write-ahead rule: a page that held a removed key is handed to a new
+durable (docs/guarantees.md, the write-ahead rule: a page that held a removed key is handed to a new
 writer only after the removal is on disk).
 
 Journal records are plain tuples, encoded by ``store.journal``:

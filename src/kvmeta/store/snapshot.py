@@ -18,7 +18,7 @@ C call holds the GIL for long (one msgspec call over 66 MB of keys would stall t
 The cyclic GC is paused meanwhile: a full collection over the 10^6-entry copies stalls the loop
 too. The file is written to a temporary
 name, fsynced, renamed and the directory fsynced, so a crash leaves the old snapshot or the new
-one, never a torn one (SEMANTICS.md failure 9).
+one, never a torn one (docs/guarantees.md, failure 9).
 """
 
 from __future__ import annotations

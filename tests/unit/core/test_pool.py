@@ -1,5 +1,5 @@
-"""The page-pool model: each SEMANTICS.md rule, and regressions for the reference servers'
-failures 1-8 (numbered as in SEMANTICS.md)."""
+"""The page-pool model: each rule of docs/guarantees.md, and regressions for the reference servers'
+failures 1-8 (numbered as in docs/guarantees.md)."""
 
 from __future__ import annotations
 
