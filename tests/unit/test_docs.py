@@ -30,7 +30,8 @@ def _text_files() -> list[Path]:
             files.append(path)
             continue
         for file in sorted(path.rglob("*")):
-            if file.is_file() and "__pycache__" not in file.parts and file.suffix != ".pyc":
+            generated = "__pycache__" in file.parts or file.parent.name.endswith(".egg-info")
+            if file.is_file() and not generated and file.suffix != ".pyc":
                 files.append(file)
     return files
 
