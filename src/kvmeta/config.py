@@ -62,7 +62,7 @@ class Settings:
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False
-    # resource limits on pools (each page costs ~30 bytes of memory once its pool exists)
+    # resource limits on pools (each page costs ~26 bytes of memory once its pool exists)
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
     # connections and operator routes (see server/http.py and server/ops_routes.py)
@@ -174,7 +174,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_key_length", "longest key accepted, characters", _positive_int),
     Option("max_namespace_length", "longest namespace accepted, characters", _positive_int),
     Option(
-        "max_pages", "largest num_pages of one pool (~30 bytes of memory per page)", _positive_int
+        "max_pages", "largest num_pages of one pool (~26 bytes of memory per page)", _positive_int
     ),
     Option("log_level", "logging level", str, ("debug", "info", "warning", "error")),
     Option("log_format", "log line format", str, ("text", "json")),
@@ -183,7 +183,7 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_world_size", "largest vLLM world_size accepted", _positive_int),
     Option(
         "max_total_pages",
-        "pages of all pools together (~30 bytes of memory each), checked before a pool is made",
+        "pages of all pools together (~26 bytes of memory each), checked before a pool is made",
         _positive_int,
     ),
     # connections and operator routes

@@ -35,6 +35,7 @@ class PoolCopy:
         self._holders = dict(pool._holders)
         self._res_deadline = dict(pool._res_deadline)
         self._free = array("i", pool._free)
+        self._unused = pool._unused
         self._cooling = list(pool._cooling)
         self._withheld = pool._withheld
         self._withheld_new = list(pool._withheld_new)
@@ -84,7 +85,10 @@ def _check(pool: Any) -> None:
     _expect(set(pool._holders) <= reserved_pages, "holder count for a page not RESERVED")
     _expect(all(n >= 2 for n in pool._holders.values()), "holder count below two is implicit")
     _expect(set(pool._res_deadline) == reserved_pages, "lease table != reserved pages")
-    allocatable = list(pool._free) + [page for _, page in pool._cooling]
+    _expect(0 <= pool._unused <= n, f"first never-used page {pool._unused} is outside 0..{n}")
+    never_used = range(pool._unused, n)
+    _expect(all(state[p] == FREE for p in never_used), "a never-used page is not FREE")
+    allocatable = [*pool._free, *(page for _, page in pool._cooling), *never_used]
     _expect(len(allocatable) == len(set(allocatable)), "a page is in the free stack twice")
     free_pages = {p for p in range(n) if state[p] == FREE}
     _expect(set(allocatable) <= free_pages, "a page in the free stack is not FREE")

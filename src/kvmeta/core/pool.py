@@ -7,7 +7,9 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
 - ``_state``: one byte per page (FREE/RESERVED/STORED);
 - ``_page_key``: page -> key of a RESERVED or STORED page (None when FREE);
 - ``_stored`` / ``_reserved``: key -> page, one dict per state, so a key is in at most one;
-- ``_free``: a stack of free page numbers in a C int array (lowest page handed out first);
+- ``_free``: a stack of freed page numbers in a C int array (the last freed is handed out
+  first), and ``_unused``: pages ``_unused..num_pages-1`` were never used and are free too, so
+  creating a pool costs no per-page work beyond zeroed arrays;
 - LRU of STORED pages: an intrusive doubly linked list over page numbers in two C int arrays,
   so a touch is a handful of array writes and no per-key objects exist;
 - reservation leases: a small dict of the RESERVED pages' deadlines, plus a queue in deadline
@@ -112,6 +114,7 @@ class Pool:
         "_read_until",
         "_cooling",
         "_free",
+        "_unused",
         "_prev",
         "_next",
         "_head",
@@ -143,7 +146,8 @@ class Pool:
         self._read_until = array("d", bytes(8 * num_pages))
         # Pages freed while a reader still holds a lease: FREE, but not handed out until then.
         self._cooling: list[tuple[float, int]] = []
-        self._free = array("i", range(num_pages - 1, -1, -1))
+        self._free = array("i")
+        self._unused = 0  # pages from here on were never used (lowest handed out first)
         self._prev = array("i", bytes(4 * num_pages))
         self._next = array("i", bytes(4 * num_pages))
         self._head = -1
@@ -183,6 +187,7 @@ class Pool:
             stored[key] = page
             pool._link_tail(page)
         pool._free = array("i", (p for p in range(num_pages - 1, -1, -1) if state[p] == FREE))
+        pool._unused = num_pages
         return pool
 
     # ------------------------------------------------------------------ queries
@@ -316,6 +321,7 @@ class Pool:
         # FREE pages, highest first (the stack pops the lowest), selected in C.
         free_mask = state[::-1].translate(_FREE_MASK)
         pool._free = array("i", compress(range(num_pages - 1, -1, -1), free_mask))
+        pool._unused = num_pages
         return pool
 
     # ------------------------------------------------------------------ mutations
@@ -373,6 +379,9 @@ class Pool:
                 continue
             if free:
                 page = free.pop()
+            elif self._unused < self.num_pages:
+                page = self._unused
+                self._unused = page + 1
             else:
                 page = self._head
                 if page != -1 and page not in hits and read_until[page] <= now:
@@ -526,7 +535,7 @@ class Pool:
     @property
     def allocatable_count(self) -> int:
         """FREE pages a reserve can take without evicting (not withheld, not cooling)."""
-        return len(self._free)
+        return len(self._free) + self.num_pages - self._unused
 
     @property
     def withheld_count(self) -> int:
