@@ -1,0 +1,200 @@
+"""A real ``kvmeta serve`` whose journal fails: a full file system, no file descriptors, a
+stopped or dying fsync helper, and power loss modelled by cutting the journal back.
+
+Each run checks what the operator is promised: changes answer 503 naming the data directory,
+``/ready`` is false and ``/health`` says why, reads keep working, every request gets a reply,
+the server recovers by itself once the cause is gone, and after a kill -9 and a restart every
+acknowledged confirm is there and ``kvmeta check`` passes.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from kvmeta.bench.procstat import children
+from kvmeta.store.recovery import list_data_dir
+from tests.support import SRC, ServerProcess
+
+pytestmark = pytest.mark.slow
+
+PAGES = 1 << 16
+KEY_PAD = "k" * 160  # long keys fill the journal quickly
+
+
+def _until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def small_filesystem(path: Path, size: str = "2m") -> Iterator[Path]:
+    """A size-limited file system at ``path``: tmpfs (root), else a user-namespace tmpfs is not
+    visible to this process, so the test fails loudly rather than silently testing less."""
+    path.mkdir()
+    mounted = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
+        capture_output=True,
+        text=True,
+    )
+    if mounted.returncode != 0:
+        pytest.fail(f"cannot mount a small tmpfs (the disk-full test needs root): {mounted.stderr}")
+    try:
+        yield path
+    finally:
+        subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def _sync(server: ServerProcess) -> None:
+    """Return once every change so far is durable (``batch`` acknowledges confirms before their
+    fsync; a new pool's initialize waits for its group, which holds everything before it)."""
+    resp = server.post("/0/initialize", {"num_pages": 4, "namespace": f"sync{time.monotonic_ns()}"})
+    assert resp.status_code in (200, 204), resp.text
+
+
+def _ready(server: ServerProcess) -> bool:
+    return requests.get(server.url + "/ready", timeout=30).status_code == 200
+
+
+class Driver:
+    """Confirms of long keys from several threads; records what was acknowledged."""
+
+    def __init__(self, server: ServerProcess) -> None:
+        self.server = server
+        self.acked: dict[str, int] = {}
+        self.refusals: list[str] = []
+        self.lock = threading.Lock()
+        self.counter = 0
+
+    def round(self, session: requests.Session, n: int = 32) -> int:
+        """One reserve + confirm of ``n`` new keys; returns the confirm's status."""
+        with self.lock:
+            self.counter += 1
+            tag = self.counter
+        keys = [f"{KEY_PAD}-{tag}-{j}" for j in range(n)]
+        url = self.server.url
+        resp = session.post(
+            f"{url}/0/reserve_and_allocate_page_indices",
+            json={"keys": [[k, None] for k in keys]},
+            timeout=30,
+        )
+        if resp.status_code != 200:
+            self._refused(resp)
+            return resp.status_code
+        pairs = [[k, p] for k, (_, p) in zip(keys, resp.json()["indices"], strict=True)]
+        resp = session.post(
+            f"{url}/0/confirm_write", json={"written_keys_to_confirm": pairs}, timeout=30
+        )
+        if resp.status_code == 204 or resp.status_code == 200:
+            with self.lock:
+                self.acked.update((k, p) for k, p in pairs)
+        else:
+            self._refused(resp)
+        return resp.status_code
+
+    def _refused(self, resp: requests.Response) -> None:
+        assert resp.status_code == 503, (resp.status_code, resp.text)
+        with self.lock:
+            self.refusals.append(resp.json()["detail"])
+
+    def until_refused(self, threads: int = 3, limit: float = 120.0) -> None:
+        """Drive confirms from ``threads`` threads until one is refused; every request must
+        get an answer (a request timing out fails the test)."""
+        stop = threading.Event()
+
+        def work() -> None:
+            with requests.Session() as session:
+                while not stop.is_set():
+                    if self.round(session) == 503:
+                        stop.set()
+
+        with ThreadPoolExecutor(threads) as pool:
+            futures = [pool.submit(work) for _ in range(threads)]
+            deadline = time.monotonic() + limit
+            while not stop.is_set():
+                assert time.monotonic() < deadline, "the journal never failed"
+                time.sleep(0.05)
+            for fut in futures:
+                fut.result(timeout=60)  # raises if a request hung or failed otherwise
+
+    def verify_after_restart(self, data: Path, cwd: Path, fsync: str) -> None:
+        server = ServerProcess("--data-dir", str(data), "--fsync", fsync, cwd=cwd).start()
+        try:
+            keys = sorted(self.acked)
+            got: list[int | None] = []
+            for i in range(0, len(keys), 1000):
+                resp = server.post("/0/get_page_indices", {"keys": keys[i : i + 1000]})
+                got += resp.json()["indices"]
+            lost = [k for k, page in zip(keys, got, strict=True) if page != self.acked[k]]
+            assert not lost, f"{len(lost)} of {len(keys)} acknowledged confirms lost"
+        finally:
+            assert server.stop() == 0
+        check = subprocess.run(
+            [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
+            env={**os.environ, "PYTHONPATH": str(SRC)},
+            capture_output=True,
+            text=True,
+        )
+        assert check.returncode == 0, check.stdout + check.stderr
+
+
+def _assert_failed_state(server: ServerProcess, data: Path, driver: Driver) -> None:
+    assert driver.refusals and all(str(data) in r for r in driver.refusals), driver.refusals
+    ready = requests.get(server.url + "/ready", timeout=30)
+    assert ready.status_code == 503 and ready.json()["ready"] is False
+    assert str(data) in ready.json()["detail"]
+    health = requests.get(server.url + "/health", timeout=30)
+    assert health.status_code == 200 and health.json()["status"] == "degraded"
+    assert str(data) in health.json()["reason"]
+    # Reads keep working; changes are refused.
+    some = sorted(driver.acked)[:5]
+    got = server.post("/0/get_page_indices", {"keys": some})
+    assert got.status_code == 200 and got.json()["indices"] == [driver.acked[k] for k in some]
+    assert server.post("/0/exists", {"keys": some}).json() == {"exists": [True] * len(some)}
+    assert server.post("/0/delete_keys", {"keys": some}).status_code == 503
+    metrics = requests.get(server.url + "/metrics", timeout=30).text
+    assert "kvmeta_journal_failed 1.0" in metrics
+
+
+@pytest.mark.parametrize("fsync", ["batch", "always"])
+def test_disk_full_refuses_changes_then_recovers_losing_nothing(tmp_path: Path, fsync: str) -> None:
+    with small_filesystem(tmp_path / "fs") as fs:
+        data = fs / "data"
+        server = ServerProcess(
+            "--data-dir", str(data), "--fsync", fsync, "--read-lease", "0", cwd=tmp_path
+        ).start()
+        try:
+            assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
+            # Leave ~400 KB: the journal fills it, a snapshot fits once the filler is gone.
+            free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+            filler = fs / "filler"
+            filler.write_bytes(b"\0" * (free - 400 * 1024))
+            driver = Driver(server)
+            driver.until_refused()
+            assert "No space left on device" in driver.refusals[0]
+            _assert_failed_state(server, data, driver)
+            filler.unlink()
+            _until(lambda: _ready(server), what="/ready after space was freed")
+            with requests.Session() as session:
+                for _ in range(5):
+                    assert driver.round(session) == 204
+            _sync(server)
+            assert "recovered" in server.log
+        finally:
+            server.kill()  # kill -9: no final snapshot
+        driver.verify_after_restart(data, tmp_path, fsync)
