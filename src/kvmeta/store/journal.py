@@ -52,7 +52,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.errors import JournalFailed
-from kvmeta.store.codec import HEADER, encode_record
+from kvmeta.store.codec import HEADER, RecordTooLarge, encode_records
 
 __all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
 
@@ -146,14 +146,23 @@ class Journal:
             self._start_helper()
 
     def append(self, record: tuple[Any, ...]) -> None:
-        """Buffer one record; never blocks on disk (``ChangeSink``)."""
-        self.seq += 1
+        """Buffer one record (split in several when too big for one frame: the reader refuses
+        frames over ``codec.MAX_PAYLOAD``); never blocks on disk (``ChangeSink``)."""
+        try:
+            frames = encode_records(record)
+        except RecordTooLarge as exc:
+            # The change is applied in memory already: stop journaling, and the recovery
+            # snapshot (which has no per-record limit) makes it durable.
+            frames = []
+            self._fail(str(exc), "Lower the limit named above")
+        self.seq += len(frames) or 1
         if record[0] in _REMOVALS:
             self.removal_seq = self.seq
-        self.records += 1
+        self.records += len(frames) or 1
         if self._failed is not None:
             return  # nothing is written until ``recovered``: the snapshot will hold it
-        self._buf += encode_record(record)
+        for frame in frames:
+            self._buf += frame
         if self._timer is None:
             if self.mode == "always":
                 self._timer = self.loop.call_soon(self.flush)
