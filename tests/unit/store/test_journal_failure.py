@@ -165,3 +165,47 @@ def test_dying_while_failed_loses_only_the_undurable_tail(
 
 async def _never_snapshot() -> None:
     raise OSError(errno.ENOSPC, "still full")
+
+
+def test_shutdown_while_failed_says_what_is_lost(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch")
+        await b.initialize(S0, 8)
+        assert b.journal is not None
+        _break_writes(b.journal, monkeypatch, errno.ENOSPC)
+        await cycle(b, S0, ["a"])  # acknowledged in batch mode, then its write fails
+        await _until(lambda: b.failure is not None)
+        monkeypatch.setattr(b, "_write_and_compact", _full_disk)
+        await b.close()
+
+    asyncio.run(main())
+    text = caplog.text
+    assert "journal still has every change" not in text
+    assert "are lost now" in text and "confirms acknowledged in that window" in text
+
+
+def _full_disk(*args: object) -> None:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def test_shutdown_after_the_cause_is_gone_keeps_everything(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch", snapshot_interval=0.0)
+        await b.initialize(S0, 8)
+        assert b.journal is not None
+        broken = _break_writes(b.journal, monkeypatch, errno.ENOSPC)
+        await cycle(b, S0, ["a", "b"])
+        await _until(lambda: b.failure is not None)
+        broken[0] = False
+        await b.close()  # the final snapshot is the recovery
+        b = await open_backend(tmp_path, fsync="batch")
+        try:
+            assert [k for k, _ in state(b)[S0][1]] == ["a", "b"]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
