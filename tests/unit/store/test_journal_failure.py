@@ -209,3 +209,32 @@ def test_shutdown_after_the_cause_is_gone_keeps_everything(
             await b.close()
 
     asyncio.run(main())
+
+
+def test_the_gc_runs_while_a_snapshot_is_written(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """gc.disable is process-wide: it may cover the synchronous capture, never the await."""
+    import gc
+
+    from kvmeta.store.durable import DurableBackend
+
+    seen: list[bool] = []
+    real = DurableBackend._write_and_compact
+
+    def write(*args: object) -> Path:
+        seen.append(gc.isenabled())
+        return real(*args)  # type: ignore[arg-type]
+
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch")
+        try:
+            monkeypatch.setattr(b, "_write_and_compact", write)
+            await b.initialize(S0, 8)
+            await b.snapshot()
+        finally:
+            await b.close()
+
+    assert gc.isenabled()
+    asyncio.run(main())
+    assert seen and all(seen)
