@@ -107,8 +107,8 @@ def _cmd_check(args: argparse.Namespace) -> int:
         print(line)
     for problem in report.problems:
         print(f"PROBLEM: {problem}", file=sys.stderr)
-    print("ok" if report.ok else f"{len(report.problems)} problem(s) found")
-    return 0 if report.ok else 1
+    print(report.summary)
+    return report.exit_code
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,7 +128,10 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     _add_status(sub)
-    check = sub.add_parser("check", help="verify a data directory offline (exit 1 on problems)")
+    check = sub.add_parser(
+        "check",
+        help="verify a data directory offline (exit 0 ok, 1 problems, 3 in use by a server)",
+    )
     check.add_argument(
         "--data-dir", default="./kvmeta-data", help="directory to check (default %(default)s)"
     )

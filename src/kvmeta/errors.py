@@ -11,6 +11,7 @@
     +-- ServerError                        client side: the server answered 5xx
     +-- StorageError (OSError)             data directory / journal trouble
     |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
+    |   +-- JournalFailed                  the journal cannot be written: 503 until it can
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
 
@@ -27,6 +28,7 @@ __all__ = [
     "CannotListen",
     "InvalidRequest",
     "JournalCorrupt",
+    "JournalFailed",
     "KvmetaError",
     "MethodNotAllowed",
     "NotFound",
@@ -136,6 +138,13 @@ class StorageError(KvmetaError, OSError):
 
 class JournalCorrupt(StorageError):
     """Raised at start-up when a journal or snapshot is damaged beyond a torn tail."""
+
+
+class JournalFailed(StorageError):
+    """Raised for every change while the journal cannot be written (disk full, out of file
+    descriptors, fsync failing): nothing is changed, and the server retries by itself."""
+
+    status = 503
 
 
 class BackendUnavailable(KvmetaError):

@@ -51,8 +51,16 @@ class OpsState:
         self._openapi: bytes | None = None
         self.check_lock = asyncio.Lock()
 
+    def failure(self) -> str | None:
+        """Why the backend refuses changes right now (a failed journal), or None."""
+        failure = getattr(self.backend, "failure", None)
+        return failure if isinstance(failure, str) else None
+
     async def ready(self) -> tuple[bool, str]:
         """(ready, reason) without raising: a backend error is a reason, not a 500."""
+        failure = self.failure()
+        if failure is not None:
+            return False, failure
         try:
             ok = await self.backend.ready()
         except Exception as exc:  # noqa: BLE001 - any backend failure means not ready
@@ -189,7 +197,14 @@ def add_routes(app: App, state: OpsState) -> None:
 
     async def health(req: Request, rank: int) -> Response:
         uptime = round(time.monotonic() - state.started, 3)
-        return json_response({"status": "ok", "version": __version__, "uptime_seconds": uptime})
+        body: dict[str, Any] = {"status": "ok", "version": __version__, "uptime_seconds": uptime}
+        failure = state.failure()
+        if failure is not None:
+            # Still 200: the process is alive and recovers by itself; a liveness probe that
+            # restarted it would lose the changes that are only in memory.
+            body["status"] = "degraded"
+            body["reason"] = failure
+        return json_response(body)
 
     async def ready(req: Request, rank: int) -> Response:
         ok, reason = await state.ready()

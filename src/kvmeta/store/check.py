@@ -2,10 +2,18 @@
 
 Loads the latest snapshot and replays the journal exactly as start-up would (but reports a torn
 tail instead of cutting it), then runs the full page invariant on every pool.
+
+On a directory a running server holds (its ``LOCK`` is locked) the check still runs, but the
+files change under it (appends, snapshots, compaction), so what it finds may be stale or show a
+torn tail that is only a write in progress: the report says so, and the exit code is
+``IN_USE`` (3) rather than 0 when nothing was found, because "ok" would not be definitive.
+Exit codes: 0 ok, 1 problems found, 3 no problem found but the directory is in use.
 """
 
 from __future__ import annotations
 
+import fcntl
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -13,19 +21,55 @@ from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
 from kvmeta.store.recovery import list_data_dir, recover
 
-__all__ = ["CheckReport", "check_data_dir"]
+__all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
+
+IN_USE = 3
 
 
 @dataclass
 class CheckReport:
-    """What ``kvmeta check`` found; ``ok`` decides the exit code."""
+    """What ``kvmeta check`` found; ``ok`` and ``in_use`` decide the exit code."""
 
     lines: list[str] = field(default_factory=list)
     problems: list[str] = field(default_factory=list)
+    in_use: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        if self.problems:
+            return 1
+        return IN_USE if self.in_use else 0
+
+    @property
+    def summary(self) -> str:
+        if self.problems:
+            found = f"{len(self.problems)} problem(s) found"
+            return found + (" (the directory is in use: may be stale)" if self.in_use else "")
+        if self.in_use:
+            return (
+                "no problem found, but the directory is in use by a running server: not definitive"
+            )
+        return "ok"
+
+
+def lock_held(directory: Path) -> bool:
+    """True when a live process holds ``directory``'s LOCK (a running server). Creates
+    nothing: no LOCK file means nobody ever served from it."""
+    try:
+        fd = os.open(directory / "LOCK", os.O_RDONLY)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except OSError:
+        return True
+    finally:
+        os.close(fd)  # closing drops our shared lock too
+    return False
 
 
 def check_data_dir(directory: Path) -> CheckReport:
@@ -36,6 +80,14 @@ def check_data_dir(directory: Path) -> CheckReport:
     if not directory.is_dir():
         report.problems.append(f"{directory} is not a directory")
         return report
+    if lock_held(directory):
+        report.in_use = True
+        report.lines.append(
+            f"NOTE: {directory} is in use by a running kvmeta server (its LOCK is held): the "
+            "files change while they are read, so this result may be stale or inconsistent "
+            "(e.g. a torn tail that is a write in progress). Stop the server, or check a copy, "
+            "for a definitive answer."
+        )
     listing = list_data_dir(directory)
     report.lines.append(
         f"{directory}: {len(listing.snapshots)} snapshot(s), {len(listing.segments)} journal "
@@ -45,6 +97,9 @@ def check_data_dir(directory: Path) -> CheckReport:
         state = recover(directory, repair=False)
     except JournalCorrupt as exc:
         report.problems.append(str(exc))
+        return report
+    except OSError as exc:  # a file compacted away by the running server while we read
+        report.problems.append(f"cannot read {directory}: {exc}")
         return report
     report.lines.append(
         f"snapshot {state.snapshot}, {state.records} journal records replayed, "

@@ -13,10 +13,22 @@ A journal segment file is a 8-byte header followed by framed records::
     ["vworld", world_size_or_nil]
     ["drop",   pool_id]                         a vLLM rank removed (format 2)
 
+The reader refuses a payload over ``MAX_PAYLOAD`` as garbage, so the writer never produces one:
+``encode_records`` splits a commit or remove record whose key list is too big into several
+records of the same kind, in order (replaying them one after another is the same change), and
+refuses a record that cannot be split (a single key or namespace that large) before writing.
+
 Evolution rules: a tag's fields are only ever appended (old readers ignore extra trailing
 fields), a field's type never changes, and a new kind of record gets a new tag plus a version
-bump. A frame whose length runs past the end of the file, or whose CRC fails as the very last
-frame, is a torn write (the process died mid-append) and is cut off; anything else is corruption.
+bump.
+
+Torn tail or corruption? A crash can only tear the end of the last segment, past its last
+fsync (earlier segments are fsynced when they are closed). That offset is not on disk, so the
+rule is: a bad frame (short header, length past the end or over ``MAX_PAYLOAD``, checksum
+mismatch, zeros) is a torn tail only when it is in the last segment *and* no valid frame
+(a plausible length and a matching CRC) starts anywhere after it. A damaged length or checksum
+in the middle is followed by the intact later records, so it is found to be corruption: the
+reader names the byte, and start-up refuses instead of cutting acknowledged records off.
 """
 
 from __future__ import annotations
@@ -34,15 +46,20 @@ __all__ = [
     "VERSION",
     "DecodeResult",
     "FrameError",
+    "RecordTooLarge",
     "decode_frames",
     "encode_record",
+    "encode_records",
 ]
 
 VERSION = 2  # 2: the drop record
 HEADER = b"KVMJ" + bytes([VERSION, 0, 0, 0])
 _FRAME = struct.Struct("<II")
-# A single record never holds more than one request's keys; anything larger is garbage.
+# The largest payload the reader accepts; anything larger is garbage (a damaged length). The
+# writer splits records to stay within it (``encode_records``).
 MAX_PAYLOAD = 64 * 1024 * 1024
+# Records whose third field is a list of entries that may be split into consecutive records.
+_SPLITTABLE = ("commit", "remove")
 
 _encode = msgspec.msgpack.Encoder().encode
 _decode = msgspec.msgpack.Decoder().decode
@@ -56,11 +73,39 @@ def encode_record(record: tuple[Any, ...]) -> bytes:
     return _pack(len(payload), _crc32(payload)) + payload
 
 
+class RecordTooLarge(ValueError):
+    """A record over ``MAX_PAYLOAD`` that cannot be split (one entry alone is too big)."""
+
+
+def encode_records(record: tuple[Any, ...]) -> list[bytes]:
+    """``record`` as framed records the reader accepts: one, or (a commit or remove too big
+    for one frame) several of the same kind, each with a consecutive slice of its entries.
+
+    Raises:
+        RecordTooLarge: the record cannot be split to fit ``MAX_PAYLOAD``.
+    """
+    payload = _encode(record)
+    if len(payload) <= MAX_PAYLOAD:
+        return [_pack(len(payload), _crc32(payload)) + payload]
+    if record[0] not in _SPLITTABLE or len(record[2]) < 2:
+        raise RecordTooLarge(
+            f"a journal record {record[0]!r} of {len(payload)} bytes exceeds the limit of "
+            f"{MAX_PAYLOAD} bytes and cannot be split (one key or namespace that long); lower "
+            "--max-key-length / --max-namespace-length"
+        )
+    entries = record[2]
+    half = len(entries) // 2
+    head, tail = record[:2], record[3:]
+    return encode_records((*head, entries[:half], *tail)) + encode_records(
+        (*head, entries[half:], *tail)
+    )
+
+
 class FrameError(Exception):
     """A frame that is damaged; ``offset`` is where it starts in the file."""
 
-    def __init__(self, offset: int, reason: str) -> None:
-        super().__init__(f"{reason} at byte {offset}")
+    def __init__(self, offset: int, reason: str, note: str = "") -> None:
+        super().__init__(f"{reason} at byte {offset}{note}")
         self.offset = offset
         self.reason = reason
 
@@ -85,8 +130,6 @@ def check_header(data: bytes) -> None:
 
 
 _BAD_CRC = "checksum mismatch"
-# What a write cut short by a crash looks like: a prefix of a frame, or zeros past the end.
-_TORN = ("incomplete frame header", "zero-filled tail", "frame runs past the end of the file")
 
 
 def _frames(data: bytes, start: int) -> Iterator[tuple[int, bytes | None, str]]:
@@ -115,19 +158,26 @@ def _frames(data: bytes, start: int) -> Iterator[tuple[int, bytes | None, str]]:
         pos = body_end
 
 
-def decode_frames(data: bytes) -> DecodeResult:
-    """Every record of a segment's bytes.
+def decode_frames(data: bytes, *, last: bool = True) -> DecodeResult:
+    """Every record of a segment's bytes; ``last``: this is the last segment (the only one
+    that can have a torn tail).
 
     Raises:
-        FrameError: damage that is not a torn tail (a bad frame followed by more data, a
-            payload that is not a record, a bad header).
+        FrameError: damage that is not a torn tail (a bad frame followed by a valid one, any
+            bad frame in a segment that is not the last, a payload that is not a record, a
+            bad header).
     """
     check_header(data)
     result = DecodeResult(records=[])
     for offset, payload, reason in _frames(data, len(HEADER)):
         if payload is None:
-            if reason not in _TORN and not (reason == _BAD_CRC and _is_last_frame(data, offset)):
-                raise FrameError(offset, reason)
+            if not last:
+                raise FrameError(offset, reason, " of a journal segment that is not the last")
+            later = _valid_frame_after(data, offset)
+            if later is not None:
+                raise FrameError(
+                    offset, reason, f" (a valid record follows at byte {later}: not a torn tail)"
+                )
             result.torn_at = offset
             result.torn_bytes = len(data) - offset
             break
@@ -141,6 +191,19 @@ def decode_frames(data: bytes) -> DecodeResult:
     return result
 
 
-def _is_last_frame(data: bytes, offset: int) -> bool:
-    length, _ = _FRAME.unpack_from(data, offset)
-    return offset + _FRAME.size + length == len(data)
+def _valid_frame_after(data: bytes, offset: int) -> int | None:
+    """The offset of the first valid frame starting after ``offset``, or None.
+
+    A torn tail is a prefix of what was being written, so nothing valid follows its first bad
+    frame; a false match needs a 32-bit CRC to agree by chance. Cost: one pass over the tail,
+    a CRC only where the length fits (a torn tail is at most one group, usually kilobytes)."""
+    view = memoryview(data)
+    end = len(data)
+    unpack = _FRAME.unpack_from
+    for pos in range(offset + 1, end - _FRAME.size + 1):
+        length, crc = unpack(data, pos)
+        body = pos + _FRAME.size
+        if 0 < length <= MAX_PAYLOAD and body + length <= end:
+            if _crc32(view[body : body + length]) == crc:
+                return pos
+    return None

@@ -18,6 +18,17 @@ replies wait as the write-ahead rule needs (docs/guarantees.md, Durability):
   journal thread), because each waiting reply is a task, a future and a wake-up, and each
   fdatasync about 240 us of CPU.
 
+Journal failure (disk full, out of file descriptors, fsync failing): from the first failed
+write on, every change (initialize, reserve, confirm, delete, clear, vLLM register/clear) is
+refused with ``JournalFailed`` (503) *before* it touches the state, ``ready()`` is False and
+``failure`` says why; reads keep working. A background task retries about every second (backing
+off to 8 s) by writing a snapshot of the in-memory state at a new segment number: the state
+holds every change that was acknowledged (in ``batch`` mode confirms are acknowledged before
+their fsync), so once that snapshot is durable nothing acknowledged is lost, the torn segment
+is deleted, and writing resumes in a fresh segment. The window: if the process dies while the
+journal is failed, changes acknowledged after the last durable group are lost (``batch``:
+confirms and deletes of up to one group before the failure; ``always``: nothing acknowledged).
+
 Snapshots are taken every ``--snapshot-interval`` seconds once ``--snapshot-min-records``
 records have accumulated, and at shutdown; see ``store.snapshot`` for why they never stop the
 server.
@@ -28,14 +39,17 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import functools
 import logging
 import os
 import time
+from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Concatenate, ParamSpec, TypeVar
 
 from kvmeta._types import PoolId
-from kvmeta.errors import StorageError
+from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
@@ -48,6 +62,27 @@ __all__ = ["DurabilityOptions", "DurableBackend"]
 logger = logging.getLogger(__name__)
 
 _IMPORT_CHUNK = 4096
+# After a journal failure: first retry after this many seconds, doubling up to _RETRY_MAX.
+_RETRY_FIRST = 1.0
+_RETRY_MAX = 8.0
+
+_T = TypeVar("_T")
+_P = ParamSpec("_P")
+_Method = Callable[Concatenate["DurableBackend", _P], Coroutine[Any, Any, _T]]
+
+
+def _refused_while_failed(method: _Method[_P, _T]) -> _Method[_P, _T]:
+    """A change is refused while the journal is failed, before it touches the state: a change
+    that cannot be journaled must not be applied (or acknowledged)."""
+
+    @functools.wraps(method)
+    async def guarded(self: DurableBackend, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+        journal = self.journal
+        if journal is not None and journal.failed is not None:
+            raise JournalFailed(str(journal.failed))
+        return await method(self, *args, **kwargs)
+
+    return guarded
 
 
 @dataclass(frozen=True)
@@ -81,6 +116,7 @@ class DurableBackend(MemoryBackend):
         self._tasks: list[asyncio.Task[None]] = []
         self._lock_fd = -1
         self._closed = False
+        self._retry_wake = asyncio.Event()
 
     @property
     def describe(self) -> str:
@@ -120,6 +156,7 @@ class DurableBackend(MemoryBackend):
                 interval=opts.fsync_interval,
                 loop=loop,
             )
+            self.journal.on_fail = self._retry_wake.set
             self.journal.start()
             self.store.sink = self.journal
             if self.journal.waits:
@@ -129,6 +166,8 @@ class DurableBackend(MemoryBackend):
                 await self.snapshot()
         elif opts.persistence_path is not None:
             self._import_legacy(opts.persistence_path)
+        if self.journal is not None:
+            self._tasks.append(asyncio.create_task(self._recover_when_possible()))
         if opts.data_dir is not None and opts.snapshot_interval > 0:
             self._tasks.append(asyncio.create_task(self._every(opts.snapshot_interval, False)))
         if opts.persistence_path is not None and opts.save_interval > 0:
@@ -183,17 +222,79 @@ class DurableBackend(MemoryBackend):
         for task in self._tasks:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
-        if self.journal is not None:
+        journal = self.journal
+        if journal is not None:
             try:
                 await self.snapshot()
             except OSError as exc:
-                logger.error("final snapshot failed (%s); the journal still has every change", exc)
-            await self.journal.close()
+                self._log_final_snapshot_failure(journal, exc)
+            await journal.close()
         if self.options.persistence_path is not None:
             await self.save_legacy()
         if self._lock_fd >= 0:
             os.close(self._lock_fd)
             self._lock_fd = -1
+
+    def _log_final_snapshot_failure(self, journal: Journal, exc: OSError) -> None:
+        if journal.failed is None:
+            logger.error(
+                "final snapshot failed (%s); the journal has every change and the next start "
+                "replays it",
+                exc,
+            )
+            return
+        lost = journal.seq - journal.failed_seq
+        logger.error(
+            "final snapshot failed (%s) while the journal in %s has been failed since %s: the "
+            "last %d journal record(s) (changes made since the last durable group before the "
+            "failure) exist only in memory and are lost now. After the restart, confirms "
+            "acknowledged in that window come back missing (cache misses, never wrong pages: "
+            "their pages come back free) and keys deleted in it come back. Fix the cause "
+            "first (%s).",
+            exc,
+            self.options.data_dir,
+            time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(journal.failed_at)),
+            lost,
+            journal.failed,
+        )
+
+    @property
+    def failure(self) -> str | None:
+        """Why changes are refused (the journal cannot be written), or None."""
+        journal = self.journal
+        return None if journal is None or journal.failed is None else str(journal.failed)
+
+    async def ready(self) -> bool:
+        return self.failure is None
+
+    async def _recover_when_possible(self) -> None:
+        """While the journal is failed, try to make the in-memory state durable again."""
+        delay = _RETRY_FIRST
+        last_error = ""
+        while True:
+            journal = self.journal
+            if journal is None or journal.failed is None:
+                delay, last_error = _RETRY_FIRST, ""
+                self._retry_wake.clear()
+                await self._retry_wake.wait()
+                continue
+            await asyncio.sleep(delay)
+            if journal.failed is None or self._closed:
+                continue
+            try:
+                await self.snapshot()
+            except OSError as exc:
+                if str(exc) != last_error:
+                    logger.warning("journal still failed, retrying: %s", exc)
+                    last_error = str(exc)
+                delay = min(delay * 2, _RETRY_MAX)
+                continue
+            logger.warning(
+                "journal in %s recovered: a snapshot of the state in memory is durable (it "
+                "holds every change acknowledged while the journal was failed); changes are "
+                "accepted again",
+                self.options.data_dir,
+            )
 
     async def _every(self, interval: float, legacy: bool) -> None:
         while True:
@@ -201,6 +302,8 @@ class DurableBackend(MemoryBackend):
             try:
                 if legacy:
                     await self.save_legacy()
+                elif self.failure is not None:
+                    continue  # _recover_when_possible takes the snapshot that recovers
                 elif self._records_since_snapshot() >= self.options.snapshot_min_records:
                     await self.snapshot()
             except OSError as exc:
@@ -212,20 +315,52 @@ class DurableBackend(MemoryBackend):
     # ------------------------------------------------------------------ snapshots
 
     async def snapshot(self) -> Path | None:
-        """Take a snapshot now and drop the journal segments it covers."""
+        """Take a snapshot now and drop the journal segments it covers. While the journal is
+        failed this is how it recovers (see the module docstring).
+
+        Raises:
+            OSError: the snapshot could not be written (or the journal not restarted).
+        """
         journal, directory = self.journal, self.options.data_dir
         if journal is None or directory is None:
             return None
         async with self._snapshot_lock:
-            with gc_paused():  # see store.snapshot: a full collection would stall the loop
-                return await self._snapshot(journal, directory)
+            if journal.failed is not None:
+                return await self._recovery_snapshot(journal, directory)
+            return await self._snapshot(journal, directory)
+
+    def _capture(self) -> StoreImage:
+        # The GC is paused only for this synchronous copy: gc.disable is process-wide, and
+        # held across an await it would stop collection for every other coroutine too.
+        with gc_paused():
+            image = capture(self.store)
+        self.snapshot_stall_max = max(self.snapshot_stall_max, image.capture_seconds)
+        return image
 
     async def _snapshot(self, journal: Journal, directory: Path) -> Path:
         # Rotation and capture in one loop step: the image is exactly segments < segment.
         segment = journal.rotate()
-        image = capture(self.store)
+        image = self._capture()
         self._snapshot_records = journal.records
-        self.snapshot_stall_max = max(self.snapshot_stall_max, image.capture_seconds)
+        return await self._write_image(directory, segment, image)
+
+    async def _recovery_snapshot(self, journal: Journal, directory: Path) -> Path:
+        """Write the in-memory state at a new segment number, then resume the journal there.
+
+        Changes are refused meanwhile, but a request that passed that check before the
+        failure may still change the state while the file is written; then capture again."""
+        segment = journal.restart_segment()
+        for _ in range(10):
+            image = self._capture()
+            seq = journal.seq
+            path = await self._write_image(directory, segment, image)
+            if journal.seq == seq:
+                journal.recovered(seq)
+                self._snapshot_records = journal.records
+                return path
+        raise JournalFailed(f"the state kept changing while {directory} was being recovered")
+
+    async def _write_image(self, directory: Path, segment: int, image: StoreImage) -> Path:
         started = time.perf_counter()
         path = await asyncio.to_thread(self._write_and_compact, directory, segment, image)
         self.snapshots += 1
@@ -255,9 +390,9 @@ class DurableBackend(MemoryBackend):
         path = self.options.persistence_path
         if path is None:
             return
-        with gc_paused():
+        with gc_paused():  # only around the synchronous copy (see _capture)
             image = capture(self.store)
-            await asyncio.to_thread(_write_legacy_image, path, image)
+        await asyncio.to_thread(_write_legacy_image, path, image)
 
     # ------------------------------------------------------------------ waits
 
@@ -272,11 +407,13 @@ class DurableBackend(MemoryBackend):
         if journal is not None and journal.durable_seq < journal.seq:
             await journal.wait(journal.seq)
 
+    @_refused_while_failed
     async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
         result = self.store.initialize(pool, num_pages)
         await self._created()
         return result
 
+    @_refused_while_failed
     async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
         # A removed rank registered again reuses its page file: not before the removal is on
         # disk, or a crash could bring back its old ``key -> page`` over new bytes.
@@ -287,6 +424,7 @@ class DurableBackend(MemoryBackend):
         await self._created()
         return result
 
+    @_refused_while_failed
     async def v_remove(self, rank: int) -> int | None:
         """Replies once the removal is durable (operators expect it to stick)."""
         dropped = self.store.v_remove(rank)
@@ -295,10 +433,12 @@ class DurableBackend(MemoryBackend):
             await self._created()
         return dropped
 
+    @_refused_while_failed
     async def v_set_world_size(self, world_size: int | None) -> None:
         self.store.v_set_world_size(world_size)
         await self._created()
 
+    @_refused_while_failed
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         """A reserve, with the waits of the write-ahead rule (``store.writeahead``)."""
         rule, journal = self.store.write_ahead, self.journal
@@ -316,6 +456,22 @@ class DurableBackend(MemoryBackend):
             await journal.wait(seq)
         return out
 
+    @_refused_while_failed
+    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        return await super().confirm(pool, pairs, release)
+
+    @_refused_while_failed
+    async def delete(self, pool: PoolId, keys: list[str]) -> int:
+        return await super().delete(pool, keys)
+
+    @_refused_while_failed
+    async def clear(self, pool: PoolId) -> int:
+        return await super().clear(pool)
+
+    @_refused_while_failed
+    async def v_clear(self) -> int:
+        return await super().v_clear()
+
     def durability_stats(self) -> dict[str, float]:
         """Counters for metrics (another module exports them)."""
         j = self.journal
@@ -328,6 +484,7 @@ class DurableBackend(MemoryBackend):
             "snapshots": float(self.snapshots),
             "snapshot_stall_seconds_max": self.snapshot_stall_max,
             "reserve_waits": float(self.reserve_waits),
+            "journal_failed": 1.0 if self.failure is not None else 0.0,
         }
 
 

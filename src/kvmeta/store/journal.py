@@ -11,6 +11,15 @@ event loop, and on this class of machine that hand-over cost about 100-250 us of
 in futex wake-ups and context switches: with the former writer thread the journal added
 8-12 us of CPU to every request even with ``--fsync never``. The helper shares no GIL.
 
+Failure (disk full, out of file descriptors, fsync failing, the helper dying over and over):
+the journal stops writing at once (a half-written group must never be followed by more), every
+waiter gets ``JournalFailed`` and so does every later ``wait``; ``failed`` says why. Records
+appended meanwhile are only counted. The owner (``store.durable``) then refuses changes and,
+once the cause is gone, writes a snapshot of the state in memory into a new segment number and
+calls ``recovered``: everything up to then is durable again, and writing resumes in a fresh
+segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
+waiter is ever left unanswered: each path that stops writing answers them.
+
 The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot) fdatasyncs
 the segment it closes, so that a segment is never torn unless it is the last one (recovery
 cuts only a last torn segment), and ``close`` fdatasyncs the final group.
@@ -36,11 +45,14 @@ import logging
 import os
 import subprocess
 import sys
+import time
+from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvmeta.errors import StorageError
-from kvmeta.store.codec import HEADER, encode_record
+from kvmeta.errors import JournalFailed
+from kvmeta.store.codec import HEADER, RecordTooLarge, encode_records
 
 __all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
 
@@ -54,7 +66,10 @@ DEFAULT_FSYNC_INTERVAL = 0.025
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)
 _HELPER = str(Path(__file__).with_name("fsync_helper.py"))
+# The helper may die (OOM killer, an operator's kill); it is restarted, but this many exits
+# within _HELPER_WINDOW seconds mean something is wrong with it: the journal fails.
 _MAX_HELPER_STARTS = 5
+_HELPER_WINDOW = 60.0
 _REMOVALS = ("remove", "clear")
 
 
@@ -100,12 +115,15 @@ class Journal:
         self._timer: asyncio.Handle | None = None
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
         self._ticket = 0
-        self._failed: StorageError | None = None
+        self._failed: JournalFailed | None = None
+        self.failed_at = 0.0  # wall-clock time of the failure (0: not failed)
+        self.failed_seq = 0  # durable_seq when it failed: later records were not durable
+        self.on_fail: Callable[[], None] | None = None
         self._closed = False
         self._fd = -1
         self._fd_segment = -1
         self._helper: subprocess.Popen[bytes] | None = None
-        self._helper_starts = 0
+        self._helper_exits: deque[float] = deque(maxlen=_MAX_HELPER_STARTS)
         self._requested = 0  # highest seq the helper was asked to make durable
         self._replies = b""
         # Stats, for metrics.
@@ -117,17 +135,34 @@ class Journal:
 
     # ------------------------------------------------------------------ records
 
+    @property
+    def failed(self) -> JournalFailed | None:
+        """Why the journal stopped writing (None while it works)."""
+        return self._failed
+
     def start(self) -> None:
+        """Raises OSError when the helper cannot be started (e.g. no file descriptors)."""
         if self.waits:
             self._start_helper()
 
     def append(self, record: tuple[Any, ...]) -> None:
-        """Buffer one record; never blocks on disk (``ChangeSink``)."""
-        self._buf += encode_record(record)
-        self.seq += 1
+        """Buffer one record (split in several when too big for one frame: the reader refuses
+        frames over ``codec.MAX_PAYLOAD``); never blocks on disk (``ChangeSink``)."""
+        try:
+            frames = encode_records(record)
+        except RecordTooLarge as exc:
+            # The change is applied in memory already: stop journaling, and the recovery
+            # snapshot (which has no per-record limit) makes it durable.
+            frames = []
+            self._fail(str(exc), "Lower the limit named above")
+        self.seq += len(frames) or 1
         if record[0] in _REMOVALS:
             self.removal_seq = self.seq
-        self.records += 1
+        self.records += len(frames) or 1
+        if self._failed is not None:
+            return  # nothing is written until ``recovered``: the snapshot will hold it
+        for frame in frames:
+            self._buf += frame
         if self._timer is None:
             if self.mode == "always":
                 self._timer = self.loop.call_soon(self.flush)
@@ -145,7 +180,7 @@ class Journal:
         try:
             self._write(data)
         except OSError as exc:
-            self._fail(f"cannot write the journal in {self.directory}: {exc}")
+            self._fail(f"cannot write {segment_path(self.directory, self.segment)}: {exc}")
             return
         self.written_seq = self.seq
         self._request()
@@ -158,9 +193,33 @@ class Journal:
         """
         self._close_segment()
         if self._failed is not None:
-            raise self._failed
+            raise JournalFailed(str(self._failed))
         self.segment += 1
         return self.segment
+
+    def restart_segment(self) -> int:
+        """While failed: the segment number a recovery snapshot starts at (a new one, never
+        the segment whose tail may be torn). Writing stays stopped until ``recovered``."""
+        self._close_fd()
+        self.segment += 1
+        return self.segment
+
+    def recovered(self, seq: int) -> None:
+        """A snapshot holding every record up to ``seq`` (the last appended) is durable:
+        resume writing, in the segment ``restart_segment`` returned.
+
+        Raises:
+            OSError: the fsync helper cannot be started; the journal stays failed.
+        """
+        assert self._failed is not None and seq == self.seq
+        if self.waits and self._helper is None:
+            self._helper_exits.clear()
+            self._start_helper()
+        self._buf = bytearray()
+        self._failed = None
+        self.failed_at = 0.0
+        self.written_seq = self._requested = seq
+        self._on_durable(seq)
 
     async def wait(self, seq: int) -> None:
         """Until record ``seq`` is durable (at once in ``never`` mode).
@@ -169,11 +228,18 @@ class Journal:
             StorageError: the journal could not be written; the change may not survive a crash.
         """
         if self._failed is not None:
-            raise self._failed
+            raise JournalFailed(str(self._failed))
         if not self.waits or self.durable_seq >= seq:
             return
         if seq > self.written_seq:
             self.flush()  # someone is waiting: close the group now rather than at its timer
+            if self._failed is not None:  # that write failed and answered every waiter
+                raise JournalFailed(str(self._failed))
+        if self._closed:
+            raise JournalFailed(
+                f"the journal in {self.directory} is closed (kvmeta is shutting down); this "
+                "change may not be durable"
+            )
         fut: asyncio.Future[None] = self.loop.create_future()
         self._ticket += 1
         heapq.heappush(self._waiters, (seq, self._ticket, fut))
@@ -196,19 +262,26 @@ class Journal:
         try:
             _sync(self._fd)
         except OSError as exc:
-            self._fail(f"cannot fsync the journal in {self.directory}: {exc}")
-        os.close(self._fd)
-        self._fd = -1
+            self._fail(f"cannot fsync {segment_path(self.directory, self._fd_segment)}: {exc}")
+        self._close_fd()
         if self._failed is None:
             self._on_durable(self.written_seq)
+
+    def _close_fd(self) -> None:
+        if self._fd >= 0:
+            try:
+                os.close(self._fd)
+            except OSError:
+                pass
+        self._fd, self._fd_segment = -1, -1
 
     def _write(self, data: bytearray) -> None:
         if self._fd_segment != self.segment or self._fd < 0:
             path = segment_path(self.directory, self.segment)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            self._fd, self._fd_segment = fd, self.segment
             if os.fstat(fd).st_size == 0:
                 data[:0] = HEADER
-            self._fd, self._fd_segment = fd, self.segment
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
@@ -224,25 +297,40 @@ class Journal:
             if not fut.done():
                 fut.set_result(None)
 
-    def _fail(
-        self, reason: str, fix: str = "Free disk space or fix permissions, then restart kvmeta."
-    ) -> None:
-        """Stop writing (a half-written group must not be followed by more) and fail waiters."""
-        error = StorageError(
-            f"{reason}; changes since the last durable group may not survive a crash. {fix}"
+    def _fail(self, reason: str, fix: str = "") -> None:
+        """Stop writing (a half-written group must not be followed by more), answer every
+        waiter, and tell the owner (``on_fail``), which refuses changes until ``recovered``."""
+        if self._failed is not None:
+            return
+        fix = fix or (
+            f"Free space on the file system of {self.directory}, raise the open-files limit "
+            "(ulimit -n), or fix its permissions"
+        )
+        error = JournalFailed(
+            f"journal in data directory {self.directory} failed: {reason}. Changes are "
+            f"refused (503) until it can write again; reads keep working. {fix}: kvmeta "
+            "retries every few seconds and recovers by itself (do not restart it meanwhile: "
+            "changes acknowledged since the failure are only in memory until then)"
         )
         logger.error("%s", error)
         self._failed = error
+        self.failed_at = time.time()
+        self.failed_seq = self.durable_seq
         self._buf = bytearray()
-        for _, _, fut in self._waiters:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        self._close_fd()  # a descriptor back (EMFILE); never written again
+        waiters, self._waiters = self._waiters, []
+        for _, _, fut in waiters:
             if not fut.done():
-                fut.set_exception(error)
-        self._waiters.clear()
+                fut.set_exception(JournalFailed(str(error)))
+        if self.on_fail is not None:
+            self.on_fail()
 
     # ------------------------------------------------------------------ fsync helper
 
     def _start_helper(self) -> None:
-        self._helper_starts += 1
         helper = subprocess.Popen(
             [sys.executable, "-I", "-S", _HELPER],
             stdin=subprocess.PIPE,
@@ -292,10 +380,15 @@ class Journal:
         durable = 0
         for line in lines.split(b"\n") if lines else ():
             if line.startswith(b"E "):
-                self._fail(f"cannot fsync the journal in {self.directory}: {line[2:].decode()}")
+                message = line[2:].decode(errors="replace")
+                self._fail(f"cannot fsync the journal in {self.directory}: {message}")
                 return
-            seq, micros = line.split()
-            took = int(micros) / 1e6
+            try:
+                seq, micros = line.split()
+                took = int(micros) / 1e6
+            except ValueError:
+                self._fail(f"the journal's fsync helper ({_HELPER}) answered {line[:80]!r}")
+                return
             self.fsyncs += 1
             self.fsync_seconds_total += took
             self.fsync_seconds_max = max(self.fsync_seconds_max, took)
@@ -307,7 +400,10 @@ class Journal:
     def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
         """Close its pipes (it exits when stdin closes) and reap it; returns its exit code."""
         self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
-        helper.stdin.close()  # type: ignore[union-attr]
+        try:
+            helper.stdin.close()  # type: ignore[union-attr]
+        except OSError:
+            pass  # a dead helper's pipe: EPIPE on the last flush
         code = helper.wait()
         helper.stdout.close()  # type: ignore[union-attr]
         return code
@@ -317,12 +413,19 @@ class Journal:
         self._helper = None
         if self._closed or self._failed is not None:
             return
-        if self._helper_starts >= _MAX_HELPER_STARTS:
+        now = time.monotonic()
+        exits = self._helper_exits
+        exits.append(now)
+        if len(exits) == exits.maxlen and now - exits[0] <= _HELPER_WINDOW:
             self._fail(
                 f"the journal's fsync helper process ({_HELPER}) exited (code {code}) "
-                f"{self._helper_starts} times",
-                "Run it by hand to see why (python -I -S <path>), then restart kvmeta.",
+                f"{len(exits)} times in {now - exits[0]:.0f} s",
+                "Check what kills it (dmesg for the OOM killer) or run it by hand "
+                "(python -I -S <path>)",
             )
             return
         logger.warning("the journal's fsync helper exited (code %s); starting a new one", code)
-        self._start_helper()
+        try:
+            self._start_helper()
+        except OSError as exc:
+            self._fail(f"cannot start the journal's fsync helper ({_HELPER}): {exc}")

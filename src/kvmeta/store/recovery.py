@@ -81,15 +81,16 @@ def list_data_dir(directory: Path) -> DataDirListing:
     return DataDirListing(sorted(segments), sorted(snapshots), temporaries)
 
 
-def corrupt(directory: Path, file: Path, reason: str) -> JournalCorrupt:
-    """The start-up refusal, with every way forward."""
+def corrupt(directory: Path, file: Path, reason: str, *, in_check: bool = False) -> JournalCorrupt:
+    """The start-up refusal, with every way forward (``in_check``: said by ``kvmeta check``,
+    which must not advise running itself)."""
+    check = "" if in_check else f"run `kvmeta check --data-dir {directory}` for details; "
     return JournalCorrupt(
         f"{file}: {reason}. kvmeta will not start on a data directory it cannot read (it would "
-        f"overwrite the evidence). Options: run `kvmeta check --data-dir {directory}` for "
-        f"details; restore {directory} from a backup; move {file.name} (and any later journal-"
-        f"*.log) out of {directory} to start from the state before it, losing the changes it "
-        "holds; or start with another --data-dir (or --in-memory) and keep this one for "
-        "inspection."
+        f"overwrite the evidence). Options: {check}restore {directory} from a backup; move "
+        f"{file.name} (and any later journal-*.log) out of {directory} to start from the state "
+        "before it, losing the changes it holds; or start with another --data-dir (or "
+        "--in-memory) and keep this one for inspection."
     )
 
 
@@ -129,7 +130,7 @@ def _recover(directory: Path, repair: bool) -> Recovered:
         try:
             snap = read_snapshot(path)
         except (SnapshotError, OSError) as exc:
-            raise corrupt(directory, path, str(exc)) from None
+            raise corrupt(directory, path, str(exc), in_check=not repair) from None
         out.vworld = snap.vworld
         for pid, num_pages, keys, pages in snap.pools:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
@@ -164,12 +165,14 @@ def _replay_segment(
 ) -> None:
     data = path.read_bytes()
     try:
-        decoded = decode_frames(data)
+        decoded = decode_frames(data, last=is_last)
     except FrameError as exc:
-        raise corrupt(directory, path, str(exc)) from None
+        raise corrupt(directory, path, str(exc), in_check=not repair) from None
     if decoded.torn_at is not None:
         if not is_last:
-            raise corrupt(directory, path, f"damaged record at byte {decoded.torn_at}")
+            raise corrupt(
+                directory, path, f"damaged record at byte {decoded.torn_at}", in_check=not repair
+            )
         out.torn_bytes += decoded.torn_bytes
         logger.warning(
             "%s: cut off a torn last record (%d bytes at byte %d): the process stopped while "
@@ -185,7 +188,10 @@ def _replay_segment(
             _apply(out, record)
         except (KeyError, ValueError, TypeError, IndexError) as exc:
             raise corrupt(
-                directory, path, f"record {index} ({record[0]!r}) cannot apply: {exc}"
+                directory,
+                path,
+                f"record {index} ({record[0]!r}) cannot apply: {exc}",
+                in_check=not repair,
             ) from None
         out.records += 1
 

@@ -15,8 +15,8 @@ Taking one never stops the server: ``capture`` runs on the event loop and only c
 pool's page->key table and LRU links (memcpy speed: ~15 ms at 10^6 pages); ``write_snapshot``
 walks the copies, encodes and writes in a worker thread, in pieces small enough that no single
 C call holds the GIL for long (one msgspec call over 66 MB of keys would stall the loop ~80 ms).
-The cyclic GC is paused meanwhile: a full collection over the 10^6-entry copies stalls the loop
-too. The file is written to a temporary
+The cyclic GC is paused only during the copy (``gc.disable`` is process-wide: held across the
+write it would stop collection for every coroutine). The file is written to a temporary
 name, fsynced, renamed and the directory fsynced, so a crash leaves the old snapshot or the new
 one, never a torn one (docs/guarantees.md, failure 9).
 """
@@ -146,12 +146,17 @@ def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
     pieces = encode_image(image, segment)
     final = snapshot_path(directory, segment)
     tmp = final.with_suffix(".tmp")
-    with open(tmp, "wb") as fh:
-        for piece in pieces:
-            fh.write(piece)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, final)
+    try:
+        with open(tmp, "wb") as fh:
+            for piece in pieces:
+                fh.write(piece)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, final)
+    except BaseException:
+        # A full disk must not keep a half-written temporary eating the space a retry needs.
+        tmp.unlink(missing_ok=True)
+        raise
     fsync_dir(directory)
     return final
 

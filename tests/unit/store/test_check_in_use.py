@@ -1,0 +1,51 @@
+"""``kvmeta check`` on a directory a running server holds says so and is not "ok"."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from kvmeta.store.check import IN_USE, check_data_dir
+from tests.support import SRC
+from tests.unit.store.durable_support import S0, crash, cycle, open_backend
+
+
+def _cli_check(directory: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(directory)],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+    )
+
+
+def test_check_on_a_directory_in_use_notes_it_and_exits_3(tmp_path: Path) -> None:
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="always")
+        try:
+            await b.initialize(S0, 8)
+            await cycle(b, S0, ["a"])
+            report = check_data_dir(tmp_path)
+            assert report.ok and report.in_use and report.exit_code == IN_USE
+            assert any("in use by a running kvmeta server" in line for line in report.lines)
+            run = _cli_check(tmp_path)  # another process, as an operator would run it
+            assert run.returncode == IN_USE, run.stdout + run.stderr
+            assert "in use" in run.stdout and "not definitive" in run.stdout
+            assert "\nok\n" not in run.stdout
+        finally:
+            await crash(b)
+        report = check_data_dir(tmp_path)
+        assert report.ok and not report.in_use and report.exit_code == 0
+        run = _cli_check(tmp_path)
+        assert run.returncode == 0 and run.stdout.strip().endswith("ok")
+
+    asyncio.run(main())
+
+
+def test_check_creates_no_lock_file(tmp_path: Path) -> None:
+    (tmp_path / "d").mkdir()
+    assert check_data_dir(tmp_path / "d").exit_code == 0
+    assert not (tmp_path / "d" / "LOCK").exists()
