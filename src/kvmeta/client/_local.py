@@ -36,10 +36,8 @@ class LocalState:
 
     def _check_budget(self, pid: PoolId, num_pages: int) -> None:
         """Under the lock: a new pool must fit --max-total-pages (as on the server)."""
-        pools = self._store.pools
-        if pid not in pools:
-            used = sum(pool.num_pages for pool in pools.values())
-            self._limits.check_total_pages(used, num_pages)
+        if pid not in self._store.pools:
+            self._limits.check_total_pages(self._store.total_pages, num_pages)
 
     def _initialize(self, pid: PoolId, num_pages: int) -> InitResult:
         limits = self._limits

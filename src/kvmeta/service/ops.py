@@ -39,11 +39,10 @@ class Service:
 
     async def _check_budget(self, pool: PoolId, num_pages: int) -> None:
         """A new pool must fit --max-total-pages; re-initialising an existing one allocates
-        nothing and always passes. O(pools), but only on initialize (once per engine start)."""
-        sizes = {st.pool: st.num_pages for st in await self.backend.stats()}
-        self._sizes.update(sizes)
-        if pool not in sizes:
-            self.limits.check_total_pages(sum(sizes.values()), num_pages)
+        nothing and always passes."""
+        exists, total = await self.backend.budget(pool)
+        if not exists:
+            self.limits.check_total_pages(total, num_pages)
 
     async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
         self.limits.check_rank(pool.rank)

@@ -51,7 +51,8 @@ class MemoryStore:
         self.read_lease = read_lease
         self.clock = clock
         self.sink = sink
-        self.pools: dict[PoolId, Pool] = {}
+        self.pools: dict[PoolId, Pool] = {}  # changed only through add_pool and v_remove
+        self.total_pages = 0  # pages of all pools, for --max-total-pages in O(1)
         self.size_conflicts: dict[PoolId, int] = {}
         self.vllm_world_size: int | None = None
         # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
@@ -87,8 +88,7 @@ class MemoryStore:
                     pool.num_pages,
                 )
             return result
-        self.pools[pid] = self._new_pool(num_pages)
-        self.pools[pid].withhold = self.write_ahead is not None
+        self.add_pool(pid, self._new_pool(num_pages))
         self._record(("pool", pid, num_pages))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
@@ -101,8 +101,16 @@ class MemoryStore:
 
     def load_pool(self, pid: PoolId, num_pages: int, entries: list[tuple[str, int]]) -> None:
         """Install a recovered pool (entries coldest first) without journaling it."""
-        self.pools[pid] = self._new_pool(num_pages, entries)
-        self.pools[pid].withhold = self.write_ahead is not None
+        self.add_pool(pid, self._new_pool(num_pages, entries))
+
+    def add_pool(self, pid: PoolId, pool: Pool) -> None:
+        """Install ``pool`` as ``pid`` (not journaled: callers journal what needs it)."""
+        old = self.pools.get(pid)
+        if old is not None:
+            self.total_pages -= old.num_pages
+        pool.withhold = self.write_ahead is not None
+        self.pools[pid] = pool
+        self.total_pages += pool.num_pages
 
     def set_withhold(self, sink: DurableSink | None) -> None:
         """Keep the write-ahead rule for ``sink`` (``store.writeahead``); None: stop.
@@ -236,6 +244,7 @@ class MemoryStore:
         pool = self.pools.pop(pid, None)
         if pool is None:
             return None
+        self.total_pages -= pool.num_pages
         self.size_conflicts.pop(pid, None)
         self._record(("drop", pid))
         return pool.stored_count
@@ -355,3 +364,6 @@ class MemoryBackend:
 
     async def stats(self) -> list[PoolStats]:
         return self.store.stats()
+
+    async def budget(self, pool: PoolId) -> tuple[bool, int]:
+        return pool in self.store.pools, self.store.total_pages

@@ -233,7 +233,7 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
     with gc_paused():
         for pid, (num_pages, entries) in state.pools.items():
             try:
-                store.pools[pid] = Pool.from_lru(
+                pool = Pool.from_lru(
                     num_pages,
                     entries,
                     reservation_ttl=store.reservation_ttl,
@@ -241,6 +241,7 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
                 )
             except InvalidRequest as exc:
                 raise corrupt(directory, directory, f"{pid}: {exc}") from None
+            store.add_pool(pid, pool)
         store.vllm_world_size = state.vworld
     # The recovered keys live until evicted: keep the collector from rescanning them.
     gc.freeze()

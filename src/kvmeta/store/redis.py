@@ -516,6 +516,11 @@ class RedisBackend:
             out.append(PoolId("s", int(rank), unquote(ns)))
         return sorted(out)
 
+    async def budget(self, pool: PoolId) -> tuple[bool, int]:
+        """O(pools): pools are created once per engine start, and they live in Redis."""
+        sizes = {st.pool: st.num_pages for st in await self.stats()}
+        return pool in sizes, sum(sizes.values())
+
     async def stats(self) -> list[PoolStats]:
         out = []
         for pid in await self.pools():
