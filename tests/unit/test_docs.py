@@ -182,7 +182,8 @@ def test_docs_talk_about_the_project_only(page: Path) -> None:
 
 def test_benchmarks_keep_one_current_table_per_benchmark() -> None:
     text = (ROOT / "benchmarks" / "README.md").read_text()
-    history = [w for w in ("Before/after", "Earlier results", "What changed", "used to") if w in text]
+    words = ("Before/after", "Earlier results", "What changed", "used to")
+    history = [w for w in words if w in text]
     assert not history, f"benchmarks/README.md keeps history: {history}; keep the current table"
     assert "## Scripts" in text
 
