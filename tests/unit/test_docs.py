@@ -116,3 +116,78 @@ def test_every_test_the_guarantees_cite_exists() -> None:
     files = {f.stem for f in (ROOT / "tests").rglob("test_*.py")}
     missing = sorted(name for name in cited if name not in defined and name not in files)
     assert not missing, f"docs/guarantees.md cites tests that do not exist: {missing}"
+
+
+README_LIMIT = 12_288  # bytes: the README stays an entry page; the rest lives in docs/
+
+
+def test_readme_stays_short() -> None:
+    size = len((ROOT / "README.md").read_bytes())
+    assert size <= README_LIMIT, (
+        f"README.md is {size} bytes, more than {README_LIMIT}: move the detail into a docs/ page "
+        "and link it from the README's documentation table"
+    )
+
+
+def test_readme_names_the_two_commands_and_the_install() -> None:
+    text = (ROOT / "README.md").read_text()
+    for needle in ("./scripts/test", "kvmeta serve", "python3 -m venv .venv"):
+        assert needle in text, f"README.md must show `{needle}`"
+
+
+def test_every_docs_page_is_linked_from_both_indexes() -> None:
+    readme = (ROOT / "README.md").read_text()
+    index = (DOCS / "README.md").read_text()
+    pages = [p.name for p in sorted(DOCS.glob("*.md")) if p.name != "README.md"]
+    unlinked = [f"README.md: {p}" for p in pages if f"(docs/{p}" not in readme]
+    unlinked += [f"docs/README.md: {p}" for p in pages if f"({p}" not in index]
+    assert not unlinked, f"link these pages: {unlinked}"
+
+
+def test_every_serve_flag_is_in_the_flags_page() -> None:
+    from kvmeta.cli import build_parser
+
+    parser = build_parser()
+    text = (DOCS / "flags.md").read_text()
+    sub = next(a for a in parser._actions if a.__class__.__name__ == "_SubParsersAction")
+    serve = sub.choices["serve"]  # type: ignore[attr-defined]
+    flags = [s for a in serve._actions for s in a.option_strings if s.startswith("--")]
+    assert len(flags) >= 30
+    missing = [flag for flag in flags if flag != "--help" and f"`{flag}" not in text]
+    assert not missing, f"document these flags in docs/flags.md: {missing}"
+
+
+def _mermaid_blocks() -> list[str]:
+    blocks = []
+    for page in LINKED:
+        blocks += re.findall(r"^```mermaid\n(.*?)^```", page.read_text(), re.M | re.S)
+    return blocks
+
+
+def test_the_diagrams_are_there() -> None:
+    kinds = {block.split(None, 1)[0] for block in _mermaid_blocks()}
+    assert {"flowchart", "sequenceDiagram"} <= kinds, f"diagrams found: {sorted(kinds)}"
+
+
+# Words that describe who worked on the project, not the project. Spelled in pieces so that
+# this file does not match itself.
+PEOPLE = re.compile(r"\b(" + "sess" + r"ions?|help" + r"ers\b|the le" + r"ad\b)", re.I)
+
+
+@pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
+def test_docs_talk_about_the_project_only(page: Path) -> None:
+    found = [m.group(0) for m in PEOPLE.finditer(page.read_text())]
+    assert not found, f"{page.relative_to(ROOT)} mentions {found}: describe the project instead"
+
+
+def test_benchmarks_keep_one_current_table_per_benchmark() -> None:
+    text = (ROOT / "benchmarks" / "README.md").read_text()
+    words = ("Before/after", "Earlier results", "What changed", "used to")
+    history = [w for w in words if w in text]
+    assert not history, f"benchmarks/README.md keeps history: {history}; keep the current table"
+    assert "## Scripts" in text
+
+
+def test_journal_failure_sections_are_in_place() -> None:
+    for page in ("troubleshooting.md", "durability.md"):
+        assert "journal-failures" in _anchors(DOCS / page), f"docs/{page}: ## Journal failures"

@@ -2,14 +2,16 @@
 counts and latency histograms, auth failures and journal fsync statistics.
 
 Why not prometheus-client's ``Counter``/``Histogram`` on the request path: each ``observe``
-takes a lock and costs several microseconds, against a budget of ~160 us of server CPU per
-request. Requests are served on one event loop thread, so plain ints and a bucket list per
-route, updated without locks, are exact; a custom collector turns them into metric families
-only when Prometheus scrapes. Labels are bounded: dialect, rank, namespace, route pattern,
-method and status, never keys; and pool series are capped (``--metrics-max-pools``): the first
-pools in (dialect, rank, namespace) order keep their own series, the others are summed per
-dialect under ``rank="_other", namespace="_other"``. With 20k pools the uncapped text was 32 MB.
-The text is rendered in a thread (``render_metrics_async``) so a scrape never stalls serving.
+takes a lock, a noticeable share of a request's whole CPU budget (benchmarks/README.md,
+"Implementation costs"). Requests are served on one event loop thread, so plain ints and a
+bucket list per route, updated without locks, are exact; a custom collector turns them into
+metric families only when Prometheus scrapes. Labels are bounded: dialect, rank, namespace,
+route pattern, method and status, never keys; and pool series are capped
+(``--metrics-max-pools``): the first pools in (dialect, rank, namespace) order keep their own
+series, the others are summed per dialect under ``rank="_other", namespace="_other"``, so
+thousands of pools cannot make a scrape megabytes long (benchmarks/README.md, "Operator
+routes"). The text is rendered in a thread (``render_metrics_async``) so a scrape never stalls
+serving.
 """
 
 from __future__ import annotations
@@ -48,7 +50,8 @@ OTHER = "_other"  # rank and namespace label of the pools summed beyond --metric
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
-# Seconds; a request that needs no disk wait takes 20-200 us, a durable one up to fsync time.
+# Seconds; from a request that needs no disk wait (well under a millisecond) up to one that
+# waits for an fsync.
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.0001,
     0.00025,

@@ -155,7 +155,8 @@ async def check_pools(backend: Backend, lock: asyncio.Lock | None = None) -> dic
 
 
 # Pages copied per step before the copies are checked in a thread: the loop pauses for one
-# copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy must be consistent).
+# copy at a time (a 10^6-page pool is copied in one step, since its copy must be consistent;
+# the pause is in benchmarks/README.md, "Operator routes").
 _CHECK_BATCH_PAGES = 1 << 17
 
 

@@ -2,7 +2,7 @@
 
 Start-up recovers the data directory (snapshot + journal replay), or imports an SGLang
 persistence file into an empty one. While serving, every durable change goes to the journal and
-replies wait as the write-ahead rule needs (docs/guarantees.md, Durability):
+replies wait as the write-ahead rule needs (docs/durability.md):
 
 - initialize (pool creation, vLLM rank registration) waits until it is durable
   (``--fsync always|batch``): engines must never see "not initialized" after a restart;
@@ -14,9 +14,8 @@ replies wait as the write-ahead rule needs (docs/guarantees.md, Durability):
   group's confirms (a cache miss, never wrong data: their pages come back FREE, and a page is
   handed out again only after its removal is durable) and bring back keys whose delete was
   not yet durable (their pages were not handed out since, by the rule above). Waiting there
-  cost 2.5x the CPU per request of ``never`` on this machine (measured with the former
-  journal thread), because each waiting reply is a task, a future and a wake-up, and each
-  fdatasync about 240 us of CPU.
+  would multiply the CPU per request, because each waiting reply is a task, a future and a
+  wake-up, and each fdatasync costs CPU too (benchmarks/README.md, "Implementation costs").
 
 Journal failure (disk full, out of file descriptors, fsync failing): from the first failed
 write on, every change (initialize, reserve, confirm, delete, clear, vLLM register/clear) is

@@ -1,7 +1,7 @@
 """The journal's fsync process: makes segment files durable on request, nothing else.
 
 Run by ``store.journal`` as ``python -I -S fsync_helper.py`` (standard library only, so it
-starts in ~20 ms). Protocol, one line per message on stdin/stdout:
+starts quickly). Protocol, one line per message on stdin/stdout:
 
 - request ``<seq> <path>``: records up to ``seq`` are written to ``path``; make them durable;
 - reply ``<seq> <microseconds>``: done (the time the fdatasync took), or ``E <message>``.
@@ -11,8 +11,8 @@ The first sync of a path also syncs its directory, so a new segment's name is du
 The process exits when stdin closes, so it never outlives the server.
 
 Why a process and not a thread: a Python thread that returns from fdatasync must take the GIL
-back from the busy event loop, and on the 2-core VMs kvmeta was measured on, each hand-over
-cost ~100-250 us of CPU in futex wake-ups, two or more per group. This process has its own
+back from the busy event loop, and each hand-over costs CPU in futex wake-ups, two or more
+per group (measured in benchmarks/README.md, "Implementation costs"). This process has its own
 interpreter and no GIL to share; its only cost is the fsync itself.
 """
 

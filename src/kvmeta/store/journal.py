@@ -3,13 +3,13 @@
 ``append`` encodes a record into an in-memory buffer (no syscall) and ``wait`` parks a reply
 on a future. The first record of a group arms a timer (``call_later(interval)``; ``call_soon``
 in ``always`` mode); when it fires, the loop writes the group to the segment file (a copy into
-the page cache: ~0.4 us per KB here) and asks the fsync helper (``store.fsync_helper``, a small
+the page cache, cheap per KB) and asks the fsync helper (``store.fsync_helper``, a small
 separate process) to fdatasync it. The helper's reply wakes the waiting replies.
 
 Why a process: a Python thread returning from fdatasync must take the GIL back from the busy
-event loop, and on this class of machine that hand-over cost about 100-250 us of CPU per group
-in futex wake-ups and context switches: with the former writer thread the journal added
-8-12 us of CPU to every request even with ``--fsync never``. The helper shares no GIL.
+event loop, and that hand-over costs CPU in futex wake-ups and context switches on every
+group: with a writer thread the journal added CPU to every request even with ``--fsync never``
+(benchmarks/README.md, "Implementation costs"). The helper shares no GIL.
 
 Failure (disk full, out of file descriptors, fsync failing, the helper dying over and over):
 the journal stops writing at once (a half-written group must never be followed by more), every
@@ -60,8 +60,9 @@ logger = logging.getLogger(__name__)
 
 FSYNC_MODES = ("always", "batch", "never")
 # batch mode: longest wait gathering a group before its fsync (seconds).
-# 25 ms: measured 14 us of CPU per request cheaper than 10 ms (fewer fsyncs and wake-ups),
-# while a waiting reply closes its group at once, so no reply waits for the timer.
+# 25 ms: measurably less CPU per request than 10 ms (fewer fsyncs and wake-ups; the figure is
+# in benchmarks/README.md), while a waiting reply closes its group at once, so no reply waits
+# for the timer.
 DEFAULT_FSYNC_INTERVAL = 0.025
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)

@@ -2,8 +2,8 @@
 
 ``MemoryStore`` is synchronous (the embedded clients call it directly); ``MemoryBackend`` is the
 async face the server uses, which is also where a reply waits for its journal group to be
-durable (docs/guarantees.md, the write-ahead rule: a page that held a removed key is handed to a new
-writer only after the removal is on disk).
+durable (docs/durability.md, the write-ahead rule: a page that held a removed key is handed to a
+new writer only after the removal is on disk).
 
 Journal records are plain tuples, encoded by ``store.journal``:
 ``("pool", pool_id, num_pages)``, ``("commit", pool_id, [(key, page), ...])``,

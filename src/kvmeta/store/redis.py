@@ -86,8 +86,9 @@ POOL_PARTS = (
     "reads",
     "cool",
 )
-# Entries per clear/check script call: measured ~5-10 ms of Redis time per chunk (2-core machine
-# under load), so other pools wait at most that long behind a clear or check of any size.
+# Entries per clear/check script call: a few milliseconds of Redis time per chunk (measured in
+# benchmarks/README.md, "Redis backend"), so other pools wait at most that long behind a clear
+# or check of any size.
 CLEAR_CHUNK = 500
 CHECK_CHUNK = 1000
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "totals")
@@ -373,9 +374,9 @@ class RedisBackend:
         """EVALSHA, and on NOSCRIPT (Redis restarted or flushed its scripts) load it and retry.
 
         Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and the
-        protocol): measured here, ``register_script`` through the client's pool cost ~270 us of
-        CPU per call against ~100 us this way, which is the difference between a kvmeta worker
-        at 2.5x and at ~1.5x the embedded server's CPU per request.
+        protocol): ``register_script`` through the client's pool costs well over twice the CPU
+        per call, enough to decide whether a kvmeta worker stays within 2x of the embedded
+        server's CPU per request (benchmarks/README.md, "Implementation costs").
         """
         packed = conn.pack_command("EVALSHA", self._shas[script], len(keys), *keys, *args)
         await conn.send_packed_command(packed, check_health=False)

@@ -12,9 +12,10 @@ segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
               then its pages (little-endian int32, parallel to the keys, coldest first)
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
-pool's page->key table and LRU links (memcpy speed: ~15 ms at 10^6 pages); ``write_snapshot``
-walks the copies, encodes and writes in a worker thread, in pieces small enough that no single
-C call holds the GIL for long (one msgspec call over 66 MB of keys would stall the loop ~80 ms).
+pool's page->key table and LRU links (at memcpy speed); ``write_snapshot`` walks the copies,
+encodes and writes in a worker thread, in pieces small enough that no single C call holds the
+GIL for long (one msgspec call over all the keys of a 10^6-key pool would stall the loop for
+tens of milliseconds; the pauses are in benchmarks/README.md, "Durability").
 The cyclic GC is paused only during the copy (``gc.disable`` is process-wide: held across the
 write it would stop collection for every coroutine). The file is written to a temporary
 name, fsynced, renamed and the directory fsynced, so a crash leaves the old snapshot or the new

@@ -1,6 +1,6 @@
 """The write-ahead rule of a journaled store, in one place.
 
-The rule (docs/guarantees.md): a page that held key K is handed to a new writer only after the
+The rule (docs/durability.md): a page that held key K is handed to a new writer only after the
 removal of K is durable. Otherwise a crash could bring back ``K -> page`` while the page already
 holds another key's bytes: silent wrong data.
 
