@@ -104,7 +104,7 @@ def test_the_documented_first_command_measures_eviction_not_refusals() -> None:
     first = next(line for line in readme.splitlines() if line.startswith("python -m kvmeta bench"))
     argv = first.split("#")[0].split()[4:]  # after "python -m kvmeta bench"
     assert argv == ["--launch"]
-    proc = _bench(*argv, "--duration", "1", "--warmup", "0.5", "--json")
+    proc = _bench(*argv, "--duration", "3", "--warmup", "0.5", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["requests"] > 0
