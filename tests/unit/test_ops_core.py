@@ -178,3 +178,23 @@ def test_budget_check_and_creation_do_not_interleave() -> None:
 def test_not_initialized_comes_from_the_store_in_the_dialects_words() -> None:
     with pytest.raises(NotInitialized, match="Rank 3 not initialized|rank 3"):
         run_sync(Operations().get(PoolId("v", 3, ""), ["a"]), MemoryStore())
+
+
+def test_service_runs_vllm_initialize_whole() -> None:
+    """What the dialect-V route needs in one call: fields as decoded, reply and warnings."""
+    service = Service(MemoryBackend(MemoryStore()), LIMITS)
+
+    async def run() -> None:
+        with pytest.raises(InvalidRequest, match="needs `num_pages`, which is missing"):
+            await service.v_initialize(0, role="worker")
+        assert (await service.v_initialize(0, role="scheduler")).value == SCHEDULER_MESSAGE
+        done = await service.v_initialize(0, role="worker", num_pages=8, world_size=2)
+        assert done.value == "Rank 0 initialized with 8 pages" and not done.warnings
+        again = await service.v_initialize(0, num_pages=9)
+        assert again.warnings[0][0] == "size_conflict"
+        with pytest.raises(InvalidRequest, match=f"^{INIT_ERROR}.*--max-pages"):
+            await service.v_initialize(1, num_pages=65)
+        refused = await service.confirm_outcome(V0, [("a", 3)], [])
+        assert refused.value == 1 and refused.warnings[0][0] == "confirm_refused"
+
+    asyncio.run(run())

@@ -36,11 +36,8 @@ class Service:
         # Budget check and creation must not interleave with another initialize.
         self._init_lock = asyncio.Lock()
 
-    async def run(self, op: Op[Any]) -> Any:
-        """Run any core op on the backend (an initialize needs ``_creating``)."""
-        return await run_async(op, self.backend)
-
     async def _creating(self, op: Op[Outcome[Any]]) -> Outcome[Any]:
+        """Run an op that creates a pool: its budget check and creation under one lock."""
         async with self._init_lock:
             return await run_async(op, self.backend)
 
