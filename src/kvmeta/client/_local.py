@@ -1,26 +1,33 @@
-"""What both in-process clients share: one store, the server's request limits, one lock.
+"""What both in-process clients share: one store, the server's operations core, one lock.
 
-Every check the server's service layer makes (``service.ops``) is made here too, through the
-same ``RequestLimits`` methods with the same dialect field names, so a mistake raises the same
-error class with the same message in-process as over HTTP.
+Every operation runs through ``service.core`` (the code the server runs), driven
+synchronously on a ``MemoryStore``: the same checks in the same order, so a mistake raises the
+same error class with the same message in-process as over HTTP. The caller warnings the server
+sends as ``X-Kvmeta-Warning`` (a size conflict, refused confirms) are logged here, on the
+``kvmeta.client`` logger, with the header's text.
 """
 
 from __future__ import annotations
 
+import logging
 import threading
+from typing import TypeVar
 
-from kvmeta._types import PoolId
-from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
-from kvmeta.store.base import InitResult
+from kvmeta.service.core import Op, Operations, Outcome, run_sync
+from kvmeta.service.limits import RequestLimits
 from kvmeta.store.memory import MemoryStore
 
 __all__ = ["LocalState"]
+
+logger = logging.getLogger("kvmeta.client")
+
+T = TypeVar("T")
 
 
 class LocalState:
     """Pools in this process, no server: for a single-node engine.
 
-    Thread-safe (one lock); state is lost when the process exits.
+    Thread-safe (one lock over each whole operation); state is lost when the process exits.
     """
 
     def __init__(
@@ -31,39 +38,16 @@ class LocalState:
         limits: RequestLimits | None = None,
     ) -> None:
         self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
-        self._limits = limits or RequestLimits()
+        self._ops = Operations(limits)
         self._lock = threading.Lock()
 
-    def _check_budget(self, pid: PoolId, num_pages: int) -> None:
-        """Under the lock: a new pool must fit --max-total-pages (as on the server)."""
-        if pid not in self._store.pools:
-            self._limits.check_total_pages(self._store.total_pages, num_pages)
-
-    def _initialize(self, pid: PoolId, num_pages: int) -> InitResult:
-        limits = self._limits
-        limits.check_rank(pid.rank)
-        limits.check_num_pages(num_pages)
-        if pid.dialect == "s":
-            limits.check_namespace(pid.namespace)
+    def _run(self, op: Op[T]) -> T:
         with self._lock:
-            self._check_budget(pid, num_pages)
-            return self._store.initialize(pid, num_pages)
+            return run_sync(op, self._store)
 
-    def _v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        limits = self._limits
-        limits.check_rank(rank)
-        limits.check_num_pages(num_pages)
-        limits.check_world_size(world_size)
-        with self._lock:
-            self._check_budget(PoolId("v", rank, ""), num_pages)
-            return self._store.v_register(rank, num_pages, world_size)
-
-    def _confirm(self, pid: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
-        """Returns how many pairs were refused (pages not reserved for their key)."""
-        fields = CONFIRM_FIELDS[pid.dialect]
-        self._limits.check_rank(pid.rank)
-        self._limits.check_confirm(pairs, release, fields)
-        with self._lock:
-            pool = self._store.pool(pid)  # NotInitialized, in the server's words
-            self._limits.check_pages(pairs, release, pool.num_pages, fields)
-            return self._store.confirm(pid, pairs, release)
+    def _warned(self, op: Op[Outcome[T]]) -> T:
+        """Run ``op`` and log its caller warnings as the server's header would carry them."""
+        outcome = self._run(op)
+        for kind, text in outcome.warnings:
+            logger.warning("%s: %s", kind, text)
+        return outcome.value

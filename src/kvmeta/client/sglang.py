@@ -7,9 +7,9 @@ defaulting to the KV pool, like SGLang's own clients.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from enum import Enum
-from typing import Any, TypeVar
+from typing import Any
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client._local import LocalState
@@ -18,7 +18,6 @@ from kvmeta.client._remote import RemoteClient
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
 
-T = TypeVar("T")
 NamespaceLike = str | Enum
 
 
@@ -149,19 +148,13 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same pools in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
-    same class, same message.
+    same class, same message (both run ``service.core``).
     """
-
-    def _run(self, rank: int, ns: str, fn: Callable[[PoolId], T]) -> T:
-        pid = PoolId("s", rank, ns)
-        with self._lock:
-            self._store.pool(pid)  # NotInitialized, in the server's words
-            return fn(pid)
 
     def initialize(
         self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
-        self._initialize(PoolId("s", rank, _ns(namespace)), num_pages)
+        self._warned(self._ops.initialize(PoolId("s", rank, _ns(namespace)), num_pages))
 
     def reserve_and_allocate_page_indices(
         self,
@@ -170,9 +163,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
         namespace: NamespaceLike = DEFAULT_NAMESPACE,
     ) -> list[tuple[bool, int]]:
         plain = [k[0] for k in keys]
-        self._limits.check_rank(rank)
-        self._limits.check_keys(plain)
-        return self._run(rank, _ns(namespace), lambda pid: self._store.reserve(pid, plain))
+        return self._run(self._ops.reserve(PoolId("s", rank, _ns(namespace)), plain))
 
     def confirm_write(
         self,
@@ -183,29 +174,22 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in written_keys_to_confirm]
         release = [int(p) for p in pages_to_release]
-        self._confirm(PoolId("s", rank, _ns(namespace)), pairs, release)
+        self._warned(self._ops.confirm(PoolId("s", rank, _ns(namespace)), pairs, release))
 
     def get_page_indices(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> list[int | None]:
-        plain = list(keys)
-        self._limits.check_rank(rank)
-        self._limits.check_keys(plain)
-        return self._run(rank, _ns(namespace), lambda pid: self._store.get(pid, plain))
+        return self._run(self._ops.get(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def delete_keys(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
-        plain = list(keys)
-        self._limits.check_keys(plain)
-        self._run(rank, _ns(namespace), lambda pid: self._store.delete(pid, plain))
+        self._run(self._ops.delete(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def exists(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> list[bool]:
-        plain = list(keys)
-        self._limits.check_keys(plain)
-        return self._run(rank, _ns(namespace), lambda pid: self._store.exists(pid, plain))
+        return self._run(self._ops.exists(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
-        self._run(rank, _ns(namespace), lambda pid: self._store.clear(pid))
+        self._run(self._ops.clear(PoolId("s", rank, _ns(namespace))))

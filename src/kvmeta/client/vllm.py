@@ -8,20 +8,17 @@ what is safe to retry, exactly like the SGLang clients in ``client.sglang``.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
-from typing import Any, TypeVar
+from collections.abc import Sequence
+from typing import Any
 
 from kvmeta._types import PoolId
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
 from kvmeta.client.http import DEFAULT_TIMEOUT
-from kvmeta.errors import InvalidRequest
-from kvmeta.service.vllm import INIT_ERROR, check_initialize, check_world_size_body
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
 
-T = TypeVar("T")
 KeyLike = tuple[str, str | None] | list[Any] | str
 
 
@@ -160,32 +157,17 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same index in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
-    same class, same message.
+    same class, same message (both run ``service.core``).
     """
-
-    def _run(self, rank: int, fn: Callable[[PoolId], T]) -> T:
-        pid = PoolId("v", rank, "")
-        with self._lock:
-            self._store.pool(pid)  # NotInitialized, in the server's words
-            return fn(pid)
 
     def initialize(
         self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
     ) -> None:
-        self._limits.check_rank(rank)  # (the server's path check, before anything else)
-        worker = check_initialize(rank, role, num_pages, world_size)
-        if worker is None:
-            return
-        try:
-            self._v_register(rank, worker.num_pages, worker.world_size)
-        except InvalidRequest as exc:  # a limit such as --max-pages, as the server words it
-            raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
+        self._warned(self._ops.v_initialize(rank, role, num_pages, world_size))
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         plain = [_key(k) for k in keys]
-        self._limits.check_rank(rank)
-        self._limits.check_keys(plain)
-        out = self._run(rank, lambda pid: self._store.reserve(pid, plain))
+        out = self._run(self._ops.reserve(PoolId("v", rank, ""), plain))
         return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
 
     def confirm_write_for_keys(
@@ -196,33 +178,22 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in key_confirmations]
         release = [int(p) for p in pages_to_release or []]
-        self._confirm(PoolId("v", rank, ""), pairs, release)
+        self._warned(self._ops.confirm(PoolId("v", rank, ""), pairs, release))
 
     def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
-        plain = list(keys)
-        self._limits.check_keys(plain)
-        with self._lock:
-            return self._store.v_exists(plain)
+        return self._run(self._ops.v_exists(list(keys)))
 
     def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
-        plain = list(keys)
-        self._limits.check_rank(rank)
-        self._limits.check_keys(plain)
-        return self._run(rank, lambda pid: self._store.get(pid, plain))
+        return self._run(self._ops.get(PoolId("v", rank, ""), list(keys)))
 
     def clear(self) -> None:
-        with self._lock:
-            self._store.v_clear()
+        self._run(self._ops.v_clear())
 
     def remove_rank(self, rank: int) -> bool:
-        with self._lock:
-            return self._store.v_remove(rank) is not None
+        return self._run(self._ops.v_remove(rank)) is not None
 
     def set_world_size(self, world_size: int | None) -> None:
-        size = check_world_size_body({"world_size": world_size})
-        with self._lock:
-            self._store.v_set_world_size(size)
+        self._run(self._ops.v_set_world_size(world_size))
 
     def rank_registry(self) -> dict[str, Any]:
-        with self._lock:
-            return self._store.v_index().view()
+        return self._run(self._ops.v_index()).view()

@@ -1,8 +1,8 @@
 """Request limits: each has a flag, a default, and an error that says how to raise it.
 
-The same ``RequestLimits`` object is applied by the server's service layer and by the
-in-process clients, and every check takes the field names of the caller's dialect, so an error
-reads the same in-process and over HTTP and never names another dialect's fields.
+The checks are applied in one place, the operations core (``service.core``), which the server
+and the in-process clients both run; every check takes the field names of the caller's dialect,
+so an error reads the same in-process and over HTTP and never names another dialect's fields.
 """
 
 from __future__ import annotations

@@ -10,10 +10,12 @@ from __future__ import annotations
 from kvmeta._types import PoolId
 from kvmeta.store.base import InitResult
 
-__all__ = ["confirm_refused", "size_conflict"]
+__all__ = ["CallerWarning", "confirm_refused", "size_conflict"]
+
+CallerWarning = tuple[str, str]  # (kind, text)
 
 
-def size_conflict(pool: PoolId, result: InitResult) -> tuple[str, str]:
+def size_conflict(pool: PoolId, result: InitResult) -> CallerWarning:
     where = f"rank {pool.rank}" + (f" namespace '{pool.namespace}'" if pool.dialect == "s" else "")
     return (
         "size_conflict",
@@ -24,7 +26,7 @@ def size_conflict(pool: PoolId, result: InitResult) -> tuple[str, str]:
     )
 
 
-def confirm_refused(count: int) -> tuple[str, str]:
+def confirm_refused(count: int) -> CallerWarning:
     return (
         "confirm_refused",
         f"{count} confirm(s) refused: the page was not reserved for that key (its reservation "

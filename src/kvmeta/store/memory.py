@@ -260,6 +260,10 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ stats
 
+    def budget(self, pid: PoolId) -> tuple[bool, int]:
+        """Whether ``pid`` exists, and the pages of all pools (--max-total-pages), in O(1)."""
+        return pid in self.pools, self.total_pages
+
     def stats(self) -> list[PoolStats]:
         now = self.clock()
         out = []
@@ -366,4 +370,4 @@ class MemoryBackend:
         return self.store.stats()
 
     async def budget(self, pool: PoolId) -> tuple[bool, int]:
-        return pool in self.store.pools, self.store.total_pages
+        return self.store.budget(pool)
