@@ -180,6 +180,7 @@ def _setup(cfg: BenchConfig) -> int:
 
     Raises:
         ServerUnavailable: nothing answers at ``cfg.url``.
+        KvmetaError: the server requires a token and ``cfg.auth_token`` is not it.
     """
     client = HttpClient(cfg.url, auth_token=cfg.auth_token)
     try:
