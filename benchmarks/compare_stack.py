@@ -2,7 +2,7 @@
 """Serving-stack decision: the same kvmeta app on our server vs on uvicorn (raw ASGI).
 
 Both run in-memory with read leases off, on fresh processes, interleaved; prints medians of
-server CPU per request and the ratio. Needs ``pip install uvicorn`` (not a kvmeta dependency).
+server CPU per request and the ratio. Needs uvicorn: ``pip install '.[bench]'``.
 
     python benchmarks/compare_stack.py --repeat 3
 """
@@ -22,7 +22,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
 
 from kvmeta.bench.driver import BenchConfig, run_bench  # noqa: E402
-from kvmeta.bench.launch import LaunchedServer  # noqa: E402
+from kvmeta.bench.launch import Launch, run_on  # noqa: E402
 
 
 def _free_port() -> int:
@@ -55,9 +55,7 @@ def _uvicorn_run(cfg: BenchConfig) -> dict:
 
 
 def _kvmeta_run(cfg: BenchConfig) -> dict:
-    with LaunchedServer("memory", ["--read-lease", "0"]) as server:
-        cfg.url, cfg.server_pid, cfg.seed = server.url, server.pid, ""
-        return run_bench(cfg).to_dict()
+    return run_on(cfg, Launch("memory", ["--read-lease", "0"]))
 
 
 def main() -> int:
@@ -65,6 +63,11 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0)
     args = parser.parse_args()
+    try:
+        import uvicorn  # noqa: F401
+    except ImportError:
+        print("compare_stack.py runs uvicorn, which is not installed: pip install '.[bench]'")
+        return 2
     runs: dict[str, list[float]] = {"kvmeta server/http.py": [], "uvicorn raw ASGI": []}
     for _ in range(args.repeat):
         for label, fn in (

@@ -18,8 +18,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvmeta.bench.driver import BenchConfig, run_bench  # noqa: E402
-from kvmeta.bench.launch import LaunchedServer  # noqa: E402
+from kvmeta.bench.commands import server_args  # noqa: E402
+from kvmeta.bench.driver import BenchConfig  # noqa: E402
+from kvmeta.bench.launch import Launch, run_on  # noqa: E402
 
 
 def main() -> int:
@@ -32,24 +33,28 @@ def main() -> int:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--duration", type=float, default=4.0)
     parser.add_argument("--mode", default="memory", choices=("memory", "durable"))
-    parser.add_argument("--server-arg", action="append", default=[])
+    parser.add_argument(
+        "--server-arg",
+        action="append",
+        default=[],
+        help="extra `kvmeta serve` flag for both trees, repeatable; as with `kvmeta bench`, "
+        "--read-lease=0 unless one of them sets --read-lease",
+    )
     parser.add_argument("--json", help="write every run to this file")
     args = parser.parse_args()
     trees = dict(t.split("=", 1) for t in args.trees)
     runs: dict[str, list[dict]] = {label: [] for label in trees}
     for _ in range(args.repeat):
         for label, src in trees.items():
-            with LaunchedServer(args.mode, args.server_arg, src=str(Path(src).resolve())) as srv:
-                cfg = BenchConfig(
-                    url=srv.url,
-                    server_pid=srv.pid,
-                    dialect=args.dialect,
-                    batch=args.batch,
-                    pool_pages=args.pool_pages,
-                    clients=args.clients,
-                    duration=args.duration,
-                )
-                runs[label].append(run_bench(cfg).to_dict())
+            launch = Launch(args.mode, server_args(args.server_arg), src=str(Path(src).resolve()))
+            cfg = BenchConfig(
+                dialect=args.dialect,
+                batch=args.batch,
+                pool_pages=args.pool_pages,
+                clients=args.clients,
+                duration=args.duration,
+            )
+            runs[label].append(run_on(cfg, launch))
     first = None
     for label, results in runs.items():
         cpu = [r["cpu_us_per_request"] for r in results]

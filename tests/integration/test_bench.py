@@ -102,3 +102,66 @@ def test_memory_per_key_counts_the_key_and_structures() -> None:
     mem = memory_per_key(5000)
     # A 64-hex key alone is 113 bytes; the pool's structures come on top.
     assert mem["bytes_per_stored_key"] > mem["key_str_bytes"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("transport", ["tcp", "unix"])
+def test_bench_launches_redis_and_workers_and_reports_redis_cpu(transport: str) -> None:
+    report = _bench(
+        *("--launch", "redis", "--workers", "2", "--redis-transport", transport),
+        *("--requests", "200", "--clients", "2", "--pool-pages", "1024", "--warmup", "0.2"),
+    )
+    _check_sane(report, 64)
+    assert report["config"]["launch"] == "redis"
+    assert report["config"]["workers"] == 2
+    assert report["config"]["redis_transport"] == transport
+    # redis-server ran the pool's scripts: its own CPU, apart from kvmeta's.
+    assert report["backend_cpu_s"] > 0
+    assert report["backend_cpu_us_per_request"] > 0
+    assert report["refused_keys"] == 0
+
+
+def test_bench_reports_journal_bytes_per_request_of_a_durable_server() -> None:
+    common = ("--requests", "300", "--clients", "1", "--pool-pages", "512", "--warmup", "0.2")
+    durable = _bench("--launch", "durable", "--server-arg=--fsync=always", *common)
+    _check_sane(durable, 64)
+    # Every confirm journals 64 (key, page) pairs: at least a key's 64 bytes per pair over the
+    # cycle's four requests.
+    assert durable["journal_bytes_per_request"] >= 64 * 64 / 4
+    memory = _bench("--launch", "memory", *common)
+    assert memory["journal_bytes_per_request"] is None
+    assert memory["backend_cpu_us_per_request"] is None
+
+
+def test_bench_sends_the_auth_token(make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--in-memory", "--read-lease", "0", "--auth-token", "s3cret")
+    common = ("--url", server.url, "--server-pid", str(server.pid), "--clients", "1")
+    # Enough requests for the server's CPU to pass a 10 ms clock tick.
+    report = _bench(*common, "--auth-token", "s3cret", "--requests", "300", "--warmup", "0.1")
+    _check_sane(report, 64)
+    assert report["config"]["auth_token"] == "(set)"  # the token itself is not in the report
+    launched = _bench("--launch", "memory", "--auth-token", "t", "--requests", "300")
+    _check_sane(launched, 64)
+    assert "--auth-token=t" in launched["config"]["server_args"]
+
+
+def test_bench_without_the_token_is_one_clear_line(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    server = make_server("--in-memory", "--read-lease", "0", "--auth-token", "s3cret")
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "bench", "--url", server.url, "--requests", "8"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode != 0
+    assert "Traceback" not in proc.stderr
+    assert "401" in proc.stderr and "kvmeta bench --auth-token" in proc.stderr
+
+
+def test_core_measures_the_app_with_the_auth_check() -> None:
+    from kvmeta.bench.core_bench import app_us_per_request
+
+    assert app_us_per_request(8, 256, 20, auth_token="t") > 0

@@ -11,13 +11,13 @@ import argparse
 import logging
 import os
 
-from kvmeta.bench.driver import BenchConfig, run_bench
-from kvmeta.bench.launch import LaunchedServer
+from kvmeta.bench.driver import BenchConfig
+from kvmeta.bench.launch import LAUNCH_MODES, Launch, run_on, with_launch
 from kvmeta.bench.report import format_table, median_result, refusal_notes, to_json
 from kvmeta.bench.workload import HttpClient
 from kvmeta.errors import InvalidRequest
 
-__all__ = ["add_arguments", "run", "server_args"]
+__all__ = ["add_arguments", "launch_of", "measure", "run", "server_args"]
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +37,8 @@ CPU per request. Modes: run (one configuration; the default), sweep (vary --swee
 _EPILOG = """\
 examples:
   kvmeta bench --launch                       durable server on a free port, read leases off
+  kvmeta bench --launch durable --server-arg=--fsync=always   CPU and journal bytes per request
+  kvmeta bench --launch redis --workers 2     private redis-server, 2 workers; its CPU apart
   kvmeta bench --url http://127.0.0.1:18000 --server-pid 1234 --dialect v
   kvmeta bench sweep --sweep pool --launch --repeat 3 --out results/sweep_pool
   kvmeta bench core"""
@@ -91,10 +93,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--launch",
         nargs="?",
         const="durable",
-        choices=("durable", "memory"),
-        help="start `kvmeta serve` on a free port and measure it; durable: the serve default "
-        "(journal in a temporary directory), memory: --in-memory (default: off; --launch "
-        "alone: durable)",
+        choices=LAUNCH_MODES,
+        help="start `kvmeta serve` on a free port and measure it, fresh for every run; "
+        "durable: the serve default (journal in a temporary directory; the report adds "
+        "journal bytes per request), memory: --in-memory, redis: --backend on a private "
+        "redis-server (needs redis-server on PATH; the report adds its CPU per request) "
+        "(default: off; --launch alone: durable)",
+    )
+    server.add_argument(
+        "--workers",
+        type=_positive_int,
+        default=1,
+        help="server processes on one port, with --launch redis (they share its state) "
+        "(default: %(default)s)",
+    )
+    server.add_argument(
+        "--redis-transport",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="how the launched server reaches the redis-server of --launch redis: loopback "
+        "TCP or a unix socket (default: %(default)s)",
     )
     server.add_argument(
         "--server-arg",
@@ -110,6 +128,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=int,
         help="pid of the --url server, for its CPU per request (default: the launched "
         "server's pid; none with --url, so no CPU numbers)",
+    )
+    server.add_argument(
+        "--backend-pid",
+        type=int,
+        help="pid of the --url server's shared state process (e.g. its redis-server), for "
+        "that process's CPU per request (default: the redis-server of --launch redis; none "
+        "otherwise)",
+    )
+    server.add_argument(
+        "--auth-token",
+        metavar="TOKEN",
+        help="send `Authorization: Bearer TOKEN` with every request; a launched server is "
+        "started with --auth-token TOKEN; core: the app checks it (default: none)",
     )
     work = parser.add_argument_group("workload (run, sweep; core uses --batch, --pool-pages)")
     work.add_argument(
@@ -216,21 +247,37 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         warmup=args.warmup,
         prefill=not args.no_prefill,
         server_pid=args.server_pid,
+        auth_token=args.auth_token,
+        backend_pid=args.backend_pid,
     )
 
 
-def measure(cfg: BenchConfig, launch: str | None, server_args: list[str], repeat: int) -> dict:
-    """``repeat`` runs of ``cfg``, each on a fresh launched server when ``launch`` is set;
+def launch_of(args: argparse.Namespace) -> Launch | None:
+    """What ``--launch`` and its companion flags start for each run; None without --launch.
+
+    Raises:
+        InvalidRequest: --workers above 1 without --launch redis (the workers of an embedded
+            store would not share state).
+    """
+    if args.workers > 1 and args.launch != "redis":
+        raise InvalidRequest(
+            f"--workers {args.workers} needs --launch redis: server processes share their "
+            "pools only through a shared backend (drop --workers to measure one process)"
+        )
+    if not args.launch:
+        return None
+    given = list(args.server_arg)
+    if args.auth_token:
+        given.append(f"--auth-token={args.auth_token}")
+    return Launch(args.launch, server_args(given), args.workers, args.redis_transport)
+
+
+def measure(cfg: BenchConfig, launch: Launch | None, repeat: int) -> dict:
+    """``repeat`` runs of ``cfg``, each on fresh launched processes when ``launch`` is set;
     returns the median result."""
     runs = []
     for i in range(repeat):
-        if launch:
-            with LaunchedServer(launch, server_args) as server:
-                cfg.url, cfg.server_pid, cfg.seed = server.url, server.pid, ""
-                runs.append(run_bench(cfg).to_dict())
-        else:
-            cfg.seed = ""
-            runs.append(run_bench(cfg).to_dict())
+        runs.append(run_on(cfg, launch))
         cpu = runs[-1]["cpu_us_per_request"]
         logger.info(
             "run %d/%d: %s us/request",
@@ -238,10 +285,7 @@ def measure(cfg: BenchConfig, launch: str | None, server_args: list[str], repeat
             repeat,
             "-" if cpu is None else f"{cpu:.1f}",
         )
-    result = median_result(runs)
-    result["config"]["launch"] = launch
-    result["config"]["server_args"] = list(server_args) if launch else None
-    return result
+    return with_launch(median_result(runs), launch)
 
 
 def _report(results: list[dict], as_json: bool, payload: object) -> str:
@@ -267,7 +311,9 @@ def run(args: argparse.Namespace) -> str:
     if args.mode == "core":
         from kvmeta.bench import core_bench
 
-        result = core_bench.run(batch=args.batch, pool_pages=args.pool_pages, out=args.out)
+        result = core_bench.run(
+            batch=args.batch, pool_pages=args.pool_pages, out=args.out, auth_token=args.auth_token
+        )
         return to_json(result) if args.json else core_bench.format_report(result)
     if not args.url and not args.launch:
         raise InvalidRequest("give --url URL of a running server, or --launch to start kvmeta")
@@ -275,7 +321,7 @@ def run(args: argparse.Namespace) -> str:
         raise InvalidRequest("give either --url (a running server) or --launch, not both")
     if args.url:
         HttpClient(args.url)  # a malformed URL fails here, before anything runs
-    launch_args = server_args(args.server_arg) if args.launch else []
+    launch = launch_of(args)
     cfg = _config(args)
     if args.mode == "sweep":
         from kvmeta.bench import sweep
@@ -283,9 +329,9 @@ def run(args: argparse.Namespace) -> str:
         sweep.values(args.sweep, args.values)  # bad --values fail before anything runs
         if args.out:
             sweep.require_chart()
-        results = sweep.run(cfg, args.sweep, args.values, args.launch, launch_args, args.repeat)
+        results = sweep.run(cfg, args.sweep, args.values, launch, args.repeat)
         if args.out:
             sweep.write(results, args.sweep, args.out)
         return _report(results, args.json, results)
-    result = measure(cfg, args.launch, launch_args, args.repeat)
+    result = measure(cfg, launch, args.repeat)
     return _report([result], args.json, result)

@@ -90,19 +90,21 @@ def key_ops_per_s(batch: int, pool_pages: int, cycles: int, layer: str) -> float
     return best
 
 
-def _app_caller() -> Any:
-    """A fresh in-memory app (default limits, read leases off) and a function that runs one
-    request through it to the response bytes, exactly as ``server.http`` does, minus sockets."""
+def _app_caller(auth_token: str | None = None) -> Any:
+    """A fresh in-memory app (default limits, read leases off; requiring ``auth_token`` when
+    given, and sending it) and a function that runs one request through it to the response
+    bytes, exactly as ``server.http`` does, minus sockets."""
     from kvmeta.config import Settings
     from kvmeta.server.http import Request, render
     from kvmeta.server.runner import build_app, build_backend
     from kvmeta.service.ops import Service
 
-    settings = Settings(in_memory=True, read_lease=0.0)
+    settings = Settings(in_memory=True, read_lease=0.0, auth_token=auth_token)
     app = build_app(settings, Service(build_backend(settings)))
+    auth = f"Bearer {auth_token}".encode() if auth_token else None
 
     def call(path: str, body: bytes) -> bytes:
-        coro = app(Request("POST", path, "", body, None))
+        coro = app(Request("POST", path, "", body, auth))
         try:
             coro.send(None)
         except StopIteration as stop:
@@ -112,14 +114,16 @@ def _app_caller() -> Any:
     return call
 
 
-def app_us_per_request(batch: int, pool_pages: int, cycles: int) -> float:
+def app_us_per_request(
+    batch: int, pool_pages: int, cycles: int, auth_token: str | None = None
+) -> float:
     """Server-side CPU per request of the S cycle without the socket layer: routing, JSON
     decoding, limits, service, store, pool, encoding and rendering. Request bodies are recorded
     on one app and replayed on a second, identically prefilled one, so only server work is
     timed (the pool is deterministic when leases are off). Best of three passes."""
     enc = msgspec.json.encode
     dec = msgspec.json.decode
-    recorder = _app_caller()
+    recorder = _app_caller(auth_token)
     script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
     recorder(*script[0])
     fill = _keys(pool_pages, "app-fill")
@@ -144,7 +148,7 @@ def app_us_per_request(batch: int, pool_pages: int, cycles: int) -> float:
         recorder(*script[-1])
         script.append(("/0/get_page_indices", enc({"keys": keys})))
         recorder(*script[-1])
-    replay = _app_caller()
+    replay = _app_caller(auth_token)
     for path, body in script[:setup]:
         replay(path, body)
     best = float("inf")
@@ -180,7 +184,9 @@ def memory_per_key(n: int = 200_000) -> dict[str, float]:
     }
 
 
-def run(batch: int = 64, pool_pages: int = 65536, out: str | None = None) -> dict[str, Any]:
+def run(
+    batch: int = 64, pool_pages: int = 65536, out: str | None = None, auth_token: str | None = None
+) -> dict[str, Any]:
     cycles = 2000
     result: dict[str, Any] = {
         "batch": batch,
@@ -188,7 +194,8 @@ def run(batch: int = 64, pool_pages: int = 65536, out: str | None = None) -> dic
         "cycles": cycles,
         "pool_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "pool"),
         "store_key_ops_per_s": key_ops_per_s(batch, pool_pages, cycles, "store"),
-        "app_us_per_request": app_us_per_request(batch, pool_pages, 1000),
+        "app_us_per_request": app_us_per_request(batch, pool_pages, 1000, auth_token),
+        "app_auth_token": auth_token is not None,
         "memory": memory_per_key(),
         "targets": {"key_ops_per_s": 1_000_000, "bytes_per_stored_key": 230},
     }
@@ -207,7 +214,8 @@ def format_report(result: dict[str, Any]) -> str:
             f"  MemoryStore {result['store_key_ops_per_s']:>12,.0f} key-ops/s "
             "(target >= 1,000,000)",
             f"  app         {result['app_us_per_request']:>12.1f} us CPU per request "
-            "(HTTP layer excluded)",
+            "(HTTP layer excluded"
+            + ("; with the --auth-token check)" if result.get("app_auth_token") else ")"),
             f"  memory      {mem['bytes_per_stored_key']:>12.1f} bytes per stored key "
             f"(64-hex key, structures included; target <= 230)",
         ]

@@ -16,10 +16,12 @@ import statistics
 import time
 from dataclasses import asdict, dataclass, field
 from multiprocessing.sharedctypes import Synchronized
+from pathlib import Path
 from typing import Any
 
 from kvmeta.bench import procstat
 from kvmeta.bench.workload import (
+    BenchHttpError,
     HttpClient,
     KeyChain,
     cycle_for,
@@ -54,6 +56,12 @@ class BenchConfig:
     rank: int = 0
     server_pid: int | None = None
     seed: str = ""
+    # Sent as ``Authorization: Bearer`` with every request (a server run with --auth-token).
+    auth_token: str | None = None
+    # The process holding the server's shared state (redis-server): its CPU is reported apart.
+    backend_pid: int | None = None
+    # A durable server's data directory: its journal growth over the window is reported.
+    data_dir: str | None = None
 
 
 @dataclass
@@ -73,6 +81,9 @@ class BenchResult:
     refused_keys: int = 0
     # Keys the measured cycles asked a page for: refused_keys is out of this many.
     reserved_keys: int = 0
+    backend_cpu_s: float | None = None
+    backend_cpu_us_per_request: float | None = None
+    journal_bytes_per_request: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -95,7 +106,7 @@ def _client_main(
     quota: int,
     out: mp.Queue[_ClientReport],
 ) -> None:
-    client = HttpClient(cfg.url)
+    client = HttpClient(cfg.url, auth_token=cfg.auth_token)
     chain = KeyChain(f"{cfg.seed}-{os.getpid()}-{index}")
     cycle = cycle_for(cfg.dialect)
     latencies: list[float] = []
@@ -169,13 +180,23 @@ def _setup(cfg: BenchConfig) -> int:
 
     Raises:
         ServerUnavailable: nothing answers at ``cfg.url``.
+        KvmetaError: the server requires a token and ``cfg.auth_token`` is not it.
     """
-    client = HttpClient(cfg.url)
+    client = HttpClient(cfg.url, auth_token=cfg.auth_token)
     try:
         try:
             reply = initialize_pool(client, cfg.dialect, cfg.rank, cfg.pool_pages)
         except OSError as exc:
             raise _unreachable(cfg.url, exc) from None
+        except BenchHttpError as exc:
+            if exc.status in (401, 403):
+                given = "the token given is not the server's" if cfg.auth_token else "none given"
+                raise KvmetaError(
+                    f"{cfg.url} answered {exc.status} to {exc.path}: the server requires a token "
+                    f"({given}); pass the server's --auth-token value as `kvmeta bench "
+                    "--auth-token TOKEN`"
+                ) from None
+            raise
         pages = pool_size(client, cfg.dialect, cfg.rank, reply)
         if pages is None:
             logger.warning(
@@ -229,6 +250,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     try:
         time.sleep(cfg.warmup)
         cpu0 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
+        backend0 = procstat.cpu_seconds(cfg.backend_pid) if cfg.backend_pid else None
+        journal0 = _journal_bytes(cfg.data_dir)
         t0 = time.perf_counter()
         phase.value = _MEASURE
         if quota:
@@ -238,6 +261,8 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         phase.value = _STOP
         t1 = time.perf_counter()
         cpu1 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
+        backend1 = procstat.cpu_seconds(cfg.backend_pid) if cfg.backend_pid else None
+        journal1 = _journal_bytes(cfg.data_dir)
         rss = procstat.rss_bytes(cfg.server_pid) if cfg.server_pid else None
         if not quota:
             results = _collect(out, procs, 60.0)
@@ -259,7 +284,26 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     result.config["pool_pages"] = pages
     result.refused_keys = sum(r.refused for r in results)
     result.reserved_keys = sum(r.reserved for r in results)
+    if result.requests and backend0 is not None and backend1 is not None:
+        result.backend_cpu_s = backend1 - backend0
+        result.backend_cpu_us_per_request = result.backend_cpu_s / result.requests * 1e6
+    # A snapshot in the window compacts the journal: then its growth says nothing.
+    if result.requests and journal0 is not None and journal1 is not None and journal1 >= journal0:
+        result.journal_bytes_per_request = (journal1 - journal0) / result.requests
     return result
+
+
+def _journal_bytes(data_dir: str | None) -> int | None:
+    """Bytes in a durable server's journal files; None without a data directory."""
+    if not data_dir:
+        return None
+    total = 0
+    for path in Path(data_dir).glob("journal-*.log"):
+        try:
+            total += path.stat().st_size
+        except FileNotFoundError:
+            continue  # removed by a snapshot meanwhile
+    return total
 
 
 def _summarise(
@@ -273,8 +317,11 @@ def _summarise(
     lat = sorted(x for r in results for x in r.latencies)
     n = len(lat)
     keys = sum(r.keys for r in results)
+    config = asdict(cfg)
+    if cfg.auth_token:
+        config["auth_token"] = "(set)"  # the report may be shared; the token is not
     res = BenchResult(
-        config=asdict(cfg),
+        config=config,
         requests=n,
         key_ops=keys,
         seconds=seconds,

@@ -1,45 +1,171 @@
-"""Start ``kvmeta serve`` as a child process for a benchmark, on a free port.
+"""Start ``kvmeta serve`` (and, for the Redis backend, a private ``redis-server``) as child
+processes for a benchmark, on free ports.
 
 The server runs this interpreter and the kvmeta package this module came from, so a checkout
-benchmarks its own source whether installed or not.
+benchmarks its own source whether installed or not. Every run gets fresh processes and a fresh
+temporary directory: a pool's size is fixed when it is created, and state left by one run
+would change the next one's eviction.
 """
 
 from __future__ import annotations
 
 import os
 import re
+import shutil
+import socket
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
+from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.errors import KvmetaError
 
-__all__ = ["LaunchedServer"]
+__all__ = ["LAUNCH_MODES", "Launch", "LaunchedServer", "run_on", "with_launch"]
 
+LAUNCH_MODES = ("durable", "memory", "redis")
 _LISTEN_RE = re.compile(r"kvmeta listening on (http)://([^\s:]+):(\d+) \(pid (\d+)\)")
 _SRC = str(Path(__file__).resolve().parents[2])
 
 
+@dataclass
+class Launch:
+    """What to start for each run: ``mode`` "durable" (the serve default, journal in a
+    temporary data directory), "memory" (``--in-memory``) or "redis" (a private redis-server
+    over ``redis_transport`` "tcp" or "unix", shared by ``workers`` server processes); ``args``
+    are extra ``kvmeta serve`` flags; ``src`` another checkout's src/ to serve from."""
+
+    mode: str = "durable"
+    args: list[str] = field(default_factory=list)
+    workers: int = 1
+    redis_transport: str = "tcp"
+    src: str | None = None
+
+    def server(self) -> LaunchedServer:
+        return LaunchedServer(
+            self.mode, self.args, self.src, workers=self.workers, transport=self.redis_transport
+        )
+
+    def describe(self) -> dict[str, Any]:
+        """The report's record of what was launched."""
+        return {
+            "launch": self.mode,
+            "server_args": list(self.args),
+            "workers": self.workers,
+            "redis_transport": self.redis_transport if self.mode == "redis" else None,
+        }
+
+
+def run_on(cfg: BenchConfig, launch: Launch | None) -> dict[str, Any]:
+    """One run of ``cfg``: on fresh launched processes when ``launch`` is given, else against
+    ``cfg.url``; the result as a dict."""
+    cfg.seed = ""
+    if launch is None:
+        return run_bench(cfg).to_dict()
+    with launch.server() as server:
+        cfg.url, cfg.server_pid = server.url, server.pid
+        cfg.backend_pid, cfg.data_dir = server.backend_pid, server.data_dir
+        return run_bench(cfg).to_dict()
+
+
+def with_launch(result: dict[str, Any], launch: Launch | None) -> dict[str, Any]:
+    """``result`` with what was launched for it recorded in its config."""
+    if launch is None:
+        result["config"].update(launch=None, server_args=None)
+    else:
+        result["config"].update(launch.describe())
+    return result
+
+
+class _RedisServer:
+    """A private ``redis-server``: loopback TCP on a free port or a unix socket, no
+    persistence, in ``directory``."""
+
+    def __init__(self, directory: str, transport: str) -> None:
+        self.directory = directory
+        self.transport = transport
+        self.url = ""
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout: float = 20.0) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            raise KvmetaError(
+                "--launch redis starts a redis-server, and none is on PATH: install it (Debian: "
+                "apt-get install redis-server), or run your own and use --url with --backend-pid"
+            )
+        sock = os.path.join(self.directory, "redis.sock")
+        for _ in range(5):  # another process may take the free port first
+            port = _free_port() if self.transport == "tcp" else 0
+            args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+            args += ["--appendonly", "no", "--dir", self.directory]
+            if self.transport == "unix":
+                args += ["--unixsocket", sock]
+            self.proc = subprocess.Popen(
+                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+            self.url = f"redis://127.0.0.1:{port}" if port else f"unix://{sock}"
+            if self._wait(port, sock, timeout):
+                return
+            self.stop()
+        raise KvmetaError(f"redis-server ({binary}) did not start within {timeout}s")
+
+    def _wait(self, port: int, sock: str, timeout: float) -> bool:
+        assert self.proc is not None
+        deadline = time.monotonic() + timeout
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            try:
+                family = socket.AF_INET if port else socket.AF_UNIX
+                with socket.socket(family) as conn:
+                    conn.settimeout(1)
+                    conn.connect(("127.0.0.1", port) if port else sock)
+                    conn.sendall(b"*1\r\n$4\r\nPING\r\n")
+                    if conn.recv(64).startswith(b"+PONG"):
+                        return True
+            except OSError:
+                pass
+            time.sleep(0.02)
+        return False
+
+    def stop(self) -> None:
+        _terminate(self.proc)
+        self.proc = None
+
+
 class LaunchedServer:
-    """``kvmeta serve`` in ``mode`` "memory" (``--in-memory``) or "durable" (the default,
-    journal in a temporary data directory); a context manager that stops it on exit."""
+    """``kvmeta serve`` in ``mode`` (see ``Launch``); a context manager that stops it (and its
+    redis-server) on exit. ``backend_pid`` is the redis-server's pid, ``data_dir`` the durable
+    server's journal directory (None otherwise)."""
 
     def __init__(
-        self, mode: str = "durable", extra: list[str] | None = None, src: str | None = None
+        self,
+        mode: str = "durable",
+        extra: list[str] | None = None,
+        src: str | None = None,
+        *,
+        workers: int = 1,
+        transport: str = "tcp",
     ) -> None:
-        if mode not in ("memory", "durable"):
-            raise ValueError(f"launch mode must be 'memory' or 'durable', got {mode!r}")
+        if mode not in LAUNCH_MODES:
+            raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
         self.mode = mode
         self.extra = list(extra or [])
         self.src = src or _SRC  # another checkout's src/ serves before/after comparisons
+        self.workers = workers
+        self.transport = transport
         self.url = ""
         self.pid = 0
+        self.backend_pid: int | None = None
+        self.data_dir: str | None = None
         self.lines: list[str] = []
+        self._listening = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[str] | None = None
+        self._redis: _RedisServer | None = None
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> LaunchedServer:
@@ -52,10 +178,23 @@ class LaunchedServer:
     def start(self, timeout: float = 30.0) -> None:
         self._tmp = tempfile.TemporaryDirectory(prefix="kvmeta-bench-")
         args = ["--host", "127.0.0.1", "--port", "0", *self.extra]
+        if self.workers > 1:
+            args += ["--workers", str(self.workers)]
         if self.mode == "memory":
             args.append("--in-memory")
+        elif self.mode == "durable":
+            self.data_dir = os.path.join(self._tmp.name, "data")
+            args += ["--data-dir", self.data_dir]
         else:
-            args += ["--data-dir", os.path.join(self._tmp.name, "data")]
+            self._redis = _RedisServer(self._tmp.name, self.transport)
+            try:
+                self._redis.start()
+            except KvmetaError:
+                self.stop()
+                raise
+            assert self._redis.proc is not None
+            self.backend_pid = self._redis.proc.pid
+            args += ["--backend", self._redis.url]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.src, env.get("PYTHONPATH")]))
         self._proc = subprocess.Popen(
@@ -70,7 +209,8 @@ class LaunchedServer:
         self._reader = threading.Thread(target=self._read, daemon=True)
         self._reader.start()
         deadline = time.monotonic() + timeout
-        while not self.url:
+        # Every worker announces itself: measure only once all of them serve.
+        while self._listening < self.workers:
             if self._proc.poll() is not None or time.monotonic() > deadline:
                 self.stop()
                 log = "".join(self.lines[-20:]).strip() or "(no output)"
@@ -86,24 +226,39 @@ class LaunchedServer:
             if len(self.lines) < 1000:
                 self.lines.append(line)
             match = _LISTEN_RE.search(line)
-            if match and not self.url:
-                self.url = f"http://{match.group(2)}:{match.group(3)}"
+            if match:
+                self.url = self.url or f"http://{match.group(2)}:{match.group(3)}"
+                self._listening += 1
 
     def stop(self) -> None:
         proc = self._proc
         if proc is not None:
-            if proc.poll() is None:
-                proc.terminate()
-                try:
-                    proc.wait(15)
-                except subprocess.TimeoutExpired:
-                    proc.kill()
-                    proc.wait(5)
+            _terminate(proc)
             if self._reader is not None:
                 self._reader.join(5)
             if proc.stderr is not None:
                 proc.stderr.close()
             self._proc = None
+        if self._redis is not None:
+            self._redis.stop()
+            self._redis = None
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def _terminate(proc: subprocess.Popen[Any] | None) -> None:
+    if proc is None or proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(15)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(5)
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])

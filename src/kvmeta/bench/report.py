@@ -24,6 +24,11 @@ _COLUMNS = (
     ("requests", "requests", "{}"),
     ("refused", "refused_keys", "{:.0f}"),
 )
+# Shown only when some result has them: --launch redis (or --backend-pid), a durable server.
+_OPTIONAL_COLUMNS = (
+    ("backend cpu us/req", "backend_cpu_us_per_request", "{:.1f}"),
+    ("journal B/req", "journal_bytes_per_request", "{:.1f}"),
+)
 
 
 def _get(result: dict[str, Any], dotted: str) -> Any:
@@ -35,14 +40,17 @@ def _get(result: dict[str, Any], dotted: str) -> Any:
 
 def format_table(results: Sequence[dict[str, Any]]) -> str:
     """A fixed-width table, one row per result dict (``BenchResult.to_dict()``)."""
-    rows = [[label for label, _, _ in _COLUMNS]]
+    columns = _COLUMNS + tuple(
+        c for c in _OPTIONAL_COLUMNS if any(_get(r, c[1]) is not None for r in results)
+    )
+    rows = [[label for label, _, _ in columns]]
     for result in results:
         row = []
-        for _, dotted, fmt in _COLUMNS:
+        for _, dotted, fmt in columns:
             value = _get(result, dotted)
             row.append("-" if value is None else fmt.format(value))
         rows.append(row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(_COLUMNS))]
+    widths = [max(len(r[i]) for r in rows) for i in range(len(columns))]
     lines = ["  ".join(cell.rjust(w) for cell, w in zip(row, widths, strict=True)) for row in rows]
     return "\n".join(lines)
 

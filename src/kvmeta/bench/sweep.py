@@ -12,8 +12,8 @@ import json
 import logging
 from typing import Any
 
-from kvmeta.bench.driver import BenchConfig, run_bench
-from kvmeta.bench.launch import LaunchedServer
+from kvmeta.bench.driver import BenchConfig
+from kvmeta.bench.launch import Launch, run_on, with_launch
 from kvmeta.bench.report import median_result
 from kvmeta.errors import InvalidRequest, KvmetaError
 
@@ -70,8 +70,7 @@ def run(
     base: BenchConfig,
     param: str,
     text: str | None,
-    launch: str | None,
-    server_args: list[str],
+    launch: Launch | None,
     repeat: int,
 ) -> list[dict[str, Any]]:
     """The median result of each value of ``param`` ("pool", "batch" or "clients")."""
@@ -81,14 +80,10 @@ def run(
         for value in points:
             cfg = copy.deepcopy(base)
             setattr(cfg, _FIELD[param], value)
-            if launch:
-                with LaunchedServer(launch, server_args) as server:
-                    cfg.url, cfg.server_pid = server.url, server.pid
-                    result = run_bench(cfg).to_dict()
-            else:
+            if launch is None:
                 # An external server keeps its pools: give every point its own rank.
                 cfg.rank = base.rank + len(points) * rep + points.index(value)
-                result = run_bench(cfg).to_dict()
+            result = run_on(cfg, launch)
             cpu = result["cpu_us_per_request"]
             logger.info(
                 "%s=%d repeat %d/%d: %s us/request",
@@ -99,13 +94,7 @@ def run(
                 "-" if cpu is None else f"{cpu:.1f}",
             )
             runs[value].append(result)
-    out = []
-    for value in points:
-        med = median_result(runs[value])
-        med["config"]["launch"] = launch
-        med["config"]["server_args"] = list(server_args) if launch else None
-        out.append(med)
-    return out
+    return [with_launch(median_result(runs[value]), launch) for value in points]
 
 
 def write(results: list[dict[str, Any]], param: str, stem: str) -> None:

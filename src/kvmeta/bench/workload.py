@@ -40,12 +40,19 @@ _decode = msgspec.json.decode
 class BenchHttpError(KvmetaError):
     """Raised when the server under test answers something other than 2xx."""
 
+    def __init__(self, message: str, status: int = 0, path: str = "") -> None:
+        super().__init__(message)
+        self.status = status
+        self.path = path
+
 
 class HttpClient:
     """One keep-alive connection; ``post`` returns (status, body bytes)."""
 
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
-        """Raises:
+    def __init__(self, url: str, timeout: float = 30.0, auth_token: str | None = None) -> None:
+        """``auth_token`` goes with every request as ``Authorization: Bearer``.
+
+        Raises:
         InvalidRequest: ``url`` is not ``http://host[:port][/prefix]``."""
         parts = urlsplit(url)
         try:
@@ -61,6 +68,7 @@ class HttpClient:
         self.port = port or 80
         self.prefix = parts.path.rstrip("/")
         self.timeout = timeout
+        self._auth = f"Authorization: Bearer {auth_token}\r\n" if auth_token else ""
         self.sock: socket.socket | None = None
         self._buf = b""
         self._heads: dict[str, bytes] = {}
@@ -82,14 +90,16 @@ class HttpClient:
         if head is None:
             head = (
                 f"POST {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                "Content-Type: application/json\r\nContent-Length: "
+                f"{self._auth}Content-Type: application/json\r\nContent-Length: "
             ).encode()
             self._heads[path] = head
         return self._exchange(b"%s%d\r\n\r\n%s" % (head, len(body), body))
 
     def get(self, path: str) -> tuple[int, bytes]:
         """GET ``path`` (not timed: only set-up uses it)."""
-        head = f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n\r\n"
+        head = (
+            f"GET {self.prefix}{path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n{self._auth}\r\n"
+        )
         return self._exchange(head.encode())
 
     def _exchange(self, data: bytes) -> tuple[int, bytes]:
@@ -156,7 +166,7 @@ class HttpClient:
         """
         status, body = self.post(path, _encode(obj))
         if not 200 <= status < 300:
-            raise BenchHttpError(f"POST {path} -> {status}: {body[:300]!r}")
+            raise BenchHttpError(f"POST {path} -> {status}: {body[:300]!r}", status, path)
         return _decode(body) if body else None
 
 
