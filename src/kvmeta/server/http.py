@@ -201,9 +201,10 @@ async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response
     """Drive a coroutine that suspended during its eager first step to completion.
 
     The Task running this sees what the coroutine yielded and sends or throws what it gets back
-    into it (``_resume``), exactly as an ``await coro`` would have: an exception of the awaited
-    future reaches the coroutine, and so do cancellation, KeyboardInterrupt and SystemExit, so
-    its cleanup runs and a cancelled request never carries on as if nothing happened.
+    into it (``_resume``), exactly as if the Task had run the coroutine from the start: an
+    exception of the awaited future reaches the coroutine, and so do cancellation,
+    KeyboardInterrupt and SystemExit, so its cleanup runs and the Task ends cancelled (a
+    cancelled request never carries on as if nothing happened).
     """
     return await _resume(coro, yielded)
 
