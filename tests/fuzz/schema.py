@@ -1,7 +1,7 @@
 """Hypothesis strategies and response validation driven by kvmeta's ``/openapi.json``.
 
 A hand-rolled subset of JSON Schema (what the document uses: object, array with items or
-prefixItems, string, integer, number, boolean, null, enum, const, $ref) rather than
+prefixItems, string, integer, number, boolean, null, enum, const, anyOf, $ref) rather than
 schemathesis: it installs nothing and lets the generator favour values that make requests
 interact (a small key set, in-range pages, a few namespaces), which finds more than uniformly
 random values would.
@@ -63,6 +63,8 @@ class Schema:
             return st.just(schema["const"])
         if "enum" in schema:
             return st.sampled_from(schema["enum"]) | st.text(max_size=4)
+        if "anyOf" in schema:
+            return st.one_of([self.values(s, name) for s in schema["anyOf"]])
         kind = schema.get("type")
         if isinstance(kind, list):
             return st.one_of([self.values({**schema, "type": k}, name) for k in kind])

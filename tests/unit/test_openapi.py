@@ -3,6 +3,8 @@ JSON Schema 2020-12, and the dialect routes of docs/protocol.md are all in the c
 
 from __future__ import annotations
 
+import msgspec
+import pytest
 from jsonschema import Draft202012Validator
 
 from kvmeta.config import Settings
@@ -59,3 +61,55 @@ def test_schemas_are_valid_json_schema() -> None:
     walk(doc)
     for ref in refs:
         assert ref.removeprefix("#/components/schemas/") in SCHEMAS, ref
+
+
+def test_request_schemas_are_generated_from_the_structs_the_routes_decode() -> None:
+    """One description per body: the document's request schema of every route is the schema
+    of the Struct that route's handler decodes its body with."""
+    from kvmeta.server import ops_routes, sglang, vllm
+    from kvmeta.server.openapi import REQUEST_BODIES, struct_schema
+
+    seen = set()
+    for route in sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES:
+        spec = CATALOGUE[(route.method, route.pattern)]
+        body = spec.get("requestBody")
+        if route.body is None:
+            assert body is None, f"{route.pattern} reads no body but documents one"
+            continue
+        ref = body["content"]["application/json"]["schema"]["$ref"]
+        name = ref.removeprefix("#/components/schemas/")
+        assert REQUEST_BODIES[name] is route.body.struct, route.pattern
+        assert SCHEMAS[name] == struct_schema(route.body.struct)
+        seen.add(name)
+    assert seen == set(REQUEST_BODIES)
+
+
+# (schema name, a body the Struct decodes, a body it refuses)
+EXAMPLES = [
+    ("SInitialize", {"num_pages": 8, "namespace": "mamba"}, {"num_pages": "8"}),
+    ("SKeys", {"keys": ["a"]}, {"keys": "a"}),
+    ("SReserve", {"keys": [["a", None], ["b", "a"]]}, {"keys": [["a"]]}),
+    (
+        "SConfirm",
+        {"written_keys_to_confirm": [["a", 1]], "pages_to_release": [2]},
+        {"pages_to_release": ["x"]},
+    ),
+    ("SNamespace", {}, {"namespace": 1}),
+    ("VAllocate", {"rank": 0, "keys": ["a", ["b", None]]}, {"rank": "0", "keys": []}),
+    ("VConfirm", {"rank": 1, "confirmations": [["a", 3]]}, {"rank": 1}),
+    ("VKeys", {"keys": ["a"]}, {"keys": [1]}),
+    ("VRankKeys", {"rank": 2, "keys": []}, {"keys": []}),
+]
+
+
+def test_generated_schemas_accept_and_refuse_what_the_structs_do() -> None:
+    from kvmeta.server.openapi import REQUEST_BODIES
+
+    for name, good, bad in EXAMPLES:
+        validator = Draft202012Validator(SCHEMAS[name])
+        decoder = msgspec.json.Decoder(REQUEST_BODIES[name])
+        validator.validate(good)
+        decoder.decode(msgspec.json.encode(good))
+        assert not validator.is_valid(bad), (name, bad)
+        with pytest.raises(msgspec.ValidationError):
+            decoder.decode(msgspec.json.encode(bad))

@@ -1,9 +1,11 @@
 """The request handler: routing, body decoding, and the one error -> response mapping.
 
-Routes come from the dialect modules (``server.sglang``, ``server.vllm``) and the operator
-routes (``server.ops_routes``); each is ``(method, pattern, handler)`` where a pattern may hold
-one ``{rank}`` segment. Every ``KvmetaError`` becomes ``{"detail": message}`` with the error's
-``status``; anything else is a bug: logged with its traceback and answered 500.
+Routes come from the route tables of the dialect modules (``server.sglang``, ``server.vllm``)
+and the operator routes (``server.ops_routes``): each ``Route`` names a method, a pattern that
+may hold one ``{rank}`` segment, a module-level handler ``handler(ctx, request, rank)`` (so a
+test can call it alone, with no socket) and the ``BodyDecoder`` of its body, whose Struct is
+also the body's OpenAPI schema. Every ``KvmetaError`` becomes ``{"detail": message}`` with the
+error's ``status``; anything else is a bug: logged with its traceback and answered 500.
 """
 
 from __future__ import annotations
@@ -13,7 +15,8 @@ import json
 import logging
 import types
 from collections.abc import Callable, Coroutine, Iterable
-from typing import Any, Generic, TypeVar
+from functools import partial
+from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
@@ -28,8 +31,10 @@ __all__ = [
     "App",
     "BodyDecoder",
     "InvalidPathParameter",
+    "Route",
     "RouteHandler",
     "CallerWarning",
+    "add_table",
     "decode_body",
     "json_response",
     "nested_error",
@@ -72,33 +77,41 @@ def nested_error(usage: str, prefix: str = "") -> InvalidRequest:
     )
 
 
+# ``explain(body, exc)``: the error for a body the route's decoder refused, ``exc`` being
+# msgspec's ValidationError or DecodeError, or a RecursionError (nested too deeply).
+Explain = Callable[[bytes, Exception], InvalidRequest]
+
+
 def decode_body(
     decoder: msgspec.json.Decoder[T],
     body: bytes,
     usage: str,
-    explain: Callable[[bytes, str], InvalidRequest] | None = None,
+    explain: Explain | None = None,
 ) -> T:
     """Decode and validate a JSON body; an empty body means ``{}``.
 
     Raises:
         InvalidRequest: naming the JSON path that is wrong and the shape expected (``usage``),
-        or as ``explain(body, msgspec's detail)`` words a validation failure.
+        or as ``explain(body, exc)`` words the failure.
     """
     if not body or body.isspace():
         body = b"{}"
     try:
         return decoder.decode(body)
-    except msgspec.ValidationError as exc:
-        text = str(exc)
+    except (msgspec.ValidationError, msgspec.DecodeError, RecursionError) as exc:
         if explain is not None:
-            raise explain(body, text) from None
-        raise InvalidRequest(
-            f"Invalid request body: {text}. Expected {usage}", _field_of(text)
-        ) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(f"Request body is not valid JSON ({exc}). Expected {usage}") from None
-    except RecursionError:
-        raise nested_error(usage) from None
+            raise explain(body, exc) from None
+        raise default_error(exc, usage) from None
+
+
+def default_error(exc: Exception, usage: str) -> InvalidRequest:
+    """The error for a refused body: msgspec's detail with its JSON path, and ``usage``."""
+    if isinstance(exc, RecursionError):
+        return nested_error(usage)
+    if isinstance(exc, msgspec.ValidationError):
+        text = str(exc)
+        return InvalidRequest(f"Invalid request body: {text}. Expected {usage}", _field_of(text))
+    return InvalidRequest(f"Request body is not valid JSON ({exc}). Expected {usage}")
 
 
 # Caller mistakes that keep their compatible reply (204/200) but are worth seeing: each adds an
@@ -153,14 +166,9 @@ class BodyDecoder(Generic[T]):
     The fast path is one strict decode; only a body that fails it is decoded again leniently
     (raising the real error, if any) and looked at for unknown fields."""
 
-    def __init__(
-        self,
-        struct: type[T],
-        usage: str,
-        explain: Callable[[bytes, str], InvalidRequest] | None = None,
-    ) -> None:
-        """``explain(body, detail)`` words a validation failure (default: msgspec's detail,
-        the JSON path and ``usage``)."""
+    def __init__(self, struct: type[T], usage: str, explain: Explain | None = None) -> None:
+        """``explain(body, exc)`` words a refused body (default: ``default_error``)."""
+        self.struct = struct  # also the body's OpenAPI schema (``server.openapi``)
         self.usage = usage
         self._explain = explain
         self.fields: tuple[str, ...] = struct.__struct_fields__  # type: ignore[attr-defined]
@@ -217,6 +225,23 @@ def parse_rank(segment: str) -> int:
     if rank is None or not INT64_MIN <= rank <= INT64_MAX:
         raise InvalidPathParameter("Path parameter " + rank_error(segment, "rank"), "rank")
     return rank
+
+
+class Route(NamedTuple):
+    """One entry of a route table: ``handler(ctx, request, rank)`` is a module-level coroutine
+    function; ``add_table`` binds ``ctx`` (the service, or the operator state)."""
+
+    method: str
+    pattern: str
+    handler: Callable[[Any, Request, int], Coroutine[Any, Any, Response]]
+    body: BodyDecoder[Any] | None = None  # how the handler decodes its body (None: no body)
+    public: bool = False  # served without the token
+
+
+def add_table(app: App, table: Iterable[Route], ctx: Any) -> None:
+    """Register every route of ``table`` on ``app``, each handler bound to ``ctx``."""
+    for route in table:
+        app.add(route.method, route.pattern, partial(route.handler, ctx), route.public)
 
 
 class _Route:

@@ -12,12 +12,11 @@ from __future__ import annotations
 import base64
 import binascii
 import hmac
-from collections.abc import Callable
 
 from kvmeta.errors import Unauthorized
 from kvmeta.server.http import Request
 
-__all__ = ["TokenAuth", "make_authorizer"]
+__all__ = ["TokenAuth"]
 
 _MISSING = (
     "Authentication required: send `Authorization: Bearer <token>`, or put the token in the "
@@ -70,8 +69,3 @@ class TokenAuth:
                 return b""
             return decoded.partition(b":")[2]
         return b""
-
-
-def make_authorizer(token: str | None) -> Callable[[Request], None] | None:
-    """The hook for ``App(authorize=...)``: None (auth off) when no token is configured."""
-    return TokenAuth(token) if token else None

@@ -21,9 +21,14 @@ benchmarks/README.md, "Serving stack"). What this module still guarantees:
 - back-pressure: reading pauses while the peer does not read its responses;
 - graceful shutdown: stop accepting, let in-flight requests finish, close idle connections.
 
-Handlers are coroutines, but most finish without ever suspending (no disk wait), so they are
-driven eagerly with ``coro.send(None)``; only one that really waits becomes a Task. This saves
-a Task and a loop iteration per request.
+Handlers are coroutines, but most finish without ever suspending (no disk wait), so their first
+step runs at once, in the ``data_received`` call that completed the request, and a handler that
+finishes there is answered without a loop iteration. On Python 3.12+ that step runs in an eager
+Task (``asyncio.Task(..., eager_start=True)``, the per-task form of ``eager_task_factory``), so
+``asyncio.current_task()`` works in handlers. Before 3.12 the first step is a bare
+``coro.send(None)`` and only a handler that really waits becomes a Task (``_finish``), which
+saves a Task per request; pass ``eager=False`` when handlers need ``current_task()`` from their
+first step on (e.g. a Redis backend: redis-py's timeouts do).
 """
 
 from __future__ import annotations
@@ -32,8 +37,10 @@ import asyncio
 import errno
 import logging
 import socket
+import sys
+import types
 from collections import deque
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Generator
 from http import HTTPStatus
 from typing import Any
 
@@ -186,43 +193,54 @@ class _Reject(Exception):
         self.detail = detail
 
 
+# Python 3.12+: the first step of a handler runs in an eager Task (inside the Task, so
+# ``current_task()`` works); before, it is driven bare and only a handler that waits gets a Task.
+EAGER_TASKS = sys.version_info >= (3, 12)
+
+
 async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response:
     """Drive a coroutine that suspended during its eager first step to completion.
 
-    An exception of the awaited future reaches the coroutine on resume (``result()`` raises
-    it). Cancellation of this task, and KeyboardInterrupt/SystemExit, are thrown into the
-    coroutine so its cleanup runs, and always propagate: a cancelled request must never carry
-    on as if nothing happened (e.g. when the future finished just before the cancel).
+    The Task running this sees what the coroutine yielded and sends or throws what it gets back
+    into it (``_resume``), exactly as if the Task had run the coroutine from the start: an
+    exception of the awaited future reaches the coroutine, and so do cancellation,
+    KeyboardInterrupt and SystemExit, so its cleanup runs and the Task ends cancelled (a
+    cancelled request never carries on as if nothing happened).
     """
+    return await _resume(coro, yielded)
+
+
+@types.coroutine
+def _resume(coro: Coroutine[Any, Any, Response], yielded: Any) -> Generator[Any, Any, Response]:
+    """``yield from coro``, begun after the coroutine's first step already yielded ``yielded``
+    (the generator-based coroutine protocol; no private asyncio state is touched)."""
     while True:
         try:
-            if yielded is None:
-                await asyncio.sleep(0)
-            else:
-                # The eager step already marked this future as awaited (asyncio's blocking
-                # flag); clear it or awaiting it here raises "await wasn't used with future".
-                if getattr(yielded, "_asyncio_future_blocking", False):
-                    yielded._asyncio_future_blocking = False
-                try:
-                    await yielded
-                except Exception:  # noqa: BLE001, S110 - the coroutine sees it on resume
-                    pass
-        except BaseException as exc:  # cancellation, KeyboardInterrupt, SystemExit
-            _unwind(coro, exc)
+            sent = yield yielded
+        except GeneratorExit:
+            coro.close()
             raise
-        try:
-            yielded = coro.send(None)
-        except StopIteration as stop:
-            return stop.value  # type: ignore[no-any-return]
+        except BaseException as exc:  # noqa: BLE001 - thrown in by the Task: the handler's own
+            try:
+                yielded = coro.throw(exc)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
+        else:
+            try:
+                yielded = coro.send(sent)
+            except StopIteration as stop:
+                return stop.value  # type: ignore[no-any-return]
 
 
-def _unwind(coro: Coroutine[Any, Any, Response], exc: BaseException) -> None:
-    """Throw ``exc`` into a suspended coroutine so its ``finally``/``except`` blocks run."""
-    try:
-        coro.throw(exc)
-    except BaseException:  # noqa: BLE001 - it unwound (re-raised, or returned): done
-        return
-    coro.close()  # it suspended again, ignoring the exception: stop it for good
+def _task_reply(task: asyncio.Task[Response], keep_alive: bool) -> tuple[bytes, bool]:
+    """The bytes to send for a finished handler Task, and whether the connection stays."""
+    if task.cancelled():
+        return render(Response(503, _error_body("Server shutting down")), False), False
+    exc = task.exception()
+    if exc is not None:
+        logger.error("Unhandled error in request handler", exc_info=exc)
+        return render(Response(500, _error_body("Internal server error")), False), False
+    return render(task.result(), keep_alive), keep_alive
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -410,16 +428,26 @@ class HttpProtocol(asyncio.Protocol):
             self._peer,
         )
         coro = self.handler(request)
-        try:
-            yielded = coro.send(None)
-        except StopIteration as stop:
-            self._respond(render(stop.value, keep_alive), keep_alive)
-            return
-        except Exception:
-            logger.exception("Unhandled error in request handler for %s %s", request.method, path)
-            self._respond(render(Response(500, _error_body("Internal server error")), False), False)
-            return
-        task = self.loop.create_task(_finish(coro, yielded))
+        if self.server.bare_first_step:
+            try:
+                yielded = coro.send(None)
+            except StopIteration as stop:
+                self._respond(render(stop.value, keep_alive), keep_alive)
+                return
+            except Exception:
+                logger.exception(
+                    "Unhandled error in request handler for %s %s", request.method, path
+                )
+                self._respond(
+                    render(Response(500, _error_body("Internal server error")), False), False
+                )
+                return
+            task = self.loop.create_task(_finish(coro, yielded))
+        else:
+            task = self.server.start(coro)
+            if task.done():  # finished in its eager first step
+                self._respond(*_task_reply(task, keep_alive))
+                return
         self.server.tasks.add(task)
         entry = [task, keep_alive]
         self._pending.append(entry)
@@ -477,17 +505,7 @@ class HttpProtocol(asyncio.Protocol):
             if isinstance(item, asyncio.Task):
                 if not item.done():
                     break
-                if item.cancelled():
-                    data = render(Response(503, _error_body("Server shutting down")), False)
-                    keep_alive = False
-                else:
-                    exc = item.exception()
-                    if exc is not None:
-                        logger.error("Unhandled error in request handler", exc_info=exc)
-                        data = render(Response(500, _error_body("Internal server error")), False)
-                        keep_alive = False
-                    else:
-                        data = render(item.result(), keep_alive)
+                data, keep_alive = _task_reply(item, keep_alive)
             else:
                 data = item
             pending.popleft()
@@ -548,8 +566,13 @@ class HttpServer:
         limits: HttpLimits | None = None,
         loop: asyncio.AbstractEventLoop | None = None,
         head_check: HeadCheck | None = None,
+        eager: bool = True,
     ) -> None:
+        """``eager=False`` matters before Python 3.12 only: every request gets a Task at once
+        (no bare first step), for handlers that need ``asyncio.current_task()`` from their
+        first step on. On 3.12+ the first step always runs in an eager Task."""
         self.handler = handler
+        self.bare_first_step = eager and not EAGER_TASKS
         self.limits = limits or HttpLimits()
         self.loop = loop or asyncio.get_event_loop()
         self.head_check = head_check
@@ -564,6 +587,12 @@ class HttpServer:
         self._tick = max(
             0.05, min(1.0, self.limits.header_timeout / 4, self.limits.idle_timeout / 4)
         )
+
+    def start(self, coro: Coroutine[Any, Any, Response]) -> asyncio.Task[Response]:
+        """A Task for a handler: eager (its first step already run) on Python 3.12+."""
+        if sys.version_info >= (3, 12):
+            return asyncio.Task(coro, loop=self.loop, eager_start=True)
+        return self.loop.create_task(coro)
 
     def refuse_connection(self) -> None:
         """Count a connection closed because of the cap; warn at most every few seconds."""

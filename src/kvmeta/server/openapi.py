@@ -1,8 +1,9 @@
 """The OpenAPI 3.1 document served at ``/openapi.json``.
 
-Written by hand from the wire contract (``docs/protocol.md``) rather than generated, because the
-contract is the engines' clients, not our structs: the document says what a stock client may
-send and what it gets back, errors included. ``CATALOGUE`` describes every route kvmeta knows;
+Request bodies are generated from the msgspec Structs the routes decode them with
+(``REQUEST_BODIES``), so each body is described once, where it is read. Responses and errors
+are written by hand from the wire contract (``docs/protocol.md``): the document says what a
+stock client gets back, errors included. ``CATALOGUE`` describes every route kvmeta knows;
 ``build_document`` publishes the ones the running app really serves, and a test checks that
 every served route is described, so the document cannot silently fall behind the server.
 The fuzz test (``tests/fuzz``) generates requests from it and validates every answer against it.
@@ -12,7 +13,11 @@ from __future__ import annotations
 
 from typing import Any
 
-__all__ = ["CATALOGUE", "build_document"]
+import msgspec
+
+from kvmeta.server import sglang, vllm
+
+__all__ = ["CATALOGUE", "REQUEST_BODIES", "SCHEMAS", "build_document", "struct_schema"]
 
 Schema = dict[str, Any]
 
@@ -40,68 +45,62 @@ def _list(items: Schema) -> Schema:
 
 STR: Schema = {"type": "string"}
 INT: Schema = {"type": "integer"}
-RANK: Schema = {
-    "type": "integer",
-    "format": "int64",
-    "description": "a rank must fit in a signed 64-bit integer; larger is 400 (422 in a path)",
-}
 BOOL: Schema = {"type": "boolean"}
 NUM: Schema = {"type": "number"}
 INT_OR_NULL: Schema = {"type": ["integer", "null"]}
-NAMESPACE: Schema = {
-    "type": "string",
-    "default": "kv",
-    "pattern": "^[A-Za-z0-9_.:-]+$",
-    "description": "SGLang pool name (kv, mamba, indexer, swa, ...); clients up to 0.5.10 omit it",
-}
-KEY_PAIR = _pair(STR, {"type": ["string", "null"], "description": "prefix key (ignored)"})
 KEY_PAGE = _pair(STR, INT)
 
+# Request bodies by schema name: the Structs the routes decode (each route's ``Route.body``).
+REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
+    "SInitialize": sglang.InitializeBody,
+    "SKeys": sglang.KeysBody,
+    "SReserve": sglang.ReserveBody,
+    "SConfirm": sglang.ConfirmBody,
+    "SNamespace": sglang.NamespaceBody,
+    "VInitialize": vllm.InitializeBody,
+    "VAllocate": vllm.AllocateBody,
+    "VConfirm": vllm.ConfirmBody,
+    "VKeys": vllm.ExistsBody,
+    "VRankKeys": vllm.LocationsBody,
+    "VWorldSize": vllm.WorldSizeBody,
+}
+
+
+def _plain(node: Any) -> Any:
+    """``anyOf`` of bare types as one ``type`` list (``{"type": ["string", "null"]}``), which
+    reads better and is what the rest of the document uses."""
+    if isinstance(node, list):
+        return [_plain(v) for v in node]
+    if not isinstance(node, dict):
+        return node
+    node = {k: _plain(v) for k, v in node.items()}
+    alts = node.get("anyOf")
+    if alts and all(set(a) == {"type"} and isinstance(a["type"], str) for a in alts):
+        del node["anyOf"]
+        node["type"] = [a["type"] for a in alts]
+    return node
+
+
+def struct_schema(struct: type[msgspec.Struct]) -> Schema:
+    """The JSON Schema of a body Struct: msgspec's, without the Python class name."""
+    _, components = msgspec.json.schema_components([struct])
+    schema = dict(components[struct.__name__])
+    schema.pop("title", None)
+    if not schema.get("required", True):
+        del schema["required"]
+    return _plain(schema)  # type: ignore[no-any-return]
+
+
 SCHEMAS: dict[str, Schema] = {
+    **{name: struct_schema(struct) for name, struct in REQUEST_BODIES.items()},
     "Error": _obj({"detail": STR}, ("detail",)),
     # dialect S
-    "SInitialize": _obj(
-        {"num_pages": {"type": "integer", "minimum": 1}, "namespace": NAMESPACE}, ("num_pages",)
-    ),
-    "SKeys": _obj({"keys": _list(STR), "namespace": NAMESPACE}, ("keys",)),
-    "SReserve": _obj({"keys": _list(KEY_PAIR), "namespace": NAMESPACE}, ("keys",)),
-    "SConfirm": _obj(
-        {
-            "written_keys_to_confirm": {**_list(KEY_PAGE), "default": []},
-            "pages_to_release": {**_list(INT), "default": []},
-            "namespace": NAMESPACE,
-        }
-    ),
-    "SNamespace": _obj({"namespace": NAMESPACE}),
     "Exists": _obj({"exists": _list(BOOL)}, ("exists",), closed=True),
     "SReserved": _obj({"indices": _list(_pair(BOOL, INT))}, ("indices",), closed=True),
     "SIndices": _obj({"indices": _list(INT_OR_NULL)}, ("indices",), closed=True),
     # dialect V
-    "VInitialize": _obj(
-        {
-            "role": {"type": "string", "enum": ["worker", "scheduler"], "default": "worker"},
-            "num_pages": {"type": "integer", "default": 0},
-            "world_size": {
-                "type": "integer",
-                "minimum": 1,
-                "description": "kvmeta extension: ranks 0..world_size-1 make a key complete; "
-                "at most --max-world-size (default 4096)",
-            },
-        }
-    ),
     "VMessage": _obj({"message": STR}, ("message",), closed=True),
-    "VAllocate": _obj({"rank": RANK, "keys": _list(KEY_PAIR)}, ("rank", "keys")),
     "VAllocated": _obj({"rank": INT, "results": _list(KEY_PAGE)}, ("rank", "results"), closed=True),
-    "VConfirm": _obj(
-        {
-            "rank": RANK,
-            "confirmations": _list(KEY_PAGE),
-            "pages_to_release": {**_list(INT), "default": []},
-        },
-        ("rank", "confirmations"),
-    ),
-    "VKeys": _obj({"keys": _list(STR)}, ("keys",)),
-    "VRankKeys": _obj({"rank": RANK, "keys": _list(STR)}, ("rank", "keys")),
     "VLocations": _obj({"locations": _list(INT_OR_NULL)}, ("locations",), closed=True),
     # operating the vLLM rank registry
     "VIndex": _obj(
@@ -132,10 +131,6 @@ SCHEMAS: dict[str, Schema] = {
         },
         ("rank", "removed", "keys_dropped", "required", "message"),
         closed=True,
-    ),
-    "VWorldSize": _obj(
-        {"world_size": {"type": ["integer", "null"], "minimum": 1, "description": "null unsets"}},
-        ("world_size",),
     ),
     "VWorldSizeSet": _obj(
         {"world_size": {"type": ["integer", "null"]}, "required": _list(INT), "message": STR},

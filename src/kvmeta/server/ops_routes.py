@@ -20,7 +20,7 @@ import msgspec
 
 from kvmeta import __version__
 from kvmeta.config import Settings
-from kvmeta.server.app import App, json_response
+from kvmeta.server.app import App, Route, add_table, json_response
 from kvmeta.server.auth import TokenAuth
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import (
@@ -34,7 +34,7 @@ from kvmeta.server.oplog import InitWatcher
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend, PoolStats
 
-__all__ = ["OpsState", "install", "pool_view"]
+__all__ = ["ROUTES", "OpsState", "install", "pool_view"]
 
 
 class OpsState:
@@ -193,61 +193,71 @@ async def _check_copies(pools: dict[Any, Any]) -> tuple[list[str], int]:
     return problems, checked
 
 
+async def health(state: OpsState, req: Request, rank: int) -> Response:
+    uptime = round(time.monotonic() - state.started, 3)
+    body: dict[str, Any] = {"status": "ok", "version": __version__, "uptime_seconds": uptime}
+    failure = state.failure()
+    if failure is not None:
+        # Still 200: the process is alive and recovers by itself; a liveness probe that
+        # restarted it would lose the changes that are only in memory.
+        body["status"] = "degraded"
+        body["reason"] = failure
+    return json_response(body)
+
+
+async def ready(state: OpsState, req: Request, rank: int) -> Response:
+    ok, reason = await state.ready()
+    if not ok:
+        return json_response({"detail": reason, "ready": False}, 503)
+    return json_response({"ready": True, "backend": state.backend.name})
+
+
+async def metrics(state: OpsState, req: Request, rank: int) -> Response:
+    ok, _ = await state.ready()
+    snapshot = new_snapshot(
+        pools=await state.service.stats(),
+        durability=await state.durability(),
+        requests=state.metrics.routes,
+        auth_failures=state.auth.failures if state.auth else None,
+        info={"version": __version__, "backend": state.backend.name},
+        ready=ok,
+        max_pools=state.settings.metrics_max_pools,
+    )
+    return Response(200, await render_metrics_async(snapshot), CONTENT_TYPE)
+
+
+async def pools(state: OpsState, req: Request, rank: int) -> Response:
+    stats = await state.service.stats()
+    return json_response(
+        {
+            "server": settings_view(state.settings, state.backend),
+            "pools": [pool_view(st) for st in stats],
+            "vllm": (await state.service.v_index()).view(),
+        }
+    )
+
+
+async def check(state: OpsState, req: Request, rank: int) -> Response:
+    return json_response(await check_pools(state.backend, state.check_lock))
+
+
+async def openapi(state: OpsState, req: Request, rank: int) -> Response:
+    return Response(200, state.openapi())
+
+
+ROUTES = (
+    Route("GET", "/health", health, public=True),
+    Route("GET", "/ready", ready),
+    Route("GET", "/metrics", metrics),
+    Route("GET", "/v1/pools", pools),
+    Route("GET", "/v1/check", check),
+    Route("GET", "/openapi.json", openapi),
+)
+
+
 def add_routes(app: App, state: OpsState) -> None:
     """Register the operator routes on ``app``."""
-
-    async def health(req: Request, rank: int) -> Response:
-        uptime = round(time.monotonic() - state.started, 3)
-        body: dict[str, Any] = {"status": "ok", "version": __version__, "uptime_seconds": uptime}
-        failure = state.failure()
-        if failure is not None:
-            # Still 200: the process is alive and recovers by itself; a liveness probe that
-            # restarted it would lose the changes that are only in memory.
-            body["status"] = "degraded"
-            body["reason"] = failure
-        return json_response(body)
-
-    async def ready(req: Request, rank: int) -> Response:
-        ok, reason = await state.ready()
-        if not ok:
-            return json_response({"detail": reason, "ready": False}, 503)
-        return json_response({"ready": True, "backend": state.backend.name})
-
-    async def metrics(req: Request, rank: int) -> Response:
-        ok, _ = await state.ready()
-        snapshot = new_snapshot(
-            pools=await state.service.stats(),
-            durability=await state.durability(),
-            requests=state.metrics.routes,
-            auth_failures=state.auth.failures if state.auth else None,
-            info={"version": __version__, "backend": state.backend.name},
-            ready=ok,
-            max_pools=state.settings.metrics_max_pools,
-        )
-        return Response(200, await render_metrics_async(snapshot), CONTENT_TYPE)
-
-    async def pools(req: Request, rank: int) -> Response:
-        stats = await state.service.stats()
-        return json_response(
-            {
-                "server": settings_view(state.settings, state.backend),
-                "pools": [pool_view(st) for st in stats],
-                "vllm": (await state.service.v_index()).view(),
-            }
-        )
-
-    async def check(req: Request, rank: int) -> Response:
-        return json_response(await check_pools(state.backend, state.check_lock))
-
-    async def openapi(req: Request, rank: int) -> Response:
-        return Response(200, state.openapi())
-
-    app.add("GET", "/health", health, public=True)
-    app.add("GET", "/ready", ready)
-    app.add("GET", "/metrics", metrics)
-    app.add("GET", "/v1/pools", pools)
-    app.add("GET", "/v1/check", check)
-    app.add("GET", "/openapi.json", openapi)
+    add_table(app, ROUTES, state)
 
 
 def install(app: App, service: Service, settings: Settings) -> OpsState:

@@ -149,7 +149,11 @@ async def run(
     from kvmeta.server.oplog import access_logged, log_startup
 
     handler = access_logged(app) if settings.access_log else app
-    server = HttpServer(handler, _http_limits(settings), loop, head_check=app.head_check)
+    # A shared backend waits on the network in every request, and redis-py's timeouts need a
+    # Task from the first step on: no bare first step (see server.http).
+    server = HttpServer(
+        handler, _http_limits(settings), loop, head_check=app.head_check, eager=not settings.backend
+    )
     app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)
     extra: dict[str, Any] = {"ssl": ctx} if ctx else {}

@@ -1,121 +1,144 @@
 """Dialect S: SGLang HiCache's ``POST /{rank}/<op>`` routes, mapped onto the service.
 
 Wire shapes only; the pool logic lives in ``core`` and the shared operations in ``service``.
+``ROUTES`` is the route table; each handler is ``handler(service, request, rank)``. The body
+Structs are also the OpenAPI request schemas (``server.openapi``): their ``Meta`` annotations
+add to the document only, decoding and its messages are the Struct's types.
 """
 
 from __future__ import annotations
 
 from operator import itemgetter
+from typing import Annotated
 
 import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
-from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, json_response, reply
+from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, Route, add_table, json_response, reply
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
 from kvmeta.service.warnings import confirm_refused, size_conflict
 
-__all__ = ["add_routes"]
+__all__ = ["ROUTES", "add_routes"]
 
-Namespace = str
 _first = itemgetter(0)
+
+_NAMESPACE = msgspec.Meta(
+    description="SGLang pool name (kv, mamba, indexer, swa, ...); clients up to 0.5.10 omit it",
+    extra_json_schema={"pattern": "^[A-Za-z0-9_.:-]+$"},
+)
+_KEY_PAIR = msgspec.Meta(description="[key, prefix key]; the prefix key is ignored")
 
 
 class NamespaceBody(msgspec.Struct, kw_only=True):
-    namespace: Namespace = DEFAULT_NAMESPACE
+    """Names the pool; an empty body means the default pool."""
+
+    namespace: Annotated[str, _NAMESPACE] = DEFAULT_NAMESPACE
 
     def __post_init__(self) -> None:
         self.namespace = normalize_namespace(self.namespace)
 
 
 class InitializeBody(NamespaceBody, kw_only=True):
+    """Create the pool with num_pages pages."""
+
     # (range checked by the service, in the words the in-process client uses too)
-    num_pages: int
+    num_pages: Annotated[int, msgspec.Meta(extra_json_schema={"minimum": 1})]
 
 
 class KeysBody(NamespaceBody, kw_only=True):
+    """Keys of one pool."""
+
     keys: list[str]
 
 
 class ReserveBody(NamespaceBody, kw_only=True):
-    keys: list[tuple[str, str | None]]
+    """Keys to reserve a page for."""
+
+    keys: list[Annotated[tuple[str, str | None], _KEY_PAIR]]
 
 
 class ConfirmBody(NamespaceBody, kw_only=True):
+    """Pages written (committed) and pages to give back."""
+
     written_keys_to_confirm: list[tuple[str, int]] = []
     pages_to_release: list[int] = []
 
 
-_USAGE = {
-    "initialize": '{"num_pages": <int > 0>, "namespace": "kv"}',
-    "keys": '{"keys": ["<key>", ...], "namespace": "kv"}',
-    "reserve": '{"keys": [["<key>", "<prefix_key or null>"], ...], "namespace": "kv"}',
-    "confirm": (
-        '{"written_keys_to_confirm": [["<key>", <page>], ...], "pages_to_release": [<page>, ...], '
-        '"namespace": "kv"}'
-    ),
-    "clear": '{"namespace": "kv"} or an empty body',
-}
+INITIALIZE = BodyDecoder(InitializeBody, '{"num_pages": <int > 0>, "namespace": "kv"}')
+KEYS = BodyDecoder(KeysBody, '{"keys": ["<key>", ...], "namespace": "kv"}')
+RESERVE = BodyDecoder(
+    ReserveBody, '{"keys": [["<key>", "<prefix_key or null>"], ...], "namespace": "kv"}'
+)
+CONFIRM = BodyDecoder(
+    ConfirmBody,
+    '{"written_keys_to_confirm": [["<key>", <page>], ...], "pages_to_release": [<page>, ...], '
+    '"namespace": "kv"}',
+)
+NAMESPACE = BodyDecoder(NamespaceBody, '{"namespace": "kv"} or an empty body')
+
+
+async def initialize(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = INITIALIZE.decode(req.body)
+    pool = PoolId("s", rank, body.namespace)
+    result = await service.initialize(pool, body.num_pages)
+    if result.conflict:
+        warnings.append(size_conflict(pool, result))
+    return reply(NO_CONTENT, warnings)
+
+
+async def exists(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = KEYS.decode(req.body)
+    out = await service.exists(PoolId("s", rank, body.namespace), body.keys)
+    return reply(json_response({"exists": out}), warnings)
+
+
+async def reserve(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = RESERVE.decode(req.body)
+    keys = list(map(_first, body.keys))
+    out = await service.reserve(PoolId("s", rank, body.namespace), keys)
+    return reply(json_response({"indices": out}), warnings)
+
+
+async def confirm(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = CONFIRM.decode(req.body)
+    refused = await service.confirm(
+        PoolId("s", rank, body.namespace), body.written_keys_to_confirm, body.pages_to_release
+    )
+    if refused:
+        warnings.append(confirm_refused(refused))
+    return reply(NO_CONTENT, warnings)
+
+
+async def get(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = KEYS.decode(req.body)
+    out = await service.get(PoolId("s", rank, body.namespace), body.keys)
+    return reply(json_response({"indices": out}), warnings)
+
+
+async def delete(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = KEYS.decode(req.body)
+    await service.delete(PoolId("s", rank, body.namespace), body.keys)
+    return reply(NO_CONTENT, warnings)
+
+
+async def clear(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = NAMESPACE.decode(req.body)
+    await service.clear(PoolId("s", rank, body.namespace))
+    return reply(NO_CONTENT, warnings)
+
+
+ROUTES = (
+    Route("POST", "/{rank}/initialize", initialize, INITIALIZE),
+    Route("POST", "/{rank}/exists", exists, KEYS),
+    Route("POST", "/{rank}/reserve_and_allocate_page_indices", reserve, RESERVE),
+    Route("POST", "/{rank}/confirm_write", confirm, CONFIRM),
+    Route("POST", "/{rank}/get_page_indices", get, KEYS),
+    Route("POST", "/{rank}/delete_keys", delete, KEYS),
+    Route("POST", "/{rank}/clear", clear, NAMESPACE),
+)
 
 
 def add_routes(app: App, service: Service) -> None:
     """Register every dialect-S route on ``app``."""
-    init_dec = BodyDecoder(InitializeBody, _USAGE["initialize"])
-    keys_dec = BodyDecoder(KeysBody, _USAGE["keys"])
-    reserve_dec = BodyDecoder(ReserveBody, _USAGE["reserve"])
-    confirm_dec = BodyDecoder(ConfirmBody, _USAGE["confirm"])
-    ns_dec = BodyDecoder(NamespaceBody, _USAGE["clear"])
-
-    async def initialize(req: Request, rank: int) -> Response:
-        body, warnings = init_dec.decode(req.body)
-        pool = PoolId("s", rank, body.namespace)
-        result = await service.initialize(pool, body.num_pages)
-        if result.conflict:
-            warnings.append(size_conflict(pool, result))
-        return reply(NO_CONTENT, warnings)
-
-    async def exists(req: Request, rank: int) -> Response:
-        body, warnings = keys_dec.decode(req.body)
-        out = await service.exists(PoolId("s", rank, body.namespace), body.keys)
-        return reply(json_response({"exists": out}), warnings)
-
-    async def reserve(req: Request, rank: int) -> Response:
-        body, warnings = reserve_dec.decode(req.body)
-        keys = list(map(_first, body.keys))
-        out = await service.reserve(PoolId("s", rank, body.namespace), keys)
-        return reply(json_response({"indices": out}), warnings)
-
-    async def confirm(req: Request, rank: int) -> Response:
-        body, warnings = confirm_dec.decode(req.body)
-        refused = await service.confirm(
-            PoolId("s", rank, body.namespace), body.written_keys_to_confirm, body.pages_to_release
-        )
-        if refused:
-            warnings.append(confirm_refused(refused))
-        return reply(NO_CONTENT, warnings)
-
-    async def get(req: Request, rank: int) -> Response:
-        body, warnings = keys_dec.decode(req.body)
-        out = await service.get(PoolId("s", rank, body.namespace), body.keys)
-        return reply(json_response({"indices": out}), warnings)
-
-    async def delete(req: Request, rank: int) -> Response:
-        body, warnings = keys_dec.decode(req.body)
-        await service.delete(PoolId("s", rank, body.namespace), body.keys)
-        return reply(NO_CONTENT, warnings)
-
-    async def clear(req: Request, rank: int) -> Response:
-        body, warnings = ns_dec.decode(req.body)
-        await service.clear(PoolId("s", rank, body.namespace))
-        return reply(NO_CONTENT, warnings)
-
-    for op, handler in (
-        ("initialize", initialize),
-        ("exists", exists),
-        ("reserve_and_allocate_page_indices", reserve),
-        ("confirm_write", confirm),
-        ("get_page_indices", get),
-        ("delete_keys", delete),
-        ("clear", clear),
-    ):
-        app.add("POST", f"/{{rank}}/{op}", handler)
+    add_table(app, ROUTES, service)

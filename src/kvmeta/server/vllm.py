@@ -1,20 +1,24 @@
 """Dialect V: vLLM's HF3FS connector routes (``/rank/{rank}/initialize``, ``/keys/*``, ``/clear``),
-plus kvmeta's operator routes for the rank registry (``/v1/vllm``: see ``add_routes``).
+plus kvmeta's operator routes for the rank registry (``/v1/vllm``).
 
 Wire shapes only. Each worker rank is its own pool ``PoolId("v", rank, "")``, apart from SGLang's
 pools of the same rank numbers; the key-centric view vLLM expects (a key is present when every
-worker rank stored it) is ``service.v_exists``.
+worker rank stored it) is ``service.v_exists``. ``ROUTES`` is the route table; each handler is
+``handler(service, request, rank)``.
 
-Bodies are decoded by typed msgspec decoders (the fast path). Only when that fails is the body
-looked at again, to answer in the reference server's words (``Invalid request format: need
-'rank' and 'keys'``, ``Invalid keys format``) plus the field that is wrong and the fix.
+Every body goes through a ``BodyDecoder`` of a typed Struct (the fast path), which is also its
+OpenAPI request schema. Only when decoding fails is the body looked at again, to answer in the
+reference server's words (``Invalid request format: need 'rank' and 'keys'``, ``Invalid keys
+format``) plus the field that is wrong and the fix. The initialize and world-size bodies take
+any JSON values (``Any``): the service checks them, in the words the in-process client uses too;
+their ``Meta`` annotations only describe the valid values in the document.
 """
 
 from __future__ import annotations
 
 from itertools import repeat
 from operator import itemgetter
-from typing import Any, TypeVar
+from typing import Annotated, Any
 
 import msgspec
 
@@ -24,11 +28,12 @@ from kvmeta.server.app import (
     NO_CONTENT,
     App,
     BodyDecoder,
-    CallerWarning,
+    Explain,
+    Route,
+    add_table,
     json_response,
     nested_error,
     reply,
-    unknown_fields_warning,
 )
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
@@ -46,32 +51,80 @@ from kvmeta.service.vllm import (
 )
 from kvmeta.service.warnings import confirm_refused, size_conflict
 
-__all__ = ["add_routes"]
-
-T = TypeVar("T")
-
+__all__ = ["ROUTES", "add_routes"]
 
 _second = itemgetter(1)
 
 
+_RANK = msgspec.Meta(
+    description="a rank must fit in a signed 64-bit integer; larger is 400 (422 in a path)",
+    extra_json_schema={"format": "int64"},
+)
+Rank = Annotated[int, _RANK]
+_KEY = msgspec.Meta(description="a key, or [key, prefix key] (the prefix key is ignored)")
+
+
 class AllocateBody(msgspec.Struct):
-    rank: int
-    keys: list[tuple[str, str | None] | str]
+    """Keys to allocate a page for on one rank."""
+
+    rank: Rank
+    keys: list[Annotated[tuple[str, str | None] | str, _KEY]]
 
 
 class ConfirmBody(msgspec.Struct):
-    rank: int
+    """Pages written on one rank (committed) and pages to give back."""
+
+    rank: Rank
     confirmations: list[tuple[str, int]]
     pages_to_release: list[int] = []
 
 
 class ExistsBody(msgspec.Struct):
+    """Keys to look for on every required rank."""
+
     keys: list[str]
 
 
 class LocationsBody(msgspec.Struct):
-    rank: int
+    """Keys to look up on one rank."""
+
+    rank: Rank
     keys: list[str]
+
+
+_UNSET: Any = msgspec.UNSET
+
+
+class InitializeBody(msgspec.Struct):
+    """Register a worker rank, or acknowledge the scheduler (checked by the service)."""
+
+    # The fields are service.vllm.INIT_FIELDS, in that order (a test checks it).
+
+    role: Annotated[
+        Any, msgspec.Meta(extra_json_schema={"enum": ["worker", "scheduler"], "default": "worker"})
+    ] = _UNSET
+    num_pages: Annotated[Any, msgspec.Meta(extra_json_schema={"type": "integer", "default": 0})] = (
+        _UNSET
+    )
+    world_size: Annotated[
+        Any,
+        msgspec.Meta(
+            description="kvmeta extension: ranks 0..world_size-1 make a key complete; at most "
+            "--max-world-size (default 4096)",
+            extra_json_schema={"type": "integer", "minimum": 1},
+        ),
+    ] = _UNSET
+
+
+class WorldSizeBody(msgspec.Struct):
+    """Pin the ranks a block needs to 0..world_size-1, or unpin them (null)."""
+
+    world_size: Annotated[
+        Any,
+        msgspec.Meta(
+            description="null unsets", extra_json_schema={"type": ["integer", "null"], "minimum": 1}
+        ),
+    ] = _UNSET
 
 
 class _Op:
@@ -93,22 +146,26 @@ _EXISTS = _Op(("keys",), "keys", '{"keys": ["<key>", ...]}')
 _LOCATIONS = _Op(("rank", "keys"), "keys", '{"rank": <int>, "keys": ["<key>", ...]}')
 
 
-def _body(raw: bytes) -> bytes:
-    return b"{}" if not raw or raw.isspace() else raw
-
-
 def _not_json(exc: Exception, usage: str) -> InvalidRequest:
     return InvalidRequest(f"Request body is not valid JSON ({exc}). Expected {usage}")
 
 
-def _decode(decoder: BodyDecoder[T], raw: bytes) -> tuple[T, list[CallerWarning]]:
-    """Decode a body; on failure raise the reference server's message, made actionable
-    (``_diagnose``).
+def _not_valid_json(exc: Exception) -> bool:
+    """Malformed JSON, as opposed to JSON of the wrong shape (a subclass of DecodeError)."""
+    return isinstance(exc, msgspec.DecodeError) and not isinstance(exc, msgspec.ValidationError)
 
-    Raises:
-        InvalidRequest: naming the missing or wrong field and the shape expected.
-    """
-    return decoder.decode(_body(raw))
+
+def _explainer(op: _Op) -> Explain:
+    """The reference server's message for a body ``op`` refused, made actionable."""
+
+    def explain(body: bytes, exc: Exception) -> InvalidRequest:
+        if isinstance(exc, RecursionError):
+            return nested_error(op.usage)
+        if _not_valid_json(exc):
+            return _not_json(exc, op.usage)
+        return _diagnose(body, op, str(exc))
+
+    return explain
 
 
 def _diagnose(body: bytes, op: _Op, detail: str) -> InvalidRequest:
@@ -148,30 +205,37 @@ def _at(detail: str) -> str | None:
     return detail.rsplit("- at `$.", 1)[1].rstrip("`").split("[", 1)[0].split(".", 1)[0]
 
 
-def _decoder(struct: type[T], op: _Op) -> BodyDecoder[T]:
-    return BodyDecoder(struct, op.usage, lambda body, detail: _diagnose(body, op, detail))
-
-
 _RAW_FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])
 
 
-def _init_fields(raw: bytes) -> dict[str, Any]:
-    body = _body(raw)
+def _explain_init(body: bytes, exc: Exception) -> InvalidRequest:
+    if isinstance(exc, RecursionError):
+        return nested_error(VALID_INIT, INIT_ERROR)
+    if _not_valid_json(exc):
+        return InvalidRequest(f"{INIT_ERROR}the body is not valid JSON ({exc}); {VALID_INIT}")
     try:
         data = msgspec.json.decode(body)
-    except msgspec.ValidationError as exc:  # valid JSON, but e.g. an integer of 5000 digits
-        raise _out_of_range(body, exc) from None
-    except msgspec.DecodeError as exc:
-        raise InvalidRequest(
-            f"{INIT_ERROR}the body is not valid JSON ({exc}); {VALID_INIT}"
-        ) from None
-    except RecursionError:
-        raise nested_error(VALID_INIT, INIT_ERROR) from None
-    if not isinstance(data, dict):
-        raise InvalidRequest(
-            f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; " + VALID_INIT
+    except msgspec.ValidationError as err:  # valid JSON, but e.g. an integer of 5000 digits
+        return _out_of_range(body, err)
+    return InvalidRequest(
+        f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; " + VALID_INIT
+    )
+
+
+def _explain_world_size(body: bytes, exc: Exception) -> InvalidRequest:
+    if isinstance(exc, RecursionError):
+        return nested_error('{"world_size": <int > 0 or null>}')
+    if _not_valid_json(exc):
+        return InvalidRequest(
+            f"Request body is not valid JSON ({exc}). {WORLD_SIZE_USAGE}", "world_size"
         )
-    return data
+    try:
+        check_world_size_body(msgspec.json.decode(body))
+    except InvalidRequest as err:  # not an object
+        return err
+    except msgspec.ValidationError as err:  # e.g. an integer of 5000 digits
+        return InvalidRequest(f"`world_size` is out of range ({err}). {WORLD_SIZE_USAGE}")
+    return InvalidRequest(f"Invalid request body: {exc}. {WORLD_SIZE_USAGE}", "world_size")
 
 
 def _out_of_range(body: bytes, exc: msgspec.ValidationError) -> InvalidRequest:
@@ -190,104 +254,118 @@ def _out_of_range(body: bytes, exc: msgspec.ValidationError) -> InvalidRequest:
     return InvalidRequest(f"{INIT_ERROR}a value is out of range ({exc}); {VALID_INIT}")
 
 
+ALLOCATE = BodyDecoder(AllocateBody, _ALLOCATE.usage, _explainer(_ALLOCATE))
+CONFIRM = BodyDecoder(ConfirmBody, _CONFIRM.usage, _explainer(_CONFIRM))
+EXISTS = BodyDecoder(ExistsBody, _EXISTS.usage, _explainer(_EXISTS))
+LOCATIONS = BodyDecoder(LocationsBody, _LOCATIONS.usage, _explainer(_LOCATIONS))
+INITIALIZE = BodyDecoder(InitializeBody, VALID_INIT, _explain_init)
+WORLD_SIZE = BodyDecoder(WorldSizeBody, WORLD_SIZE_USAGE, _explain_world_size)
+
+
+async def initialize(service: Service, req: Request, rank: int) -> Response:
+    body, warnings = INITIALIZE.decode(req.body)
+    fields = {k: v for k in INIT_FIELDS if (v := getattr(body, k)) is not _UNSET}
+    worker = check_initialize(rank, **fields)
+    if worker is None:
+        return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
+    try:
+        result = await service.v_register(rank, worker.num_pages, worker.world_size)
+    except InvalidRequest as exc:  # a service limit such as --max-pages
+        raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
+    if result.conflict:
+        warnings.append(size_conflict(PoolId("v", rank, ""), result))
+    message = worker_message(rank, result.num_pages, result.requested)
+    return reply(json_response({"message": message}), warnings)
+
+
+async def batch_allocate(service: Service, req: Request, _: int) -> Response:
+    body, warnings = ALLOCATE.decode(req.body)
+    keys = body.keys
+    if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
+        keys = [k if isinstance(k, str) else k[0] for k in keys]
+    out = await service.reserve(PoolId("v", body.rank, ""), keys)  # type: ignore[arg-type]
+    results = list(zip(keys, map(_second, out), strict=True))
+    return reply(json_response({"rank": body.rank, "results": results}), warnings)
+
+
+async def confirm_write(service: Service, req: Request, _: int) -> Response:
+    body, warnings = CONFIRM.decode(req.body)
+    refused = await service.confirm(
+        PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
+    )
+    if refused:
+        warnings.append(confirm_refused(refused))
+    return reply(NO_CONTENT, warnings)
+
+
+async def batch_exists(service: Service, req: Request, _: int) -> Response:
+    body, warnings = EXISTS.decode(req.body)
+    return reply(json_response({"exists": await service.v_exists(body.keys)}), warnings)
+
+
+async def get_locations(service: Service, req: Request, _: int) -> Response:
+    body, warnings = LOCATIONS.decode(req.body)
+    out = await service.get(PoolId("v", body.rank, ""), body.keys)
+    return reply(json_response({"locations": out}), warnings)
+
+
+async def clear(service: Service, req: Request, _: int) -> Response:
+    # The body is ignored, as in the reference: vLLM's /clear takes no parameters.
+    await service.v_clear()
+    return NO_CONTENT
+
+
+# Operator routes (kvmeta's own, behind --auth-token like every route but /health): see the
+# registry, remove a stray or retired rank, pin or unpin the ranks a block needs.
+
+
+async def vllm_index(service: Service, req: Request, _: int) -> Response:
+    return json_response((await service.v_index()).view())
+
+
+async def remove_rank(service: Service, req: Request, rank: int) -> Response:
+    # The body is ignored: the rank is in the path.
+    dropped = await service.v_remove(rank)
+    index = await service.v_index()
+    return json_response(
+        {
+            "rank": rank,
+            "removed": dropped is not None,
+            "keys_dropped": dropped or 0,
+            "required": index.required,
+            "message": remove_message(rank, dropped, index),
+        }
+    )
+
+
+async def world_size(service: Service, req: Request, _: int) -> Response:
+    body, warnings = WORLD_SIZE.decode(req.body)
+    size = check_world_size_body(
+        {} if body.world_size is _UNSET else {"world_size": body.world_size}
+    )
+    await service.v_set_world_size(size)
+    index = await service.v_index()
+    return reply(
+        json_response(
+            {"world_size": size, "required": index.required, "message": completeness(index)}
+        ),
+        warnings,
+    )
+
+
+ROUTES = (
+    Route("GET", "/v1/vllm", vllm_index),
+    Route("POST", "/v1/vllm/ranks/{rank}/remove", remove_rank),
+    Route("POST", "/v1/vllm/world_size", world_size, WORLD_SIZE),
+    Route("POST", "/rank/{rank}/initialize", initialize, INITIALIZE),
+    Route("POST", "/keys/batch_allocate", batch_allocate, ALLOCATE),
+    Route("POST", "/keys/confirm_write", confirm_write, CONFIRM),
+    Route("POST", "/keys/batch_exists", batch_exists, EXISTS),
+    Route("POST", "/keys/get_locations", get_locations, LOCATIONS),
+    Route("POST", "/clear", clear),
+)
+
+
 def add_routes(app: App, service: Service) -> None:
     """Register every dialect-V route on ``app``."""
-    allocate_dec = _decoder(AllocateBody, _ALLOCATE)
-    confirm_dec = _decoder(ConfirmBody, _CONFIRM)
-    exists_dec = _decoder(ExistsBody, _EXISTS)
-    locations_dec = _decoder(LocationsBody, _LOCATIONS)
-
-    async def initialize(req: Request, rank: int) -> Response:
-        data = _init_fields(req.body)
-        fields = {k: data[k] for k in INIT_FIELDS if k in data}
-        warnings: list[CallerWarning] = []
-        extra = [k for k in data if k not in INIT_FIELDS]
-        if extra:
-            warnings.append(unknown_fields_warning(extra, INIT_FIELDS))
-        worker = check_initialize(rank, **fields)
-        if worker is None:
-            return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
-        try:
-            result = await service.v_register(rank, worker.num_pages, worker.world_size)
-        except InvalidRequest as exc:  # a service limit such as --max-pages
-            raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
-        if result.conflict:
-            warnings.append(size_conflict(PoolId("v", rank, ""), result))
-        message = worker_message(rank, result.num_pages, result.requested)
-        return reply(json_response({"message": message}), warnings)
-
-    async def batch_allocate(req: Request, _: int) -> Response:
-        body, warnings = _decode(allocate_dec, req.body)
-        keys = body.keys
-        if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
-            keys = [k if isinstance(k, str) else k[0] for k in keys]
-        out = await service.reserve(PoolId("v", body.rank, ""), keys)  # type: ignore[arg-type]
-        results = list(zip(keys, map(_second, out), strict=True))
-        return reply(json_response({"rank": body.rank, "results": results}), warnings)
-
-    async def confirm_write(req: Request, _: int) -> Response:
-        body, warnings = _decode(confirm_dec, req.body)
-        refused = await service.confirm(
-            PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
-        )
-        if refused:
-            warnings.append(confirm_refused(refused))
-        return reply(NO_CONTENT, warnings)
-
-    async def batch_exists(req: Request, _: int) -> Response:
-        body, warnings = _decode(exists_dec, req.body)
-        return reply(json_response({"exists": await service.v_exists(body.keys)}), warnings)
-
-    async def get_locations(req: Request, _: int) -> Response:
-        body, warnings = _decode(locations_dec, req.body)
-        out = await service.get(PoolId("v", body.rank, ""), body.keys)
-        return reply(json_response({"locations": out}), warnings)
-
-    async def clear(req: Request, _: int) -> Response:
-        # The body is ignored, as in the reference: vLLM's /clear takes no parameters.
-        await service.v_clear()
-        return NO_CONTENT
-
-    # Operator routes (kvmeta's own, behind --auth-token like every route but /health): see the
-    # registry, remove a stray or retired rank, pin or unpin the ranks a block needs.
-
-    async def vllm_index(req: Request, _: int) -> Response:
-        return json_response((await service.v_index()).view())
-
-    async def remove_rank(req: Request, rank: int) -> Response:
-        # The body is ignored: the rank is in the path.
-        dropped = await service.v_remove(rank)
-        index = await service.v_index()
-        return json_response(
-            {
-                "rank": rank,
-                "removed": dropped is not None,
-                "keys_dropped": dropped or 0,
-                "required": index.required,
-                "message": remove_message(rank, dropped, index),
-            }
-        )
-
-    async def world_size(req: Request, _: int) -> Response:
-        try:
-            data = msgspec.json.decode(_body(req.body))
-        except msgspec.DecodeError as exc:
-            raise InvalidRequest(
-                f"Request body is not valid JSON ({exc}). {WORLD_SIZE_USAGE}", "world_size"
-            ) from None
-        size = check_world_size_body(data)
-        await service.v_set_world_size(size)
-        index = await service.v_index()
-        return json_response(
-            {"world_size": size, "required": index.required, "message": completeness(index)}
-        )
-
-    app.add("GET", "/v1/vllm", vllm_index)
-    app.add("POST", "/v1/vllm/ranks/{rank}/remove", remove_rank)
-    app.add("POST", "/v1/vllm/world_size", world_size)
-    app.add("POST", "/rank/{rank}/initialize", initialize)
-    app.add("POST", "/keys/batch_allocate", batch_allocate)
-    app.add("POST", "/keys/confirm_write", confirm_write)
-    app.add("POST", "/keys/batch_exists", batch_exists)
-    app.add("POST", "/keys/get_locations", get_locations)
-    app.add("POST", "/clear", clear)
+    add_table(app, ROUTES, service)

@@ -24,7 +24,6 @@ from Python: one long script would stall every pool on that Redis for its whole 
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import hashlib
 import logging
@@ -136,18 +135,6 @@ _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     2: _out_of_range,
     3: _bad_size,
 }
-
-
-async def _in_task() -> None:
-    """Make sure the caller runs inside a Task before redis-py is used.
-
-    Our HTTP server drives a handler's first step eagerly, outside any Task (see
-    ``server.http``), but redis-py's timeouts need ``asyncio.current_task()``. Yielding once
-    moves the rest of the handler into the Task the server creates for handlers that wait,
-    which a request to Redis always does anyway.
-    """
-    if asyncio.current_task() is None:
-        await asyncio.sleep(0)
 
 
 _encode = msgspec.json.Encoder().encode
@@ -297,7 +284,6 @@ class RedisBackend:
             ) from None
         self._client = client
         self._idle = []
-        await _in_task()
         try:
             await client.ping()
         except (ResponseError, AuthenticationError) as exc:
@@ -328,7 +314,6 @@ class RedisBackend:
     async def ready(self) -> bool:
         if self._client is None:
             return False
-        await _in_task()
         try:
             return bool(await self._client.ping())
         except (RedisError, OSError):
@@ -344,7 +329,6 @@ class RedisBackend:
         """
         if self._client is None:
             raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
-        await _in_task()
         conn = self._idle.pop() if self._idle else self._new_connection()
         try:
             names = (keys,) if isinstance(keys, str) else keys
@@ -410,7 +394,6 @@ class RedisBackend:
         # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats
         # skips it), never an unlisted one.
         assert self._client is not None
-        await _in_task()
         try:
             await self._client.sadd(_S_REGISTRY, f"{pool.rank}:{quote(pool.namespace, safe='')}")
         except (RedisError, OSError) as exc:
@@ -503,7 +486,6 @@ class RedisBackend:
     async def pools(self) -> list[PoolId]:
         """Every pool known to this Redis, sorted like ``MemoryStore.stats``."""
         assert self._client is not None
-        await _in_task()
         try:
             s_members = await self._client.smembers(_S_REGISTRY)
             v_members = await self._client.smembers(_V_PREFIX + "ranks")

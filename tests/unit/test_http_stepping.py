@@ -1,0 +1,55 @@
+"""How the HTTP server steps handlers: a handler that finishes at once is answered at once, one
+that waits is finished by a Task, and ``eager=False`` (or Python 3.12+, eager Tasks) puts the
+first step inside a Task, where ``asyncio.current_task()`` works (redis-py's timeouts need it)."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+
+import pytest
+
+from kvmeta.server.http import HttpServer, Request, Response, bind_sockets
+
+
+async def roundtrip(server: HttpServer, path: str) -> bytes:
+    (addr,) = await server.listen(bind_sockets("127.0.0.1", 0))
+    reader, writer = await asyncio.open_connection(*addr)
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    data = await asyncio.wait_for(reader.read(), 30)
+    writer.close()
+    await server.shutdown()
+    return data
+
+
+@pytest.mark.parametrize("eager", [True, False])
+@pytest.mark.parametrize("path", ["/now", "/wait"])
+def test_first_step_and_task(eager: bool, path: str) -> None:
+    seen: list[bool] = []
+
+    async def handler(request: Request) -> Response:
+        seen.append(asyncio.current_task() is not None)  # during the first step
+        if request.path == "/wait":
+            await asyncio.sleep(0.01)
+            seen.append(asyncio.current_task() is not None)  # resumed: always in a Task
+        return Response(200, b'{"ok": true}')
+
+    async def main() -> bytes:
+        server = HttpServer(handler, loop=asyncio.get_running_loop(), eager=eager)
+        return await roundtrip(server, path)
+
+    data = asyncio.run(main())
+    assert data.startswith(b"HTTP/1.1 200 OK") and data.endswith(b'{"ok": true}')
+    in_task_at_once = not eager or sys.version_info >= (3, 12)
+    assert seen[0] is in_task_at_once
+    assert all(seen[1:])
+
+
+def test_a_handler_bug_in_the_first_step_is_a_500() -> None:
+    async def handler(request: Request) -> Response:
+        raise ZeroDivisionError
+
+    async def main() -> bytes:
+        return await roundtrip(HttpServer(handler, loop=asyncio.get_running_loop()), "/")
+
+    assert asyncio.run(main()).startswith(b"HTTP/1.1 500")
