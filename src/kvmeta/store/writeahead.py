@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvmeta.core.pool import Pool
+from kvmeta.store.codec import Record
 
 __all__ = ["DurableSink", "WriteAhead"]
 
@@ -55,7 +56,7 @@ class DurableSink(Protocol):
     seq: int
     durable_seq: int
 
-    def append(self, record: tuple[Any, ...]) -> None: ...
+    def append(self, record: Record) -> None: ...
 
 
 class WriteAhead:
