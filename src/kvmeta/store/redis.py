@@ -47,7 +47,7 @@ from redis.exceptions import (
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
-from kvmeta.store.base import InitResult, PoolStats, VIndex
+from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
@@ -268,7 +268,6 @@ class RedisBackend:
     def __init__(self, url: str, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
         check_url(url)
         self.url = url
-        self.describe = f"redis at {redact_url(url)}"
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self._client: aioredis.Redis | None = None
@@ -277,6 +276,17 @@ class RedisBackend:
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
+
+    @property
+    def describe(self) -> str:
+        return f"redis at {redact_url(self.url)}"
+
+    @property
+    def failure(self) -> str | None:
+        return None  # an unreachable Redis is an error per call (503), not a standing state
+
+    def durability_stats(self) -> dict[str, float]:
+        return {}  # Redis keeps its own persistence (RDB/AOF); nothing on this machine's disk
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -537,7 +547,7 @@ class RedisBackend:
             )
         return out
 
-    async def check(self) -> list[str]:
+    async def check(self) -> CheckReport:
         """Page-invariant violations in every pool (empty: consistent; at most 20 per pool).
 
         O(pool) in total but in chunks of ``CHECK_CHUNK`` entries, one short read-only script
@@ -546,18 +556,22 @@ class RedisBackend:
         one call, so requests served between chunks cannot cause a false report.
         """
         problems = []
+        checked = 0
         for pid in await self.pools():
             keys = pool_keys(pid)
             found: list[str] = []
+            listed_only = False
             for part in _CHECK_PARTS:
                 cursor = "0"
                 while len(found) < _MAX_PROBLEMS:
                     reply = await self._run("check", keys, [part, cursor, CHECK_CHUNK])
                     if int(reply[0]):
-                        break  # listed before it was created (see _sadd_pool)
+                        listed_only = True  # listed before it was created (see _sadd_pool)
+                        break
                     found += [f"{pid}: {_text(msg)}" for msg in reply[2:]]
                     cursor = _text(reply[1])
                     if cursor == "0":
                         break
+            checked += not listed_only
             problems += found[:_MAX_PROBLEMS]
-        return problems
+        return CheckReport(problems=problems, checked=checked)
