@@ -25,6 +25,7 @@ from Python: one long script would stall every pool on that Redis for its whole 
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -46,6 +47,7 @@ from redis.exceptions import (
 )
 
 from kvmeta._types import PoolId
+from kvmeta.core.pool import PoolCounters
 from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 
@@ -93,22 +95,9 @@ CHECK_CHUNK = 1000
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "totals")
 _MAX_PROBLEMS = 20
 _MAX_IDLE = 64  # connections kept open per server process for concurrent requests
-_COUNTERS = (
-    "exists_hits",
-    "exists_misses",
-    "get_hits",
-    "get_misses",
-    "reservations",
-    "reservations_refused",
-    "reservations_expired",
-    "reserve_hits",
-    "commits",
-    "confirms_refused",
-    "releases",
-    "evictions",
-    "deletes",
-    "clears",
-)
+# The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
+# counter added to ``PoolCounters`` is reported here at once (the Lua bumps it by name).
+_COUNTERS = tuple(f.name for f in dataclasses.fields(PoolCounters))
 _FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
 
 
