@@ -48,7 +48,13 @@ from redis.exceptions import (
 
 from kvmeta._types import PoolId
 from kvmeta.core.pool import PoolCounters
-from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
+from kvmeta.errors import (
+    BackendUnavailable,
+    ConfigError,
+    InvalidRequest,
+    KvmetaError,
+    NotInitialized,
+)
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
@@ -178,12 +184,12 @@ def check_url(url: str) -> None:
     connection attempt (a bare "No such file" with no name); both are checked here instead.
 
     Raises:
-        InvalidRequest: naming the part of the URL and the fix.
+        ConfigError: naming the part of the URL and the fix.
     """
     shown = redact_url(url)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise InvalidRequest(
+        raise ConfigError(
             f"Expected `--backend` to be a redis://, rediss:// or unix:// URL, got {shown!r}"
             " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
             "backend",
@@ -191,7 +197,7 @@ def check_url(url: str) -> None:
     try:
         parts.port  # noqa: B018  (raises on a port that is not a number 0..65535)
     except ValueError as exc:
-        raise InvalidRequest(f"`--backend` URL {shown}: {exc}", "backend") from None
+        raise ConfigError(f"`--backend` URL {shown}: {exc}", "backend") from None
     query = parse_qs(parts.query, keep_blank_values=True)
     dbs = [f"db={v}" for v in query.get("db", [])]
     if parts.scheme != "unix" and parts.path not in ("", "/"):
@@ -199,14 +205,14 @@ def check_url(url: str) -> None:
     for db in dbs:
         number = db[3:] if db.startswith("db=") else unquote(db[1:])
         if not (number.isascii() and number.isdecimal()):
-            raise InvalidRequest(
+            raise ConfigError(
                 f"`--backend` URL {shown}: the database {db!r} is not a number; {_DB_HINT}",
                 "backend",
             )
     for param in _TLS_FILES:
         for value in query.get(param, []):
             if not Path(value).exists():
-                raise InvalidRequest(
+                raise ConfigError(
                     f"`--backend` URL {shown}: {param}={value}: file not found (the path is "
                     "read on the machine running kvmeta; fix it or drop the parameter)",
                     "backend",
@@ -283,6 +289,7 @@ class RedisBackend:
         """Connect and check Redis answers, so a wrong URL fails at start-up, not per request.
 
         Raises:
+            ConfigError: redis-py does not understand the URL.
             BackendUnavailable: Redis cannot be reached at the URL, or it answered but refused
                 the connection set-up (wrong database or password: Redis's own answer is in
                 the message).
@@ -290,7 +297,7 @@ class RedisBackend:
         try:
             client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"`--backend` URL {redact_url(self.url)} is not understood: {exc}", "backend"
             ) from None
         self._client = client
