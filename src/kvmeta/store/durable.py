@@ -77,7 +77,7 @@ def _refused_while_failed(method: _Method[_P, _T]) -> _Method[_P, _T]:
     that cannot be journaled must not be applied (or acknowledged)."""
 
     @functools.wraps(method)
-    async def guarded(self: DurableBackend, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    async def guarded(self: DurableBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         journal = self.journal
         if journal is not None and journal.failed is not None:
             raise JournalFailed(str(journal.failed))

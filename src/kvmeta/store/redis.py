@@ -37,7 +37,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
@@ -266,7 +266,7 @@ class RedisBackend:
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self._client: aioredis.Redis | None = None
-        self._idle: list[Connection] = []
+        self._idle: list[AbstractConnection] = []
         self._sources = _load_sources()
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
@@ -366,15 +366,16 @@ class RedisBackend:
             self._idle.append(conn)
         else:
             await conn.disconnect()
-        return _decode(raw)  # type: ignore[no-any-return]
+        reply: list[Any] = _decode(raw)
+        return reply
 
-    def _new_connection(self) -> Connection:
+    def _new_connection(self) -> AbstractConnection:
         assert self._client is not None
         pool = self._client.connection_pool
-        return pool.connection_class(**pool.connection_kwargs)  # type: ignore[no-any-return,return-value]
+        return pool.connection_class(**pool.connection_kwargs)
 
     async def _evalsha(
-        self, conn: Connection, script: str, keys: tuple[str, ...], args: list[Any]
+        self, conn: AbstractConnection, script: str, keys: tuple[str, ...], args: list[Any]
     ) -> Any:
         """EVALSHA, and on NOSCRIPT (Redis restarted or flushed its scripts) load it and retry.
 

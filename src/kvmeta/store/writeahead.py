@@ -165,7 +165,7 @@ class WriteAhead:
         if entry is None:
             return 1.0
         growth, since = entry
-        decayed = 1.0 + (growth - 1.0) * 0.5 ** ((now - since) / _GROWTH_HALF_LIFE)
+        decayed: float = 1.0 + (growth - 1.0) * 0.5 ** ((now - since) / _GROWTH_HALF_LIFE)
         if decayed < 1.01:
             del self._growth[pool]
             return 1.0
