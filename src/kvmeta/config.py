@@ -13,7 +13,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
-from kvmeta.errors import InvalidRequest
+from kvmeta.errors import ConfigError
 from kvmeta.store.durable import DurabilityOptions
 
 __all__ = [
@@ -252,7 +252,8 @@ def settings_from_args(
     """Merge defaults < env < flags into Settings.
 
     Raises:
-        InvalidRequest: a value does not parse; the message names the flag and env var.
+        ConfigError: a value does not parse, or values conflict; the message names the flag
+            and env var.
     """
     env = os.environ if environ is None else environ
     values: dict[str, Any] = {}
@@ -271,13 +272,13 @@ def settings_from_args(
         try:
             value = opt.parse(given) if isinstance(given, str) else given
         except ValueError as exc:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"Expected `{_flag(opt)}` ({_env(opt)}) to be a valid {opt.name} value, got "
                 f"{given!r} from {source}: {exc}",
                 opt.name,
             ) from None
         if opt.choices and value not in opt.choices:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"Expected `{_flag(opt)}` in {'|'.join(opt.choices)}, got {given!r} "
                 f"(from {source}; env {_env(opt)})",
                 opt.name,
@@ -287,7 +288,7 @@ def settings_from_args(
         values["backend"] = env["KVMETA_REDIS_URL"]  # the conventional name, as a fallback
     settings = Settings(**values)
     if settings.workers > 1 and not settings.backend:
-        raise InvalidRequest(
+        raise ConfigError(
             "`--workers` > 1 needs a shared `--backend` (e.g. redis://127.0.0.1:6379/0): "
             "separate processes cannot share in-process state",
             "workers",
@@ -300,14 +301,14 @@ def settings_from_args(
             + ("" if sources[name].startswith("--") else f" (set by {sources[name]})")
             for name in local
         )
-        raise InvalidRequest(
+        raise ConfigError(
             f"{given} conflicts with `--backend`: with a shared backend all state lives there "
             "and no local data directory is used. Drop the local-state option (or its "
             "KVMETA_* variable), or drop `--backend` to keep state locally",
             local[0],
         )
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
-        raise InvalidRequest(
+        raise ConfigError(
             "`--ssl-certfile` and `--ssl-keyfile` go together; give both to serve https",
             "ssl_certfile",
         )

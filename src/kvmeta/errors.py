@@ -3,6 +3,8 @@
     KvmetaError (RuntimeError)             root; engines' code catches RuntimeError
     +-- InvalidRequest (ValueError)        caller's mistake: 400, names the field and the fix
     |   +-- PayloadTooLarge                a size limit: 413, names the limit and its flag
+    |   +-- InvalidPathParameter           a path rank that is not an integer: 422
+    |   +-- ConfigError                    a flag, KVMETA_* variable or --backend URL is wrong
     +-- NotInitialized (LookupError)       the pool/rank does not exist yet: 404
     +-- NotFound (LookupError)             unknown route: 404
     +-- MethodNotAllowed                   405
@@ -26,6 +28,8 @@ from __future__ import annotations
 __all__ = [
     "BackendUnavailable",
     "CannotListen",
+    "ConfigError",
+    "InvalidPathParameter",
     "InvalidRequest",
     "JournalCorrupt",
     "JournalFailed",
@@ -158,6 +162,23 @@ class CannotListen(KvmetaError):
     another process, a privileged port, an address this machine does not have)."""
 
     status = 500
+
+
+# (Classes added later go here, each at the end of the list.)
+
+
+class InvalidPathParameter(InvalidRequest):
+    """Raised when a path segment that must be an integer rank is not one (422, as the
+    reference servers' framework answers)."""
+
+    status = 422
+
+
+class ConfigError(InvalidRequest):
+    """Raised when a setting is wrong: a flag, its ``KVMETA_*`` variable or the ``--backend``
+    URL. ``field`` names the setting; the message names the flag and the fix. ``kvmeta``
+    prints it on one line and exits 2; it is never an HTTP answer (an ``InvalidRequest`` only
+    so that code catching that class before keeps catching it)."""
 
 
 _BY_STATUS: dict[int, type[KvmetaError]] = {

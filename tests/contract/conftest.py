@@ -50,7 +50,7 @@ class Sync:
             for pool in self.backend.store.pools.values():
                 check_pool(pool)
         else:
-            assert self._run(self.backend.check()) == []  # type: ignore[attr-defined]
+            assert self._run(self.backend.check()).problems == []
 
 
 @pytest.fixture(params=sorted(BACKENDS))

@@ -86,7 +86,7 @@ async def _run(url: str, seed: int, lease: float) -> None:
             assert sum(s.counters[counter] for s in stats) > 0, counter
         for pool in memory.store.pools.values():
             check_pool(pool)
-        assert await red.check() == []
+        assert (await red.check()).problems == []
     finally:
         await red.close()
 

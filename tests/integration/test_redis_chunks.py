@@ -88,7 +88,7 @@ def test_clear_and_check_of_a_million_page_pool_hold_redis_briefly(
 
 
 async def _check(b: RedisBackend) -> list[str]:
-    return await b.check()
+    return (await b.check()).problems
 
 
 async def _clear(b: RedisBackend) -> int:
@@ -146,7 +146,7 @@ def test_writers_served_between_clear_chunks_stay_correct(
         assert cleared >= 2000
         assert written  # the writer was served between chunks
         assert await b.exists(POOL, old) == [False] * len(old)
-        assert await b.check() == []
+        assert (await b.check()).problems == []
         # The reservation in flight during the clear is still good; confirms after it stay.
         assert await b.confirm(POOL, [("w-in-flight", in_flight[0][1])], []) == 0
         after = await b.reserve(POOL, ["after"])
@@ -155,7 +155,7 @@ def test_writers_served_between_clear_chunks_stay_correct(
         (stats,) = await b.stats()
         assert stats.counters["clears"] == 1
         assert stats.free + stats.reserved + stats.stored == 3000
-        assert await b.check() == []
+        assert (await b.check()).problems == []
 
     asyncio.run(_with_backend(redis_url, run))
 
@@ -212,9 +212,9 @@ def test_check_finds_each_kind_of_damage_in_any_chunk_size(
         await b.reserve(POOL, ["r"])  # page 3, RESERVED
         await b.reserve(POOL, ["f1", "f2"])
         await b.confirm(POOL, [], [4, 5])  # pages 4 and 5 FREE on the free list
-        assert await b.check() == []
+        assert (await b.check()).problems == []
         corrupt(redis.Redis.from_url(redis_url), pool_prefix(POOL))
-        return await b.check()
+        return (await b.check()).problems
 
     problems = asyncio.run(_with_backend(redis_url, run))
     assert any(message in p for p in problems), problems

@@ -32,7 +32,7 @@ def _check(url: str) -> list[str]:
         backend = RedisBackend(url)
         await backend.start()
         try:
-            return await backend.check()
+            return (await backend.check()).problems
         finally:
             await backend.close()
 

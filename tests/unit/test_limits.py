@@ -9,13 +9,8 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest, PayloadTooLarge
-from kvmeta.server.app import (
-    BodyDecoder,
-    InvalidPathParameter,
-    parse_rank,
-    reply,
-)
+from kvmeta.errors import InvalidPathParameter, InvalidRequest, PayloadTooLarge
+from kvmeta.server.app import BodyDecoder, parse_rank, reply
 from kvmeta.server.http import Response
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.ops import Service

@@ -20,7 +20,14 @@ from typing import Any, Generic, NamedTuple, TypeVar
 
 import msgspec
 
-from kvmeta.errors import InvalidRequest, KvmetaError, MethodNotAllowed, NotFound, Unauthorized
+from kvmeta.errors import (
+    InvalidPathParameter,
+    InvalidRequest,
+    KvmetaError,
+    MethodNotAllowed,
+    NotFound,
+    Unauthorized,
+)
 from kvmeta.server.http import Request, Response
 from kvmeta.service.limits import INT64_MAX, INT64_MIN, rank_error
 
@@ -30,7 +37,6 @@ __all__ = [
     "WARNING_HEADER",
     "App",
     "BodyDecoder",
-    "InvalidPathParameter",
     "Route",
     "RouteHandler",
     "CallerWarning",
@@ -49,12 +55,6 @@ T = TypeVar("T")
 
 NO_CONTENT = Response(204)
 _encode = msgspec.json.encode
-
-
-class InvalidPathParameter(InvalidRequest):
-    """Raised when a path segment that must be an integer rank is not one."""
-
-    status = 422
 
 
 def json_response(obj: Any, status: int = 200) -> Response:

@@ -12,7 +12,7 @@ on the loop and checks the copies in a thread; ``/metrics`` caps its pool series
 from __future__ import annotations
 
 import asyncio
-import inspect
+import contextlib
 import time
 from typing import Any
 
@@ -53,8 +53,7 @@ class OpsState:
 
     def failure(self) -> str | None:
         """Why the backend refuses changes right now (a failed journal), or None."""
-        failure = getattr(self.backend, "failure", None)
-        return failure if isinstance(failure, str) else None
+        return self.backend.failure
 
     async def ready(self) -> tuple[bool, str]:
         """(ready, reason) without raising: a backend error is a reason, not a 500."""
@@ -73,13 +72,7 @@ class OpsState:
         return True, ""
 
     async def durability(self) -> dict[str, float]:
-        stats = getattr(self.backend, "durability_stats", None)
-        if stats is None:
-            return {}
-        result = stats()
-        if inspect.isawaitable(result):
-            result = await result
-        return dict(result)
+        return self.backend.durability_stats()
 
     def openapi(self) -> bytes:
         if self._openapi is None:
@@ -116,7 +109,7 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
     """Settings an operator wants next to the pools (never the token)."""
     return {
         "version": __version__,
-        "backend": str(getattr(backend, "describe", backend.name)),
+        "backend": backend.describe,
         # A shared backend keeps all state itself: no local data directory or fsync applies.
         "durability": backend.name
         if settings.backend
@@ -137,60 +130,16 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
 
 
 async def check_pools(backend: Backend, lock: asyncio.Lock | None = None) -> dict[str, Any]:
-    """Run the full invariant check: ``backend.check()`` if it has one, else the core check
-    over an in-process store's pools."""
-    check = getattr(backend, "check", None)
-    if check is not None:
-        result = check()
-        if inspect.isawaitable(result):
-            result = await result
-        problems = [str(p) for p in result]
-        return {"ok": not problems, "problems": problems, "supported": True}
-    pools = getattr(getattr(backend, "store", None), "pools", None)
-    if not isinstance(pools, dict):
-        return {"ok": True, "checked": 0, "problems": [], "supported": False}
-    async with lock or asyncio.Lock():  # one at a time: each holds copies of what it checks
-        problems, checked = await _check_copies(pools)
-    return {"ok": not problems, "checked": checked, "problems": problems, "supported": True}
-
-
-# Pages copied per step before the copies are checked in a thread: the loop pauses for one
-# copy at a time (a 10^6-page pool is copied in one step, since its copy must be consistent;
-# the pause is in benchmarks/README.md, "Operator routes").
-_CHECK_BATCH_PAGES = 1 << 17
-
-
-async def _check_copies(pools: dict[Any, Any]) -> tuple[list[str], int]:
-    from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
-
-    def check_batch(batch: list[tuple[Any, PoolCopy]]) -> list[str]:
-        found = []
-        for pid, copy in batch:
-            try:
-                check_copy(copy)
-            except InvariantViolation as exc:
-                found.append(f"{pid}: {exc}")
-        return found
-
-    problems: list[str] = []
-    checked = 0
-    batch: list[tuple[Any, PoolCopy]] = []
-    pages = 0
-    for pid in sorted(pools):
-        pool = pools.get(pid)
-        if pool is None:  # removed while the check ran
-            continue
-        batch.append((pid, copy_pool(pool)))
-        checked += 1
-        pages += pool.num_pages
-        if pages >= _CHECK_BATCH_PAGES:
-            problems += await asyncio.to_thread(check_batch, batch)
-            batch, pages = [], 0
-        elif checked % 256 == 0:
-            await asyncio.sleep(0)
-    if batch:
-        problems += await asyncio.to_thread(check_batch, batch)
-    return problems, checked
+    """Run the backend's full invariant check, one at a time under ``lock`` (each check holds
+    copies of what it checks, or walks the whole shared state)."""
+    async with lock or contextlib.nullcontext():
+        report = await backend.check()
+    return {
+        "ok": report.ok,
+        "checked": report.checked,
+        "problems": report.problems,
+        "supported": True,
+    }
 
 
 async def health(state: OpsState, req: Request, rank: int) -> Response:

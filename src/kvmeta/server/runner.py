@@ -161,7 +161,7 @@ async def run(
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
-    log_startup(settings, str(getattr(backend, "describe", backend.name)))
+    log_startup(settings, backend.describe)
     if settings.host in _LOOPBACK:
         logger.info(
             "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "

@@ -13,7 +13,7 @@ from typing import Protocol
 
 from kvmeta._types import PoolId
 
-__all__ = ["Backend", "InitResult", "PoolStats", "VIndex", "required_ranks"]
+__all__ = ["Backend", "CheckReport", "InitResult", "PoolStats", "VIndex", "required_ranks"]
 
 
 @dataclass(frozen=True)
@@ -41,6 +41,18 @@ class PoolStats:
     stored: int
     counters: dict[str, int] = field(default_factory=dict)
     size_conflicts: int = 0
+
+
+@dataclass(frozen=True)
+class CheckReport:
+    """What the full page-invariant check found over ``checked`` pools (``GET /v1/check``)."""
+
+    problems: list[str]  # one line per violation, naming its pool; empty: consistent
+    checked: int
+
+    @property
+    def ok(self) -> bool:
+        return not self.problems
 
 
 def required_ranks(ranks: Collection[int], world_size: int | None) -> range:
@@ -94,9 +106,25 @@ class VIndex:
 
 
 class Backend(Protocol):
-    """State of all pools. Every method is atomic with respect to every other call."""
+    """State of all pools. Every method is atomic with respect to every other call.
+
+    Besides the pool operations, each backend answers what the operator routes ask
+    (``describe``, ``failure``, ``check``, ``durability_stats``), so the server never has to
+    guess what a backend can do.
+    """
 
     name: str
+
+    @property
+    def describe(self) -> str:
+        """Where the state lives, for the start-up log and ``/v1/pools`` (no passwords)."""
+        ...
+
+    @property
+    def failure(self) -> str | None:
+        """Why changes are refused right now (a journal that cannot be written), or None;
+        ``/health`` says "degraded" and ``/ready`` fails meanwhile."""
+        ...
 
     async def start(self) -> None: ...
 
@@ -141,4 +169,14 @@ class Backend(Protocol):
 
     async def budget(self, pool: PoolId) -> tuple[bool, int]:
         """Whether ``pool`` exists, and the pages of all pools together (--max-total-pages)."""
+        ...
+
+    async def check(self) -> CheckReport:
+        """The full page-invariant check of every pool: O(state), for diagnostics. It must not
+        stall the other calls for long (check copies or chunks, not the whole state at once)."""
+        ...
+
+    def durability_stats(self) -> dict[str, float]:
+        """Counters of the local journal and snapshots for ``/metrics`` (``kvmeta_durability_*``);
+        empty when no state is kept on this machine's disk."""
         ...

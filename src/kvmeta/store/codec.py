@@ -6,15 +6,20 @@ A journal segment file is a 8-byte header followed by framed records::
     frame   = u32 little-endian payload length + u32 crc32(payload) + payload
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
 
-    ["pool",   pool_id, num_pages]
-    ["commit", pool_id, [[key, page], ...]]
-    ["remove", pool_id, [[key, page], ...]]     deletes and evictions
-    ["clear",  pool_id]
-    ["vworld", world_size_or_nil]
-    ["drop",   pool_id]                         a vLLM rank removed (format 2)
+    ["pool",   pool_id, num_pages]                 NewPool
+    ["commit", pool_id, [[key, page], ...]]        Commit
+    ["remove", pool_id, [[key, page], ...]]        Remove: deletes and evictions
+    ["clear",  pool_id]                            Clear
+    ["vworld", world_size_or_nil]                  WorldSize
+    ["drop",   pool_id]                            Drop: a vLLM rank removed (format 2)
+
+Each kind is a tagged, array-like msgspec ``Struct`` (``Record`` is their union), so the bytes
+are exactly the tagged arrays above and the reader decodes and type-checks a payload in one
+step: a payload that is no record, or a record whose fields have the wrong types, is a damaged
+frame, never a half-applied change.
 
 The reader refuses a payload over ``MAX_PAYLOAD`` as garbage, so the writer never produces one:
-``encode_records`` splits a commit or remove record whose key list is too big into several
+``encode_records`` splits a ``Commit`` or ``Remove`` whose entry list is too big into several
 records of the same kind, in order (replaying them one after another is the same change), and
 refuses a record that cannot be split (a single key or namespace that large) before writing.
 
@@ -37,16 +42,25 @@ import struct
 import zlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any
+from typing import TypeAlias
 
 import msgspec
+
+from kvmeta._types import PoolId
 
 __all__ = [
     "HEADER",
     "VERSION",
+    "Clear",
+    "Commit",
     "DecodeResult",
+    "Drop",
     "FrameError",
+    "NewPool",
+    "Record",
     "RecordTooLarge",
+    "Remove",
+    "WorldSize",
     "decode_frames",
     "encode_record",
     "encode_records",
@@ -58,16 +72,59 @@ _FRAME = struct.Struct("<II")
 # The largest payload the reader accepts; anything larger is garbage (a damaged length). The
 # writer splits records to stay within it (``encode_records``).
 MAX_PAYLOAD = 64 * 1024 * 1024
-# Records whose third field is a list of entries that may be split into consecutive records.
-_SPLITTABLE = ("commit", "remove")
+
+
+# Records: array_like + tag = the tagged msgpack arrays of the format above, byte for byte.
+# gc=False: they hold only strings and ints (no cycles), and recovery makes millions of them.
+class NewPool(msgspec.Struct, tag="pool", array_like=True, frozen=True, gc=False):
+    """A pool was created with ``num_pages`` pages."""
+
+    pool: PoolId
+    num_pages: int
+
+
+class Commit(msgspec.Struct, tag="commit", array_like=True, frozen=True, gc=False):
+    """Keys stored at pages (confirms; an import). Entries are in LRU order, coldest first."""
+
+    pool: PoolId
+    entries: list[tuple[str, int]]
+
+
+class Remove(msgspec.Struct, tag="remove", array_like=True, frozen=True, gc=False):
+    """Keys removed from their pages (deletes and evictions); a pair applies only while the
+    key still maps to that page."""
+
+    pool: PoolId
+    entries: list[tuple[str, int]]
+
+
+class Clear(msgspec.Struct, tag="clear", array_like=True, frozen=True, gc=False):
+    """Every key of the pool removed."""
+
+    pool: PoolId
+
+
+class WorldSize(msgspec.Struct, tag="vworld", array_like=True, frozen=True, gc=False):
+    """The vLLM world size pinned (an int) or unpinned (None)."""
+
+    world_size: int | None
+
+
+class Drop(msgspec.Struct, tag="drop", array_like=True, frozen=True, gc=False):
+    """A vLLM rank removed: its pool and keys are gone (format 2)."""
+
+    pool: PoolId
+
+
+Record: TypeAlias = NewPool | Commit | Remove | Clear | WorldSize | Drop
 
 _encode = msgspec.msgpack.Encoder().encode
-_decode = msgspec.msgpack.Decoder().decode
+_decode = msgspec.msgpack.Decoder(Record).decode
 _crc32 = zlib.crc32
 _pack = _FRAME.pack
 
 
-def encode_record(record: tuple[Any, ...]) -> bytes:
+def encode_record(record: Record) -> bytes:
     """One framed record (length, CRC, msgpack payload)."""
     payload = _encode(record)
     return _pack(len(payload), _crc32(payload)) + payload
@@ -77,7 +134,7 @@ class RecordTooLarge(ValueError):
     """A record over ``MAX_PAYLOAD`` that cannot be split (one entry alone is too big)."""
 
 
-def encode_records(record: tuple[Any, ...]) -> list[bytes]:
+def encode_records(record: Record) -> list[bytes]:
     """``record`` as framed records the reader accepts: one, or (a commit or remove too big
     for one frame) several of the same kind, each with a consecutive slice of its entries.
 
@@ -87,17 +144,17 @@ def encode_records(record: tuple[Any, ...]) -> list[bytes]:
     payload = _encode(record)
     if len(payload) <= MAX_PAYLOAD:
         return [_pack(len(payload), _crc32(payload)) + payload]
-    if record[0] not in _SPLITTABLE or len(record[2]) < 2:
+    if not isinstance(record, (Commit, Remove)) or len(record.entries) < 2:
+        tag = record.__struct_config__.tag
         raise RecordTooLarge(
-            f"a journal record {record[0]!r} of {len(payload)} bytes exceeds the limit of "
+            f"a journal record {tag!r} of {len(payload)} bytes exceeds the limit of "
             f"{MAX_PAYLOAD} bytes and cannot be split (one key or namespace that long); lower "
             "--max-key-length / --max-namespace-length"
         )
-    entries = record[2]
+    entries = record.entries
     half = len(entries) // 2
-    head, tail = record[:2], record[3:]
-    return encode_records((*head, entries[:half], *tail)) + encode_records(
-        (*head, entries[half:], *tail)
+    return encode_records(msgspec.structs.replace(record, entries=entries[:half])) + (
+        encode_records(msgspec.structs.replace(record, entries=entries[half:]))
     )
 
 
@@ -114,7 +171,7 @@ class FrameError(Exception):
 class DecodeResult:
     """Records of one segment; ``torn_at`` is the offset of a torn tail (None if clean)."""
 
-    records: list[list[Any]]
+    records: list[Record]
     torn_at: int | None = None
     torn_bytes: int = 0
 
@@ -183,10 +240,10 @@ def decode_frames(data: bytes, *, last: bool = True) -> DecodeResult:
             break
         try:
             record = _decode(payload)
+        except msgspec.ValidationError as exc:
+            raise FrameError(offset, f"payload is not a journal record ({exc})") from None
         except msgspec.DecodeError as exc:
             raise FrameError(offset, f"undecodable record ({exc})") from None
-        if not isinstance(record, list) or not record or not isinstance(record[0], str):
-            raise FrameError(offset, "payload is not a journal record")
         result.records.append(record)
     return result
 

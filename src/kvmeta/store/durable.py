@@ -50,6 +50,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
+from kvmeta.store.codec import Commit
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
@@ -75,7 +76,7 @@ def _refused_while_failed(method: _Method[_P, _T]) -> _Method[_P, _T]:
     that cannot be journaled must not be applied (or acknowledged)."""
 
     @functools.wraps(method)
-    async def guarded(self: DurableBackend, *args: _P.args, **kwargs: _P.kwargs) -> _T:
+    async def guarded(self: DurableBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         journal = self.journal
         if journal is not None and journal.failed is not None:
             raise JournalFailed(str(journal.failed))
@@ -204,7 +205,7 @@ class DurableBackend(MemoryBackend):
                     # every record far below the codec's size limit.
                     self.store.load_pool(pid, num_pages, entries)
                     for i in range(0, len(entries), _IMPORT_CHUNK):
-                        self.store._record(("commit", pid, entries[i : i + _IMPORT_CHUNK]))
+                        self.store._record(Commit(pid, entries[i : i + _IMPORT_CHUNK]))
         logger.info(
             "imported %d pools, %d keys from SGLang persistence file %s",
             len(pools),

@@ -49,10 +49,9 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
 from kvmeta.errors import JournalFailed
-from kvmeta.store.codec import HEADER, RecordTooLarge, encode_records
+from kvmeta.store.codec import HEADER, Clear, Record, RecordTooLarge, Remove, encode_records
 
 __all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
 
@@ -71,7 +70,7 @@ _HELPER = str(Path(__file__).with_name("fsync_helper.py"))
 # within _HELPER_WINDOW seconds mean something is wrong with it: the journal fails.
 _MAX_HELPER_STARTS = 5
 _HELPER_WINDOW = 60.0
-_REMOVALS = ("remove", "clear")
+_REMOVALS = (Remove, Clear)
 
 
 def segment_path(directory: Path, segment: int) -> Path:
@@ -146,7 +145,7 @@ class Journal:
         if self.waits:
             self._start_helper()
 
-    def append(self, record: tuple[Any, ...]) -> None:
+    def append(self, record: Record) -> None:
         """Buffer one record (split in several when too big for one frame: the reader refuses
         frames over ``codec.MAX_PAYLOAD``); never blocks on disk (``ChangeSink``)."""
         try:
@@ -157,7 +156,7 @@ class Journal:
             frames = []
             self._fail(str(exc), "Lower the limit named above")
         self.seq += len(frames) or 1
-        if record[0] in _REMOVALS:
+        if isinstance(record, _REMOVALS):
             self.removal_seq = self.seq
         self.records += len(frames) or 1
         if self._failed is not None:

@@ -5,30 +5,35 @@ async face the server uses, which is also where a reply waits for its journal gr
 durable (docs/durability.md, the write-ahead rule: a page that held a removed key is handed to a
 new writer only after the removal is on disk).
 
-Journal records are plain tuples, encoded by ``store.journal``:
-``("pool", pool_id, num_pages)``, ``("commit", pool_id, [(key, page), ...])``,
-``("remove", pool_id, [(key, page), ...])`` (deletes and evictions), ``("clear", pool_id)``,
-``("vworld", world_size_or_None)``, ``("drop", pool_id)`` (a vLLM rank removed).
+Journal records are the typed records of ``store.codec`` (``NewPool``, ``Commit``, ``Remove``
+for deletes and evictions, ``Clear``, ``WorldSize``, ``Drop`` for a vLLM rank removed).
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvmeta._types import PoolId
+from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
-from kvmeta.store.base import InitResult, PoolStats, VIndex
+from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.codec import Clear, Commit, Drop, NewPool, Record, Remove, WorldSize
 from kvmeta.store.writeahead import DurableSink, WriteAhead
 
 __all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
 
 logger = logging.getLogger(__name__)
 
-Record = tuple[Any, ...]
+# ``MemoryBackend.check``: pages copied per step before the copies are checked in a thread. The
+# loop pauses for one copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy
+# must be consistent).
+_CHECK_BATCH_PAGES = 1 << 17
+
 
 class ChangeSink(Protocol):
     """Where durable changes go (the journal). ``append`` must never block on disk."""
@@ -89,7 +94,7 @@ class MemoryStore:
                 )
             return result
         self.add_pool(pid, self._new_pool(num_pages))
-        self._record(("pool", pid, num_pages))
+        self._record(NewPool(pid, num_pages))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
@@ -135,7 +140,7 @@ class MemoryStore:
         # pool whose pages are all read-leased costs each call a bounded scan, not the target.
         removed = pool.evict_ahead(min(target - spare, 2 * batch), self.clock())
         if removed:
-            self._record(("remove", pid, removed))
+            self._record(Remove(pid, removed))
             rule.withheld(pool)
 
     # ------------------------------------------------------------------ operations
@@ -152,7 +157,7 @@ class MemoryStore:
         refused = pool.counters.reservations_refused
         out = pool.reserve(keys, self.clock(), evicted)
         if evicted:
-            self._record(("remove", pid, evicted))
+            self._record(Remove(pid, evicted))
         if rule is not None:
             if evicted:
                 rule.evicted_in_place(pool, [page for _, page in evicted])
@@ -165,7 +170,7 @@ class MemoryStore:
         """Returns how many pairs were refused (stale or foreign pages)."""
         outcome = self.pool(pid).confirm(pairs, release, self.clock())
         if outcome.committed:
-            self._record(("commit", pid, outcome.committed))
+            self._record(Commit(pid, outcome.committed))
         if outcome.refused:
             logger.warning(
                 "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
@@ -183,14 +188,14 @@ class MemoryStore:
         pool = self.pool(pid)
         removed = pool.delete(keys, self.clock())
         if removed:
-            self._record(("remove", pid, removed))
+            self._record(Remove(pid, removed))
             self._withheld(pool)
         return len(removed)
 
     def clear(self, pid: PoolId) -> int:
         pool = self.pool(pid)
         count = pool.clear(self.clock())
-        self._record(("clear", pid))
+        self._record(Clear(pid))
         self._withheld(pool)
         return count
 
@@ -204,7 +209,7 @@ class MemoryStore:
         result = self.initialize(PoolId("v", rank, ""), num_pages)
         if world_size is not None and world_size != self.vllm_world_size:
             self.vllm_world_size = world_size
-            self._record(("vworld", world_size))
+            self._record(WorldSize(world_size))
         return result
 
     def v_required(self) -> list[Pool | None]:
@@ -246,14 +251,14 @@ class MemoryStore:
             return None
         self.total_pages -= pool.num_pages
         self.size_conflicts.pop(pid, None)
-        self._record(("drop", pid))
+        self._record(Drop(pid))
         return pool.stored_count
 
     def v_set_world_size(self, world_size: int | None) -> None:
         """Pin the required ranks to ``0..world_size-1``, or unpin them (None)."""
         if world_size != self.vllm_world_size:
             self.vllm_world_size = world_size
-            self._record(("vworld", world_size))
+            self._record(WorldSize(world_size))
 
     def v_index(self) -> VIndex:
         return VIndex(self.vllm_world_size, tuple(self.vllm_ranks()))
@@ -299,6 +304,17 @@ class MemoryBackend:
 
     def __init__(self, store: MemoryStore) -> None:
         self.store = store
+
+    @property
+    def describe(self) -> str:
+        return "memory"
+
+    @property
+    def failure(self) -> str | None:
+        return None  # nothing to fail: the state is only in memory
+
+    def durability_stats(self) -> dict[str, float]:
+        return {}
 
     async def start(self) -> None:
         return None
@@ -371,3 +387,37 @@ class MemoryBackend:
 
     async def budget(self, pool: PoolId) -> tuple[bool, int]:
         return self.store.budget(pool)
+
+    async def check(self) -> CheckReport:
+        """Each pool is copied in one step on the loop (consistent, C-speed) and the copies
+        are checked in a thread, so requests keep being served while the check runs."""
+        pools = self.store.pools
+        problems: list[str] = []
+        checked = 0
+        batch: list[tuple[PoolId, PoolCopy]] = []
+        pages = 0
+        for pid in sorted(pools):
+            pool = pools.get(pid)
+            if pool is None:  # removed while the check ran
+                continue
+            batch.append((pid, copy_pool(pool)))
+            checked += 1
+            pages += pool.num_pages
+            if pages >= _CHECK_BATCH_PAGES:
+                problems += await asyncio.to_thread(_check_batch, batch)
+                batch, pages = [], 0
+            elif checked % 256 == 0:
+                await asyncio.sleep(0)
+        if batch:
+            problems += await asyncio.to_thread(_check_batch, batch)
+        return CheckReport(problems=problems, checked=checked)
+
+
+def _check_batch(batch: list[tuple[PoolId, PoolCopy]]) -> list[str]:
+    found = []
+    for pid, copy in batch:
+        try:
+            check_copy(copy)
+        except InvariantViolation as exc:
+            found.append(f"{pid}: {exc}")
+    return found

@@ -21,12 +21,22 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
-from kvmeta.store.codec import HEADER, FrameError, decode_frames
+from kvmeta.store.codec import (
+    HEADER,
+    Clear,
+    Commit,
+    Drop,
+    FrameError,
+    NewPool,
+    Record,
+    Remove,
+    WorldSize,
+    decode_frames,
+)
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.snapshot import SnapshotError, read_snapshot
 
@@ -190,38 +200,35 @@ def _replay_segment(
             raise corrupt(
                 directory,
                 path,
-                f"record {index} ({record[0]!r}) cannot apply: {exc}",
+                f"record {index} ({record.__struct_config__.tag!r}) cannot apply: {exc}",
                 in_check=not repair,
             ) from None
         out.records += 1
 
 
-def _apply(out: Recovered, record: list[Any]) -> None:
-    tag = record[0]
-    if tag == "vworld":
-        out.vworld = record[1]
-        return
-    pid = PoolId(*record[1])
-    if tag == "pool":
-        if pid not in out.pools:
-            out.pools[pid] = (int(record[2]), {})
-        return
-    if tag == "drop":
-        out.pools.pop(pid, None)
-        return
-    entries = out.pools[pid][1]
-    if tag == "commit":
-        for key, page in record[2]:
+def _apply(out: Recovered, record: Record) -> None:
+    # Most frequent kinds first: replay runs this once per record.
+    if isinstance(record, Commit):
+        entries = out.pools[record.pool][1]
+        for key, page in record.entries:
             entries.pop(key, None)
             entries[key] = page
-    elif tag == "remove":
-        for key, page in record[2]:
+    elif isinstance(record, Remove):
+        entries = out.pools[record.pool][1]
+        for key, page in record.entries:
             if entries.get(key) == page:
                 del entries[key]
-    elif tag == "clear":
-        entries.clear()
+    elif isinstance(record, Clear):
+        out.pools[record.pool][1].clear()
+    elif isinstance(record, NewPool):
+        if record.pool not in out.pools:
+            out.pools[record.pool] = (record.num_pages, {})
+    elif isinstance(record, Drop):
+        out.pools.pop(record.pool, None)
+    elif isinstance(record, WorldSize):
+        out.vworld = record.world_size
     else:
-        raise ValueError(f"unknown record type {tag!r}")
+        raise ValueError(f"unknown record type {type(record).__name__}")
 
 
 def install(store: MemoryStore, state: Recovered, directory: Path) -> None:

@@ -24,6 +24,7 @@ from Python: one long script would stall every pool on that Redis for its whole 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import hashlib
 import logging
@@ -35,7 +36,7 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.connection import Connection
+from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import (
     AuthenticationError,
     ConnectionError,
@@ -45,8 +46,15 @@ from redis.exceptions import (
 )
 
 from kvmeta._types import PoolId
-from kvmeta.errors import BackendUnavailable, InvalidRequest, KvmetaError, NotInitialized
-from kvmeta.store.base import InitResult, PoolStats, VIndex
+from kvmeta.core.pool import PoolCounters
+from kvmeta.errors import (
+    BackendUnavailable,
+    ConfigError,
+    InvalidRequest,
+    KvmetaError,
+    NotInitialized,
+)
+from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
@@ -93,22 +101,9 @@ CHECK_CHUNK = 1000
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "totals")
 _MAX_PROBLEMS = 20
 _MAX_IDLE = 64  # connections kept open per server process for concurrent requests
-_COUNTERS = (
-    "exists_hits",
-    "exists_misses",
-    "get_hits",
-    "get_misses",
-    "reservations",
-    "reservations_refused",
-    "reservations_expired",
-    "reserve_hits",
-    "commits",
-    "confirms_refused",
-    "releases",
-    "evictions",
-    "deletes",
-    "clears",
-)
+# The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
+# counter added to ``PoolCounters`` is reported here at once (the Lua bumps it by name).
+_COUNTERS = tuple(f.name for f in dataclasses.fields(PoolCounters))
 _FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
 
 
@@ -177,12 +172,12 @@ def check_url(url: str) -> None:
     connection attempt (a bare "No such file" with no name); both are checked here instead.
 
     Raises:
-        InvalidRequest: naming the part of the URL and the fix.
+        ConfigError: naming the part of the URL and the fix.
     """
     shown = redact_url(url)
     parts = urlsplit(url)
     if parts.scheme not in ("redis", "rediss", "unix"):
-        raise InvalidRequest(
+        raise ConfigError(
             f"Expected `--backend` to be a redis://, rediss:// or unix:// URL, got {shown!r}"
             " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
             "backend",
@@ -190,7 +185,7 @@ def check_url(url: str) -> None:
     try:
         parts.port  # noqa: B018  (raises on a port that is not a number 0..65535)
     except ValueError as exc:
-        raise InvalidRequest(f"`--backend` URL {shown}: {exc}", "backend") from None
+        raise ConfigError(f"`--backend` URL {shown}: {exc}", "backend") from None
     query = parse_qs(parts.query, keep_blank_values=True)
     dbs = [f"db={v}" for v in query.get("db", [])]
     if parts.scheme != "unix" and parts.path not in ("", "/"):
@@ -198,14 +193,14 @@ def check_url(url: str) -> None:
     for db in dbs:
         number = db[3:] if db.startswith("db=") else unquote(db[1:])
         if not (number.isascii() and number.isdecimal()):
-            raise InvalidRequest(
+            raise ConfigError(
                 f"`--backend` URL {shown}: the database {db!r} is not a number; {_DB_HINT}",
                 "backend",
             )
     for param in _TLS_FILES:
         for value in query.get(param, []):
             if not Path(value).exists():
-                raise InvalidRequest(
+                raise ConfigError(
                     f"`--backend` URL {shown}: {param}={value}: file not found (the path is "
                     "read on the machine running kvmeta; fix it or drop the parameter)",
                     "backend",
@@ -256,15 +251,25 @@ class RedisBackend:
     def __init__(self, url: str, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
         check_url(url)
         self.url = url
-        self.describe = f"redis at {redact_url(url)}"
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self._client: aioredis.Redis | None = None
-        self._idle: list[Connection] = []
+        self._idle: list[AbstractConnection] = []
         self._sources = _load_sources()
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
+
+    @property
+    def describe(self) -> str:
+        return f"redis at {redact_url(self.url)}"
+
+    @property
+    def failure(self) -> str | None:
+        return None  # an unreachable Redis is an error per call (503), not a standing state
+
+    def durability_stats(self) -> dict[str, float]:
+        return {}  # Redis keeps its own persistence (RDB/AOF); nothing on this machine's disk
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -272,6 +277,7 @@ class RedisBackend:
         """Connect and check Redis answers, so a wrong URL fails at start-up, not per request.
 
         Raises:
+            ConfigError: redis-py does not understand the URL.
             BackendUnavailable: Redis cannot be reached at the URL, or it answered but refused
                 the connection set-up (wrong database or password: Redis's own answer is in
                 the message).
@@ -279,7 +285,7 @@ class RedisBackend:
         try:
             client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
         except (ValueError, TypeError) as exc:
-            raise InvalidRequest(
+            raise ConfigError(
                 f"`--backend` URL {redact_url(self.url)} is not understood: {exc}", "backend"
             ) from None
         self._client = client
@@ -345,15 +351,16 @@ class RedisBackend:
             self._idle.append(conn)
         else:
             await conn.disconnect()
-        return _decode(raw)  # type: ignore[no-any-return]
+        reply: list[Any] = _decode(raw)
+        return reply
 
-    def _new_connection(self) -> Connection:
+    def _new_connection(self) -> AbstractConnection:
         assert self._client is not None
         pool = self._client.connection_pool
-        return pool.connection_class(**pool.connection_kwargs)  # type: ignore[no-any-return,return-value]
+        return pool.connection_class(**pool.connection_kwargs)
 
     async def _evalsha(
-        self, conn: Connection, script: str, keys: tuple[str, ...], args: list[Any]
+        self, conn: AbstractConnection, script: str, keys: tuple[str, ...], args: list[Any]
     ) -> Any:
         """EVALSHA, and on NOSCRIPT (Redis restarted or flushed its scripts) load it and retry.
 
@@ -525,7 +532,7 @@ class RedisBackend:
             )
         return out
 
-    async def check(self) -> list[str]:
+    async def check(self) -> CheckReport:
         """Page-invariant violations in every pool (empty: consistent; at most 20 per pool).
 
         O(pool) in total but in chunks of ``CHECK_CHUNK`` entries, one short read-only script
@@ -534,18 +541,22 @@ class RedisBackend:
         one call, so requests served between chunks cannot cause a false report.
         """
         problems = []
+        checked = 0
         for pid in await self.pools():
             keys = pool_keys(pid)
             found: list[str] = []
+            listed_only = False
             for part in _CHECK_PARTS:
                 cursor = "0"
                 while len(found) < _MAX_PROBLEMS:
                     reply = await self._run("check", keys, [part, cursor, CHECK_CHUNK])
                     if int(reply[0]):
-                        break  # listed before it was created (see _sadd_pool)
+                        listed_only = True  # listed before it was created (see _sadd_pool)
+                        break
                     found += [f"{pid}: {_text(msg)}" for msg in reply[2:]]
                     cursor = _text(reply[1])
                     if cursor == "0":
                         break
+            checked += not listed_only
             problems += found[:_MAX_PROBLEMS]
-        return problems
+        return CheckReport(problems=problems, checked=checked)

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections import deque
 from collections.abc import Callable
-from typing import Any, Protocol
+from typing import Protocol
 
 from kvmeta.core.pool import Pool
+from kvmeta.store.codec import Record
 
 __all__ = ["DurableSink", "WriteAhead"]
 
@@ -55,7 +56,7 @@ class DurableSink(Protocol):
     seq: int
     durable_seq: int
 
-    def append(self, record: tuple[Any, ...]) -> None: ...
+    def append(self, record: Record) -> None: ...
 
 
 class WriteAhead:
@@ -164,7 +165,7 @@ class WriteAhead:
         if entry is None:
             return 1.0
         growth, since = entry
-        decayed = 1.0 + (growth - 1.0) * 0.5 ** ((now - since) / _GROWTH_HALF_LIFE)
+        decayed: float = 1.0 + (growth - 1.0) * 0.5 ** ((now - since) / _GROWTH_HALF_LIFE)
         if decayed < 1.01:
             del self._growth[pool]
             return 1.0

@@ -8,12 +8,22 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvmeta._types import PoolId
 from kvmeta.store import codec
-from kvmeta.store.codec import HEADER, RecordTooLarge, decode_frames, encode_records
+from kvmeta.store.codec import (
+    HEADER,
+    Commit,
+    NewPool,
+    Record,
+    RecordTooLarge,
+    Remove,
+    decode_frames,
+    encode_records,
+)
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 LIMIT = 4096
-PID = ("s", 0, "kv")
+PID = PoolId("s", 0, "kv")
 
 
 @pytest.fixture
@@ -22,40 +32,42 @@ def small_limit(monkeypatch: pytest.MonkeyPatch) -> int:
     return LIMIT
 
 
-def _payload_len(record: tuple[object, ...]) -> int:
+def _payload_len(record: Record) -> int:
     return len(msgspec.msgpack.encode(record))
 
 
 def test_a_record_exactly_at_the_limit_is_one_frame_and_reads_back(small_limit: int) -> None:
     key = "k" * 300  # already past the 255-byte string header size step
-    record: tuple[object, ...] = ("commit", PID, [(key, 0)])
+    record = Commit(PID, [(key, 0)])
     for _ in range(5):  # grow the one key until the payload is exactly the limit
         key += "k" * (small_limit - _payload_len(record))
-        record = ("commit", PID, [(key, 0)])
+        record = Commit(PID, [(key, 0)])
     assert _payload_len(record) == small_limit
     frames = encode_records(record)
     assert len(frames) == 1
     out = decode_frames(HEADER + frames[0])
-    assert out.torn_at is None and out.records == [["commit", list(PID), [[key, 0]]]]
+    assert out.torn_at is None and out.records == [record]
 
 
-@pytest.mark.parametrize("tag", ["commit", "remove"])
-def test_a_record_over_the_limit_is_split_in_order(small_limit: int, tag: str) -> None:
+@pytest.mark.parametrize("kind", [Commit, Remove])
+def test_a_record_over_the_limit_is_split_in_order(
+    small_limit: int, kind: type[Commit] | type[Remove]
+) -> None:
     entries = [(f"key-{i:05d}-" + "x" * 40, i) for i in range(1000)]  # ~55 KB
-    frames = encode_records((tag, PID, entries))
+    frames = encode_records(kind(PID, entries))
     assert len(frames) > 1
     out = decode_frames(HEADER + b"".join(frames))
     assert out.torn_at is None
-    assert all(r[0] == tag and r[1] == list(PID) for r in out.records)
-    assert [tuple(e) for r in out.records for e in r[2]] == entries
+    assert all(type(r) is kind and r.pool == PID for r in out.records)
+    assert [e for r in out.records for e in r.entries] == entries  # type: ignore[union-attr]
     assert all(len(f) - 8 <= small_limit for f in frames)
 
 
 def test_an_unsplittable_record_over_the_limit_is_refused(small_limit: int) -> None:
     with pytest.raises(RecordTooLarge, match="--max-key-length"):
-        encode_records(("commit", PID, [("k" * small_limit, 0)]))
+        encode_records(Commit(PID, [("k" * small_limit, 0)]))
     with pytest.raises(RecordTooLarge):
-        encode_records(("pool", ("s", 0, "n" * small_limit), 8))
+        encode_records(NewPool(PoolId("s", 0, "n" * small_limit), 8))
 
 
 def test_a_huge_confirm_and_eviction_round_trip_through_recovery(

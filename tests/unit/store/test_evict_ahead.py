@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_pool
+from kvmeta.store.codec import Record, Remove
 from kvmeta.store.memory import MemoryStore
 
 P = PoolId("s", 0, "kv")
@@ -17,9 +16,9 @@ class Sink:
     def __init__(self) -> None:
         self.seq = 0
         self.durable_seq = 0
-        self.records: list[tuple[Any, ...]] = []
+        self.records: list[Record] = []
 
-    def append(self, record: tuple[Any, ...]) -> None:
+    def append(self, record: Record) -> None:
         self.records.append(record)
         self.seq += 1
         self.durable_seq = self.seq
@@ -45,8 +44,8 @@ def test_spare_is_topped_up_two_batches_at_a_time() -> None:
     pool = store.pool(P)
     assert pool.allocatable_count + pool.withheld_count == 0
     store.reserve(P, ["a", "b", "c", "d"])  # needs 4 pages, then evicts ahead up to 2 batches
-    removed = [r for r in sink.records if r[0] == "remove"]
-    assert sum(len(r[2]) for r in removed) == 4 + 2 * 4
+    removed = [r for r in sink.records if isinstance(r, Remove)]
+    assert sum(len(r.entries) for r in removed) == 4 + 2 * 4
     check_pool(pool)
 
 

@@ -13,6 +13,7 @@ import pytest
 from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store import journal as journal_module
+from kvmeta.store.codec import Clear
 from kvmeta.store.journal import Journal
 from kvmeta.store.recovery import recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
@@ -47,7 +48,7 @@ def test_a_wait_whose_flush_fails_is_answered(
             async def append_and_wait() -> None:
                 # As a confirm does: append, then wait in the same loop step, so the flush
                 # inside ``wait`` is the one that fails.
-                journal.append(("clear", S0))
+                journal.append(Clear(S0))
                 await journal.wait(journal.seq)
 
             with pytest.raises(StorageError, match="No space left"):

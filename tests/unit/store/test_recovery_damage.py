@@ -9,18 +9,19 @@ from pathlib import Path
 
 import pytest
 
+from kvmeta._types import PoolId
 from kvmeta.errors import JournalCorrupt
 from kvmeta.store.check import check_data_dir
-from kvmeta.store.codec import HEADER, FrameError, decode_frames, encode_record
+from kvmeta.store.codec import HEADER, Commit, FrameError, decode_frames, encode_record
 from kvmeta.store.journal import segment_path
 from kvmeta.store.recovery import list_data_dir, recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 
-PID = ("s", 0, "kv")
+PID = PoolId("s", 0, "kv")
 
 
 def _records(n: int) -> list[bytes]:
-    return [encode_record(("commit", PID, [(f"key-{i}", i)])) for i in range(n)]
+    return [encode_record(Commit(PID, [(f"key-{i}", i)])) for i in range(n)]
 
 
 def _middle_offset(frames: list[bytes], index: int) -> int:

@@ -13,7 +13,6 @@ replayed from that prefix, and every recovered ``key -> page`` must find its own
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -22,6 +21,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvmeta._types import PoolId
 from kvmeta.core import Pool, check_pool
 from kvmeta.core.pool import RELEASE_GRACE
+from kvmeta.store.codec import Record
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.recovery import Recovered, _apply
 
@@ -36,11 +36,11 @@ class Journal:
     """Records in memory; ``durable_seq`` moves only when the test syncs."""
 
     def __init__(self) -> None:
-        self.records: list[tuple[Any, ...]] = []
+        self.records: list[Record] = []
         self.seq = 0
         self.durable_seq = 0
 
-    def append(self, record: tuple[Any, ...]) -> None:
+    def append(self, record: Record) -> None:
         self.records.append(record)
         self.seq += 1
 
@@ -176,7 +176,7 @@ class PowerLoss(RuleBasedStateMachine):
         )
         recovered = Recovered()
         for record in journal.records[:cut]:
-            _apply(recovered, list(record))
+            _apply(recovered, record)
         survivor = Journal()
         survivor.records = journal.records[:cut]
         survivor.seq = survivor.durable_seq = cut

@@ -1,0 +1,90 @@
+"""Configuration mistakes are ``ConfigError`` (a flag, a ``KVMETA_*`` variable, the
+``--backend`` URL), and the path-rank error lives with every other error in ``kvmeta.errors``."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+
+from kvmeta import errors
+from kvmeta.cli import main
+from kvmeta.config import add_arguments, settings_from_args
+from kvmeta.errors import ConfigError, InvalidPathParameter, InvalidRequest, error_for_status
+from kvmeta.server.app import parse_rank
+from kvmeta.store.redis import RedisBackend, check_url
+from tests.support import SRC
+
+
+def _settings(argv: list[str], env: dict[str, str] | None = None) -> object:
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return settings_from_args(parser.parse_args(argv), env or {})
+
+
+@pytest.mark.parametrize(
+    ("argv", "env", "field", "message"),
+    [
+        (["--port", "70000"], {}, "port", "Expected `--port` (KVMETA_PORT)"),
+        ([], {"KVMETA_READ_LEASE": "-1"}, "read_lease", "from env KVMETA_READ_LEASE"),
+        (["--fsync", "sometimes"], {}, "fsync", "Expected `--fsync` in always|batch|never"),
+        (["--workers", "2"], {}, "workers", "`--workers` > 1 needs a shared `--backend`"),
+        (["--backend", "redis://h:1/0", "--in-memory"], {}, "in_memory", "conflicts with"),
+        (["--ssl-certfile", "c.pem"], {}, "ssl_certfile", "go together"),
+    ],
+)
+def test_a_bad_setting_is_a_config_error_naming_it(
+    argv: list[str], env: dict[str, str], field: str, message: str
+) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)) as info:
+        _settings(argv, env)
+    assert info.value.field == field
+    assert isinstance(info.value, InvalidRequest)  # callers catching the old class still do
+
+
+@pytest.mark.parametrize("url", ["http://h:1/0", "redis://h:1/abc", "redis://h:99999/0"])
+def test_a_bad_backend_url_is_a_config_error(url: str) -> None:
+    with pytest.raises(ConfigError) as info:
+        check_url(url)
+    assert info.value.field == "backend"
+    with pytest.raises(ConfigError):
+        RedisBackend(url)
+
+
+def test_serve_with_a_bad_setting_prints_one_line_and_exits_2(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert main(["serve", "--port", "70000"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("kvmeta: error: Expected `--port`"), err
+
+
+def test_the_same_from_a_real_process() -> None:
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(SRC), os.environ.get("PYTHONPATH")])),
+    }
+    env = {k: v for k, v in env.items() if not k.startswith("KVMETA_")}
+    done = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "serve", "--workers", "3"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 2
+    assert done.stderr.startswith("kvmeta: error: `--workers` > 1 needs a shared `--backend`")
+    assert done.stderr.count("\n") == 1, done.stderr
+
+
+def test_the_path_rank_error_is_in_the_error_tree_with_its_status() -> None:
+    assert "InvalidPathParameter" in errors.__all__ and "ConfigError" in errors.__all__
+    assert issubclass(InvalidPathParameter, InvalidRequest) and InvalidPathParameter.status == 422
+    with pytest.raises(InvalidPathParameter, match="Path parameter `rank` must be an integer"):
+        parse_rank("abc")
+    # A client maps the 422 back to the caller's-mistake class, as before.
+    assert type(error_for_status(422, "Path parameter `rank` ...")) is InvalidRequest
