@@ -2,6 +2,7 @@
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
 -- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
+-- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
 
 -- Read-leased pages one call may step over (moving them warm): a fixed allowance plus two per
@@ -52,7 +53,7 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
-local now = now_s()
+local now = now_s(ARGV[2])
 st.scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c)
