@@ -14,10 +14,11 @@ the vLLM index scripts (``v_*``) still name per-rank keys inside Lua (all in the
 ``kvmeta:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
-skewed clocks still agree. Tests that compare this backend with the memory one step by step give
-both the same clock instead (``RedisBackend(clock=...)``, see ``_TIMED``). A request's keys travel as ONE JSON argument and the reply is one JSON
-array ``[code, ...]`` (``_ERRORS`` maps codes to errors): packing and parsing one value per key in
-Python costs more than the whole script takes to run in Redis.
+skewed clocks still agree (tests that compare this backend with the memory one step by step give
+both one clock instead: ``RedisBackend(clock=...)``, see ``_TIMED``). A request's keys travel as
+ONE JSON argument and the reply is one JSON array ``[code, ...]`` (``_ERRORS`` maps codes to
+errors): packing and parsing one value per key in Python costs more than the whole script takes
+to run in Redis.
 
 Whole-pool work (``clear``, ``check``) runs as many short scripts, one bounded chunk each, looped
 from Python: one long script would stall every pool on that Redis for its whole duration.
