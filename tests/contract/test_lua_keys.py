@@ -16,7 +16,7 @@ from importlib import resources
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import _SCRIPTS, POOL_PARTS, pool_keys, pool_prefix
+from kvmeta.store.redis import _SCRIPTS, _TIMED, POOL_PARTS, pool_keys, pool_prefix
 
 # The vLLM index scripts still build per-rank key names from the {v} prefix (ranks are found
 # in the registry at run time; all in one hash slot). Fixing one means removing it here.
@@ -92,3 +92,17 @@ def test_pool_keys_are_the_parts_lua_expects_in_order() -> None:
     assert tuple(re.findall(r"'(\w+)'", parts.group(1))) == POOL_PARTS
     pool = PoolId("s", 2, "ns")
     assert pool_keys(pool) == tuple(pool_prefix(pool) + part for part in POOL_PARTS)
+
+
+def test_every_script_that_reads_time_takes_the_test_clock() -> None:
+    """A script reading the time does so through ``now_s(ARGV[i])``, i one past its own
+    arguments as ``store.redis._TIMED`` says, so a backend with a test clock (the differential
+    test) reaches every one; a script not listed there never reads the time."""
+    for name in _SCRIPTS:
+        source = _source(name)
+        assert "'TIME'" not in source, f"{name}.lua reads TIME directly; use now_s"
+        calls = re.findall(r"\bnow_s\(([^)]*)\)", source)
+        if name in _TIMED:
+            assert calls == [f"ARGV[{_TIMED[name]}]"], f"{name}.lua: {calls}"
+        else:
+            assert not calls, f"{name}.lua reads the time but is not in store.redis._TIMED"

@@ -14,9 +14,11 @@ the vLLM index scripts (``v_*``) still name per-rank keys inside Lua (all in the
 ``kvmeta:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
-skewed clocks still agree. A request's keys travel as ONE JSON argument and the reply is one JSON
-array ``[code, ...]`` (``_ERRORS`` maps codes to errors): packing and parsing one value per key in
-Python costs more than the whole script takes to run in Redis.
+skewed clocks still agree (tests that compare this backend with the memory one step by step give
+both one clock instead: ``RedisBackend(clock=...)``, see ``_TIMED``). A request's keys travel as
+ONE JSON argument and the reply is one JSON array ``[code, ...]`` (``_ERRORS`` maps codes to
+errors): packing and parsing one value per key in Python costs more than the whole script takes
+to run in Redis.
 
 Whole-pool work (``clear``, ``check``) runs as many short scripts, one bounded chunk each, looped
 from Python: one long script would stall every pool on that Redis for its whole duration.
@@ -99,6 +101,10 @@ POOL_PARTS = (
 CLEAR_CHUNK = 500
 CHECK_CHUNK = 1000
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "totals")
+# Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
+# the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
+# ``now_s``). A static test checks each script reads exactly this ARGV.
+_TIMED = {"reserve": 2, "confirm": 2, "get": 2, "delete": 2, "clear": 3, "stats": 1, "v_clear": 1}
 _MAX_PROBLEMS = 20
 _MAX_IDLE = 64  # connections kept open per server process for concurrent requests
 # The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
@@ -248,9 +254,22 @@ class RedisBackend:
 
     name = "redis"
 
-    def __init__(self, url: str, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
+    def __init__(
+        self,
+        url: str,
+        *,
+        reservation_ttl: float = 300.0,
+        read_lease: float = 5.0,
+        clock: Callable[[], float] | None = None,
+    ):
+        """``clock`` is for tests only: every script that reads the time gets ``clock()``
+        (seconds) instead of Redis ``TIME``, so a test can drive this backend and a
+        ``MemoryStore`` from one clock and step time past leases. It is a constructor argument
+        and nothing else (no flag, URL parameter or request field sets it): several servers on
+        one Redis must share Redis's clock. None (production) adds nothing to a call."""
         check_url(url)
         self.url = url
+        self._clock = clock
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self._client: aioredis.Redis | None = None
@@ -335,6 +354,9 @@ class RedisBackend:
         """
         if self._client is None:
             raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
+        if self._clock is not None and script in _TIMED:
+            assert len(args) + 1 == _TIMED[script], f"{script}: the time goes after its arguments"
+            args = [*args, repr(float(self._clock()))]
         conn = self._idle.pop() if self._idle else self._new_connection()
         try:
             names = (keys,) if isinstance(keys, str) else keys

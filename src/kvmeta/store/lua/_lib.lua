@@ -17,9 +17,10 @@
 --   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds)
 --   P.reads     zset  page -> read lease end
 --   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
--- Times come from Redis TIME, so every kvmeta server agrees on them. Requests and replies
--- are one JSON document each (ARGV[1] / the return value): one argument to pack and one
--- string to parse instead of one per key, which is most of a request's client-side cost.
+-- Times come from Redis TIME, so every kvmeta server agrees on them (a test may pass its own
+-- clock instead: see now_s). Requests and replies are one JSON document each (ARGV[1] / the
+-- return value): one argument to pack and one string to parse instead of one per key, which
+-- is most of a request's client-side cost.
 
 -- Seconds a released page cools before reuse: core.pool.RELEASE_GRACE (a test keeps them equal).
 local RELEASE_GRACE = 10.0
@@ -28,7 +29,13 @@ local function fmt(x)
   return string.format('%.6f', x)
 end
 
-local function now_s()
+-- The time in seconds. ``at`` is the ARGV one past a script's own arguments, which only a
+-- RedisBackend built with a test clock sends (store.redis._TIMED names the index per script);
+-- in production it is absent and Redis TIME is the clock every server shares.
+local function now_s(at)
+  if at then
+    return tonumber(at)
+  end
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end

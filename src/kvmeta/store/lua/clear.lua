@@ -4,12 +4,13 @@
 -- Every key STORED from the first chunk to the last is cleared; one confirmed while the
 -- clear runs may be cleared too (HSCAN: visited or not). ARGV[1] '0' starts a clear.
 -- KEYS the pool's keys; ARGV[1] HSCAN cursor, ARGV[2] keys per chunk.
+-- ARGV[3] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, next cursor, keys cleared by this chunk] or [1] (no pool).
 local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end
-local now = now_s()
+local now = now_s(ARGV[3])
 local c = {}
 expire(k, now, c)
 if ARGV[1] == '0' then

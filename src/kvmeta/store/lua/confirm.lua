@@ -2,6 +2,7 @@
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
 -- write failed (FREE only when RESERVED by a single writer; STORED: ignored); as Pool.confirm.
 -- KEYS the pool's keys; ARGV[1] [[[key, page], ...], [page to release, ...]].
+-- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, refused, first refused key, first refused page], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
 local k = pool_keys_from(KEYS)
@@ -24,7 +25,7 @@ for i, page in ipairs(release) do
     return cjson.encode({ 2, 2, i - 1, st.n })
   end
 end
-local now = now_s()
+local now = now_s(ARGV[2])
 local c = {}
 expire(k, now, c)
 -- page -> key is read in one batch; pk holds what this call changed (false: now FREE).

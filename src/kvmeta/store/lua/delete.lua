@@ -1,11 +1,12 @@
 -- delete: STORED keys become FREE (after any live read lease).
 -- KEYS the pool's keys; ARGV[1] [key, ...].  Returns [0, removed] or [1] (no pool).
+-- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end
 local keys = cjson.decode(ARGV[1])
-local now = now_s()
+local now = now_s(ARGV[2])
 local c = {}
 expire(k, now, c)
 local pages = hmget(k.stored, keys)

@@ -1,5 +1,6 @@
 -- get: page of each STORED key (-1 if none); a use for LRU and a read lease on the page.
 -- KEYS the pool's keys; ARGV[1] [read lease seconds (0: none), [key, ...]].
+-- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, page|-1 ...] or [1] (no pool).
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
@@ -8,7 +9,7 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local lease, keys = req[1], req[2]
-local now = now_s()
+local now = now_s(ARGV[2])
 local c = {}
 expire(k, now, c)
 local until_ = fmt(now + lease)

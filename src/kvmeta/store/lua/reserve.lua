@@ -2,6 +2,7 @@
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
 -- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
+-- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
 
 -- Read-leased pages one call may step over (moving them warm): a fixed allowance plus two per
@@ -10,6 +11,22 @@ local SCAN_ALLOWANCE = 64
 
 -- A free page (popped ahead into free), else the coldest STORED page without a read lease
 -- that this call has not reported as stored (keep); nil if none. Evicted keys go in gone.
+local function leased(k, now, page)
+  local until_ = redis.call('ZSCORE', k.reads, page)
+  return until_ and tonumber(until_) > now
+end
+
+-- Evict the STORED page (its key goes in gone); returns the page.
+local function evict(k, c, gone, page)
+  local v = redis.call('HGET', k.pk, page)
+  gone[string.sub(v, 2)] = true
+  redis.call('HDEL', k.stored, string.sub(v, 2))
+  redis.call('ZREM', k.lru, page)
+  redis.call('HDEL', k.pk, page)
+  bump(c, 'evictions', 1)
+  return page
+end
+
 local function take_page(k, st, now, keep, c, free, gone)
   local page
   if free.i <= #free then
@@ -21,6 +38,12 @@ local function take_page(k, st, now, keep, c, free, gone)
     st.next = st.next + 1
     return page
   end
+  -- The coldest page, when nobody reads it, is evicted without using the scan allowance (as
+  -- core.pool's inlined common case); stepping over leased pages starts again from it.
+  page = redis.call('ZRANGE', k.lru, 0, 0)[1]
+  if page ~= nil and not keep[page] and not leased(k, now, page) then
+    return evict(k, c, gone, page)
+  end
   local limit = math.min(redis.call('HLEN', k.stored), st.scan_left)
   for _ = 1, limit do
     st.scan_left = st.scan_left - 1
@@ -29,17 +52,10 @@ local function take_page(k, st, now, keep, c, free, gone)
       -- Pages reported as stored by this call are the warmest: nothing else is left.
       return nil
     end
-    local until_ = redis.call('ZSCORE', k.reads, page)
-    if until_ and tonumber(until_) > now then
+    if leased(k, now, page) then
       touch(k, st, page)
     else
-      local v = redis.call('HGET', k.pk, page)
-      gone[string.sub(v, 2)] = true
-      redis.call('HDEL', k.stored, string.sub(v, 2))
-      redis.call('ZREM', k.lru, page)
-      redis.call('HDEL', k.pk, page)
-      bump(c, 'evictions', 1)
-      return page
+      return evict(k, c, gone, page)
     end
   end
   return nil
@@ -52,7 +68,7 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
-local now = now_s()
+local now = now_s(ARGV[2])
 st.scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c)

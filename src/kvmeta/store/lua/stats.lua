@@ -1,12 +1,13 @@
 -- stats: one pool's occupancy after lease expiry, and its meta hash (counters, conflicts).
 -- KEYS the pool's keys.  Returns [0, n, reserved, stored, [meta field, value, ...]] or [1].
+-- ARGV[1] (tests only, absent in production) the time in seconds: see now_s.
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
 if not st then
   return cjson.encode({ 1 })
 end
 local c = {}
-expire(k, now_s(), c)
+expire(k, now_s(ARGV[1]), c)
 flush(k, c)
 return cjson.encode({ 0, st.n, redis.call('HLEN', k.reserved), redis.call('HLEN', k.stored),
          redis.call('HGETALL', k.meta) })
