@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import logging
 import os
+from typing import Any
 
 from kvmeta.bench.driver import BenchConfig
 from kvmeta.bench.launch import LAUNCH_MODES, Launch, run_on, with_launch
@@ -272,7 +273,7 @@ def launch_of(args: argparse.Namespace) -> Launch | None:
     return Launch(args.launch, server_args(given), args.workers, args.redis_transport)
 
 
-def measure(cfg: BenchConfig, launch: Launch | None, repeat: int) -> dict:
+def measure(cfg: BenchConfig, launch: Launch | None, repeat: int) -> dict[str, Any]:
     """``repeat`` runs of ``cfg``, each on fresh launched processes when ``launch`` is set;
     returns the median result."""
     runs = []
@@ -288,7 +289,7 @@ def measure(cfg: BenchConfig, launch: Launch | None, repeat: int) -> dict:
     return with_launch(median_result(runs), launch)
 
 
-def _report(results: list[dict], as_json: bool, payload: object) -> str:
+def _report(results: list[dict[str, Any]], as_json: bool, payload: object) -> str:
     """The text to print; refusals are shown where they will be seen (after the table, or on
     stderr when stdout is JSON)."""
     notes = refusal_notes(results)

@@ -301,8 +301,8 @@ def _durability_metrics(stats: dict[str, float]) -> Iterator[Metric]:
 def render_metrics(snapshot: _Snapshot) -> bytes:
     """The Prometheus text exposition of ``snapshot``."""
     registry = CollectorRegistry(auto_describe=False)
-    registry.register(snapshot)  # type: ignore[arg-type]
-    registry.register(_CallerWarnings())  # type: ignore[arg-type]
+    registry.register(snapshot)
+    registry.register(_CallerWarnings())
     return generate_latest(registry)
 
 
