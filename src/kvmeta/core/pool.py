@@ -22,6 +22,12 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
 - read leases: one C double per page (its lease deadline), so granting one is an array store
   and an expired one needs no clean-up.
 
+LRU link updates are written inline (instead of calling ``_unlink``/``_link_tail``) only in the
+per-key loops of ``get`` and ``confirm`` and in the head eviction of ``reserve`` and
+``evict_ahead``, which run once per key of every request; replacing them with the helper calls
+measured 2-7 % slower per 64-key call (``kvmeta bench core``). Everywhere else the helpers are
+used.
+
 Time is always passed in (``now``, seconds, monotonic), so the model has no clock and no I/O.
 Durable changes (commits and removals of STORED keys) are returned to the caller, which journals
 them; see ``store``.
