@@ -412,3 +412,17 @@ def test_failure12_fuzzed_bodies_never_get_a_5xx(
     assert r.status_code < 500, (path, body, r.text)
     if r.status_code >= 400:
         assert r.json()["detail"]
+
+
+@pytest.mark.parametrize(
+    "path", ["/rank/0/initialize", "/v1/vllm/world_size", "/keys/batch_allocate"]
+)
+@pytest.mark.parametrize("body", [b"[Infinity]", b"[1, NaN]", b'{"a": [Infinity]}', b"[1,"])
+def test_malformed_json_behind_a_wrong_shape_is_a_400(
+    server: ServerProcess, path: str, body: bytes
+) -> None:
+    """The typed decoder stops at the wrong shape first; the explanation re-reads the body
+    and finds it is not JSON at all: still a 400 (found by the fuzz test above)."""
+    r = server.post(path, body)
+    assert r.status_code == 400, r.text
+    assert "JSON" in r.json()["detail"]

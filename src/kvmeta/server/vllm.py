@@ -171,10 +171,10 @@ def _explainer(op: _Op) -> Explain:
 def _diagnose(body: bytes, op: _Op, detail: str) -> InvalidRequest:
     try:
         data = msgspec.json.decode(body)
-    except msgspec.DecodeError as exc:
-        return _not_json(exc, op.usage)
     except msgspec.ValidationError as exc:  # e.g. an integer of thousands of digits
         return InvalidRequest(f"Invalid request format: {exc}. Send {op.usage}", _at(str(exc)))
+    except msgspec.DecodeError as exc:  # (ValidationError is a DecodeError: checked first)
+        return _not_json(exc, op.usage)
     except RecursionError:
         return nested_error(op.usage, "Invalid request format: ")
     need = " and ".join(f"'{name}'" for name in op.required)
@@ -217,6 +217,8 @@ def _explain_init(body: bytes, exc: Exception) -> InvalidRequest:
         data = msgspec.json.decode(body)
     except msgspec.ValidationError as err:  # valid JSON, but e.g. an integer of 5000 digits
         return _out_of_range(body, err)
+    except msgspec.DecodeError as err:  # the typed decoder stopped first at a wrong shape
+        return InvalidRequest(f"{INIT_ERROR}the body is not valid JSON ({err}); {VALID_INIT}")
     return InvalidRequest(
         f"{INIT_ERROR}the body must be a JSON object, got {type(data).__name__}; " + VALID_INIT
     )
@@ -235,6 +237,10 @@ def _explain_world_size(body: bytes, exc: Exception) -> InvalidRequest:
         return err
     except msgspec.ValidationError as err:  # e.g. an integer of 5000 digits
         return InvalidRequest(f"`world_size` is out of range ({err}). {WORLD_SIZE_USAGE}")
+    except msgspec.DecodeError as err:  # the typed decoder stopped first at a wrong shape
+        return InvalidRequest(
+            f"Request body is not valid JSON ({err}). {WORLD_SIZE_USAGE}", "world_size"
+        )
     return InvalidRequest(f"Invalid request body: {exc}. {WORLD_SIZE_USAGE}", "world_size")
 
 
