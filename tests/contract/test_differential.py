@@ -376,7 +376,7 @@ MUST_SEE = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a failure shrinks for up to hypothesis's 5 minutes, then reports
-def test_memory_and_redis_agree_step_by_step(redis_server: RedisServer) -> None:
+def test_memory_and_redis_agree_on_every_reply(redis_server: RedisServer) -> None:
     redis_server.flush()
     clock = Clock()
     loop = asyncio.new_event_loop()
