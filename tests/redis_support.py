@@ -113,6 +113,9 @@ class RedisServer:
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(port=self.port, db=db, password=self.password)
 
+    def async_client(self) -> aioredis.Redis:
+        return aioredis.Redis(port=self.port, password=self.password)
+
     def flush(self) -> None:
         with self.client() as client:
             client.flushall()
