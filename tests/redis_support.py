@@ -307,7 +307,8 @@ class _Topology:
 
 
 class RedisCluster(_Topology):
-    """3 primaries + 3 replicas in cluster mode on loopback ports, built without valkey-cli.
+    """3 primaries, each with its replica(s), in cluster mode on loopback ports, built without
+    valkey-cli.
 
     ``url`` is ``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`` (the first
     primaries as seeds). ``primary_for(key)`` is the node that serves ``key`` now (after a
@@ -316,9 +317,11 @@ class RedisCluster(_Topology):
 
     RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
 
-    def __init__(self, *extra: str, node_timeout_ms: int = 1000) -> None:
+    def __init__(self, *extra: str, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        """``replicas`` per primary: 2 keeps ``WAIT 1`` satisfiable after one failover."""
         super().__init__()
         self.extra = list(extra)
+        self.replicas_per_primary = replicas
         self.node_timeout_ms = node_timeout_ms
         self.primaries: list[Node] = []
         self.replicas: list[Node] = []
@@ -337,9 +340,10 @@ class RedisCluster(_Topology):
         args += ["--cluster-node-timeout", str(self.node_timeout_ms)]
         # A replica takes over however long it was cut off: the tests kill primaries at will.
         args += ["--cluster-replica-validity-factor", "0", *self.extra]
-        for i in range(6):
-            role = "primary" if i < 3 else "replica"
-            node = Node(self.root, f"{role}{i % 3}", args).start()
+        total = 3 * (1 + self.replicas_per_primary)
+        for i in range(total):
+            name = f"primary{i}" if i < 3 else f"replica{i % 3}-{i // 3}"
+            node = Node(self.root, name, args).start()
             self.nodes.append(node)
             (self.primaries if i < 3 else self.replicas).append(node)
         for node in self.nodes:
@@ -353,12 +357,13 @@ class RedisCluster(_Topology):
 
         def everyone_known() -> bool:
             return all(
-                len(str(n.call("CLUSTER", "NODES")).strip().splitlines()) == 6 for n in self.nodes
+                len(str(n.call("CLUSTER", "NODES")).strip().splitlines()) == total
+                for n in self.nodes
             )
 
-        _wait_for("every node to know the other five (CLUSTER MEET)", everyone_known, self.nodes)
-        for replica, primary in zip(self.replicas, self.primaries, strict=True):
-            replica.call("CLUSTER", "REPLICATE", self.ids[primary.port])
+        _wait_for("every node to know all the others (CLUSTER MEET)", everyone_known, self.nodes)
+        for i, replica in enumerate(self.replicas):
+            replica.call("CLUSTER", "REPLICATE", self.ids[self.primaries[i % 3].port])
 
         def ready() -> bool:
             if any(n.cluster_state() != "ok" for n in self.nodes):
@@ -372,11 +377,13 @@ class RedisCluster(_Topology):
         def replicas_known() -> bool:  # every node sees the final roles (gossip)
             for n in self.nodes:
                 lines = str(n.call("CLUSTER", "NODES")).strip().splitlines()
-                if sum(" slave " in f" {ln} " or ",slave " in ln for ln in lines) != 3:
+                if sum(" slave " in f" {ln} " or ",slave " in ln for ln in lines) != len(
+                    self.replicas
+                ):
                     return False
             return True
 
-        _wait_for("every node to see three replicas", replicas_known, self.nodes)
+        _wait_for("every node to see every replica", replicas_known, self.nodes)
 
     @property
     def url(self) -> str:
@@ -463,7 +470,7 @@ def _as_dict(value: Any) -> dict[str, Any]:
 
 
 class SentinelGroup(_Topology):
-    """One primary, one replica and three Sentinels monitoring them as ``kvmeta``.
+    """One primary, its replica(s) and three Sentinels monitoring them as ``kvmeta``.
 
     ``url`` is ``redis+sentinel://127.0.0.1:S1,127.0.0.1:S2,127.0.0.1:S3/kvmeta``.
     """
@@ -471,10 +478,16 @@ class SentinelGroup(_Topology):
     NAME = "kvmeta"
 
     def __init__(
-        self, *extra: str, down_after_ms: int = 1000, failover_timeout_ms: int = 3000
+        self,
+        *extra: str,
+        replicas: int = 1,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
     ) -> None:
+        """``replicas``: 2 keeps ``WAIT 1`` satisfiable after one failover."""
         super().__init__()
         self.extra = list(extra)
+        self.replica_count = replicas
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
         self.data: list[Node] = []
@@ -491,13 +504,17 @@ class SentinelGroup(_Topology):
     def _start(self) -> None:
         primary = Node(self.root, "primary", list(self.extra)).start()
         self.nodes.append(primary)
+        self.data = [primary]
         replica_args = ["--replicaof", "127.0.0.1", str(primary.port), *self.extra]
-        replica = Node(self.root, "replica", replica_args).start()
-        self.nodes.append(replica)
-        self.data = [primary, replica]
+        for i in range(self.replica_count):
+            replica = Node(self.root, f"replica{i}", replica_args).start()
+            self.nodes.append(replica)
+            self.data.append(replica)
         _wait_for(
-            "the replica to link to the primary",
-            lambda: replica.info("replication").get("master_link_status") == "up",
+            "the replicas to link to the primary",
+            lambda: all(
+                r.info("replication").get("master_link_status") == "up" for r in self.data[1:]
+            ),
             self.data,
         )
         conf = (
@@ -512,13 +529,13 @@ class SentinelGroup(_Topology):
 
         def all_seen() -> bool:
             for s in self.sentinels:
-                if len(s.call("SENTINEL", "REPLICAS", self.NAME)) != 1:
+                if len(s.call("SENTINEL", "REPLICAS", self.NAME)) != self.replica_count:
                     return False
                 if len(s.call("SENTINEL", "SENTINELS", self.NAME)) != 2:
                     return False
             return True
 
-        _wait_for("every Sentinel to see the replica and the other two", all_seen, self.nodes)
+        _wait_for("every Sentinel to see the replicas and the other two", all_seen, self.nodes)
 
     @property
     def url(self) -> str:
@@ -539,8 +556,9 @@ class SentinelGroup(_Topology):
         raise TopologyError(f"no Sentinel names a primary; logs under {self.root}")
 
     def replica(self) -> Node:
+        """A data node other than the current primary."""
         primary = self.primary()
-        return next(n for n in self.data if n is not primary)
+        return next(n for n in self.data if n is not primary and n.alive())
 
     def kill_primary(self, sig: int = signal.SIGKILL) -> Node:
         """Kill the current primary; returns the node killed."""
