@@ -219,8 +219,8 @@ class Drill:
             t.start()
         try:
             time.sleep(WARM_UP)
+            kill()  # returns once the process is dead (reaped)
             killed_at = time.monotonic()
-            kill()
             recovered = self._wait_recovered(killed_at)
             time.sleep(AFTER)
         finally:
