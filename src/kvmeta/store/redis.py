@@ -326,6 +326,8 @@ class RedisBackend:
             info = await client.info("cluster")
         except (ResponseError, AuthenticationError) as exc:
             await self.close()
+            if "DB index is out of range" in str(exc) and await self._is_cluster_node():
+                raise self._cluster_db_refused() from None
             raise BackendUnavailable(_set_up_refused(self.url, exc)) from None
         except (ConnectionError, RedisError, OSError) as exc:
             await self.close()
@@ -344,11 +346,7 @@ class RedisBackend:
             )
         if self.target.db:
             await self.close()
-            raise ConfigError(
-                f"`--backend` URL {self.target.shown} names a Redis Cluster node, and a Cluster "
-                f"has only database 0: drop /{self.target.db} from the URL",
-                "backend",
-            )
+            raise self._cluster_db_refused()
         await client.aclose()
         self._client = None
         logger.warning(
@@ -357,6 +355,26 @@ class RedisBackend:
             self.target.shown,
         )
         return self.target.with_mode("cluster", parts.hostname, parts.port or 6379)
+
+    def _cluster_db_refused(self) -> ConfigError:
+        return ConfigError(
+            f"`--backend` URL {self.target.shown} names a Redis Cluster node, and a Cluster "
+            f"has only database 0: drop /{self.target.db} from the URL",
+            "backend",
+        )
+
+    async def _is_cluster_node(self) -> bool:
+        """Whether the endpoint (which refused the URL's database) is a Cluster node."""
+        pool = aioredis.ConnectionPool.from_url(self.url)
+        pool.connection_kwargs["db"] = 0
+        client = aioredis.Redis(connection_pool=pool)
+        try:
+            return bool((await client.info("cluster")).get("cluster_enabled"))
+        except (RedisError, OSError):
+            return False
+        finally:
+            await client.aclose()
+            await pool.aclose()
 
     async def _install(self, node: Node) -> str:
         conn = node.take()
