@@ -7,7 +7,14 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.redis_support import redis_server, redis_url  # noqa: F401  (shared fixtures)
+from tests.redis_support import (  # noqa: F401  (shared fixtures)
+    redis_cluster,
+    redis_cluster_url,
+    redis_sentinel,
+    redis_sentinel_url,
+    redis_server,
+    redis_url,
+)
 from tests.support import ServerProcess
 
 

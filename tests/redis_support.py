@@ -2,22 +2,29 @@
 system ``redis-server``) on a free port, started by the test suite.
 
 ``redis_server`` is one server per test session (no persistence, loopback only);
-``redis_url`` hands each test an empty database on it.
+``redis_url`` hands each test an empty database on it. ``redis_cluster`` (3 primaries + 3
+replicas) and ``redis_sentinel`` (primary + replica + 3 Sentinels) are the HA topologies, with
+``redis_cluster_url`` / ``redis_sentinel_url`` handing each test an empty one. Every node logs
+to its own directory; a start-up failure names the log file.
 """
 
 from __future__ import annotations
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import pytest
 import redis
+import redis.asyncio as aioredis
+import redis.cluster
 
 
 def _server_binary() -> str:
@@ -106,6 +113,9 @@ class RedisServer:
     def client(self, db: int = 0) -> redis.Redis:
         return redis.Redis(port=self.port, db=db, password=self.password)
 
+    def async_client(self) -> aioredis.Redis:
+        return aioredis.Redis(port=self.port, password=self.password)
+
     def flush(self) -> None:
         with self.client() as client:
             client.flushall()
@@ -138,3 +148,464 @@ def redis_url(redis_server: RedisServer) -> str:
     """An empty Redis for this test."""
     redis_server.flush()
     return redis_server.url
+
+
+# ---------------------------------------------------------------------------- HA topologies
+#
+# A cluster and a Sentinel group built from the same binary, without valkey-cli: the tests
+# (and the failover drill) need the real failover machinery of the server, not a fake one.
+
+STARTUP_TIMEOUT = 30.0  # generous: the machine is small and shared
+
+
+class TopologyError(RuntimeError):
+    """A cluster or Sentinel group did not come up; the message names the node's log file."""
+
+
+class Node:
+    """One ``valkey-server`` process (data node or Sentinel) with its own directory and log."""
+
+    def __init__(self, root: Path, name: str, args: list[str], *, conf: str | None = None) -> None:
+        self.name = name
+        self.args = args
+        self.conf = conf
+        self.port = 0
+        self.dir = root / name
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    @property
+    def logfile(self) -> Path:
+        return self.dir / "server.log"
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def addr(self) -> str:
+        return f"127.0.0.1:{self.port}"
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def start(self) -> Node:
+        """Start on a free port (retried if another process takes it first)."""
+        if not Path(REDIS_SERVER).exists():
+            raise RuntimeError(f"{REDIS_SERVER} not found: set KVMETA_TEST_REDIS_SERVER")
+        self.dir.mkdir(parents=True, exist_ok=True)
+        for _ in range(5):
+            self.port = free_port()
+            base = ["--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.dir)]
+            base += ["--logfile", str(self.logfile)]
+            if self.conf is not None:  # a Sentinel: its config file is rewritten by it
+                path = self.dir / "sentinel.conf"
+                path.write_text(self.conf)
+                argv = [REDIS_SERVER, str(path), "--sentinel", *base]
+            else:
+                argv = [REDIS_SERVER, *base, "--save", "", "--appendonly", "no"]
+                # A replica syncs at once (the default waits 5 s for more replicas to join).
+                argv += ["--repl-diskless-sync-delay", "0", *self.args]
+                argv = [a.replace("{port}", str(self.port)) for a in argv]
+            self.proc = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+            )
+            deadline = time.monotonic() + STARTUP_TIMEOUT
+            while time.monotonic() < deadline and self.proc.poll() is None:
+                try:
+                    with self.client(timeout=1) as client:
+                        if client.ping():
+                            return self
+                except redis.RedisError:
+                    time.sleep(0.05)
+            self.kill(signal.SIGKILL)
+        raise TopologyError(f"{self.name} did not start; see {self.logfile}{_tail(self)}")
+
+    def client(self, timeout: float = 5.0) -> redis.Redis:
+        return redis.Redis(port=self.port, socket_timeout=timeout, decode_responses=True)
+
+    def call(self, *args: Any) -> Any:
+        with self.client() as client:
+            return client.execute_command(*args)
+
+    def info(self, section: str) -> dict[str, Any]:
+        with self.client() as client:
+            return dict(client.info(section))
+
+    def cluster_state(self) -> str:
+        info = str(self.call("CLUSTER", "INFO"))
+        return dict(ln.split(":", 1) for ln in info.split() if ":" in ln).get("cluster_state", "")
+
+    def kill(self, sig: int = signal.SIGKILL) -> None:
+        """Send ``sig`` (default SIGKILL: a crash) and reap the process."""
+        if self.alive():
+            assert self.proc is not None
+            self.proc.send_signal(sig)
+            try:
+                self.proc.wait(15)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+
+    def __repr__(self) -> str:
+        return f"<{self.name} {self.addr} pid={self.proc.pid if self.proc else None}>"
+
+
+def _tail(node: Node, lines: int = 8) -> str:
+    """The end of a node's log, for an error message (the directory is removed on close)."""
+    try:
+        text = node.logfile.read_text(errors="replace").splitlines()[-lines:]
+    except OSError:
+        return ""
+    return f"\n--- {node.name} ({node.logfile}):\n" + "\n".join(text)
+
+
+def _wait_for(what: str, done: Callable[[], bool], nodes: Sequence[Node]) -> None:
+    """Poll ``done`` until it holds; on timeout raise naming ``what`` and the log files."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT
+    last: BaseException | None = None
+    while time.monotonic() < deadline:
+        try:
+            if done():
+                return
+        except redis.RedisError as exc:  # a node still starting, or a transient state
+            last = exc
+        time.sleep(0.1)
+    logs = ", ".join(str(n.logfile) for n in nodes) + "".join(_tail(n) for n in nodes)
+    raise TopologyError(
+        f"timed out after {STARTUP_TIMEOUT}s waiting for {what} ({last}); logs: {logs}"
+    )
+
+
+class _Topology:
+    """Shared life cycle: a temp directory, the nodes, cleanup even if start-up fails."""
+
+    nodes: list[Node]
+
+    def __init__(self) -> None:
+        self._dir = tempfile.TemporaryDirectory(prefix="kvmeta-ha-")
+        self.root = Path(self._dir.name)
+        self.nodes = []
+
+    def __enter__(self) -> Any:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        for node in self.nodes:
+            node.kill(signal.SIGKILL)
+        self._dir.cleanup()
+
+    def _wait_replicated(self, primary: Node) -> None:
+        """Block until every replica of ``primary`` has its writes so far (``WAIT``)."""
+        with primary.client(timeout=STARTUP_TIMEOUT + 5) as client:
+            replicas = int(client.info("replication").get("connected_slaves", 0))
+            if replicas:
+                client.execute_command("WAIT", replicas, int(STARTUP_TIMEOUT * 1000))
+
+
+class RedisCluster(_Topology):
+    """3 primaries, each with its replica(s), in cluster mode on loopback ports, built without
+    valkey-cli.
+
+    ``url`` is ``redis+cluster://127.0.0.1:P1,127.0.0.1:P2,127.0.0.1:P3`` (the first
+    primaries as seeds). ``primary_for(key)`` is the node that serves ``key`` now (after a
+    failover, the promoted replica).
+    """
+
+    RANGES = ((0, 5460), (5461, 10922), (10923, 16383))
+
+    def __init__(self, *extra: str, replicas: int = 1, node_timeout_ms: int = 1000) -> None:
+        """``replicas`` per primary: 2 keeps ``WAIT 1`` satisfiable after one failover."""
+        super().__init__()
+        self.extra = list(extra)
+        self.replicas_per_primary = replicas
+        self.node_timeout_ms = node_timeout_ms
+        self.primaries: list[Node] = []
+        self.replicas: list[Node] = []
+        self.ids: dict[int, str] = {}  # port -> cluster node id
+
+    def start(self) -> RedisCluster:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        args = ["--cluster-enabled", "yes", "--cluster-config-file", "nodes-{port}.conf"]
+        args += ["--cluster-node-timeout", str(self.node_timeout_ms)]
+        # A replica takes over however long it was cut off: the tests kill primaries at will.
+        args += ["--cluster-replica-validity-factor", "0", *self.extra]
+        total = 3 * (1 + self.replicas_per_primary)
+        for i in range(total):
+            name = f"primary{i}" if i < 3 else f"replica{i % 3}-{i // 3}"
+            node = Node(self.root, name, args).start()
+            self.nodes.append(node)
+            (self.primaries if i < 3 else self.replicas).append(node)
+        for node in self.nodes:
+            self.ids[node.port] = node.call("CLUSTER", "MYID")
+        for i, (node, (lo, hi)) in enumerate(zip(self.primaries, self.RANGES, strict=True)):
+            node.call("CLUSTER", "SET-CONFIG-EPOCH", i + 1)
+            node.call("CLUSTER", "ADDSLOTSRANGE", lo, hi)
+        first = self.nodes[0]
+        for node in self.nodes[1:]:
+            first.call("CLUSTER", "MEET", "127.0.0.1", node.port)
+
+        def everyone_known() -> bool:
+            return all(
+                len(str(n.call("CLUSTER", "NODES")).strip().splitlines()) == total
+                for n in self.nodes
+            )
+
+        _wait_for("every node to know all the others (CLUSTER MEET)", everyone_known, self.nodes)
+        for i, replica in enumerate(self.replicas):
+            replica.call("CLUSTER", "REPLICATE", self.ids[self.primaries[i % 3].port])
+
+        def ready() -> bool:
+            if any(n.cluster_state() != "ok" for n in self.nodes):
+                return False
+            return all(
+                r.info("replication").get("master_link_status") == "up" for r in self.replicas
+            )
+
+        _wait_for("cluster_state:ok and every replica linked", ready, self.nodes)
+
+        def replicas_known() -> bool:  # every node sees the final roles (gossip)
+            for n in self.nodes:
+                lines = str(n.call("CLUSTER", "NODES")).strip().splitlines()
+                if sum(" slave " in f" {ln} " or ",slave " in ln for ln in lines) != len(
+                    self.replicas
+                ):
+                    return False
+            return True
+
+        _wait_for("every node to see every replica", replicas_known, self.nodes)
+
+    @property
+    def url(self) -> str:
+        return "redis+cluster://" + ",".join(n.addr for n in self.primaries)
+
+    def _live(self) -> Node:
+        for node in self.nodes:
+            if node.alive():
+                try:
+                    node.call("PING")
+                    return node
+                except redis.RedisError:
+                    continue
+        raise TopologyError("no cluster node answers")
+
+    def slot(self, key: str) -> int:
+        return int(self._live().call("CLUSTER", "KEYSLOT", key))
+
+    def primary_for(self, key: str) -> Node:
+        """The node serving ``key``'s slot now, from a live node's CLUSTER SHARDS."""
+        slot = self.slot(key)
+        by_port = {n.port: n for n in self.nodes}
+        with self._live().client() as client:
+            shards = client.execute_command("CLUSTER", "SHARDS")
+        for shard in shards:
+            shard = _as_dict(shard)
+            ranges = [int(x) for x in shard["slots"]]
+            if not any(lo <= slot <= hi for lo, hi in zip(ranges[::2], ranges[1::2], strict=True)):
+                continue
+            for entry in shard["nodes"]:
+                entry = _as_dict(entry)
+                if entry["role"] == "master" and entry.get("health") == "online":
+                    return by_port[int(entry["port"])]
+        raise TopologyError(f"no online primary serves slot {slot} ({key!r})")
+
+    def current_primaries(self) -> list[Node]:
+        """Live nodes whose ROLE is master."""
+        found = []
+        for node in self.nodes:
+            if node.alive():
+                try:
+                    if node.call("ROLE")[0] == "master":
+                        found.append(node)
+                except redis.RedisError:
+                    continue
+        return found
+
+    def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
+        node.kill(sig)
+
+    def flush(self) -> None:
+        """FLUSHALL on every primary, then wait until their replicas have it."""
+        for node in self.current_primaries():
+            node.call("FLUSHALL")
+            self._wait_replicated(node)
+
+    def client(self) -> redis.cluster.RedisCluster:
+        """A cluster-aware client (slot routing) for inspecting data in tests."""
+        live = self._live()
+        return redis.cluster.RedisCluster(host="127.0.0.1", port=live.port)
+
+    def async_client(self) -> aioredis.RedisCluster:
+        return aioredis.RedisCluster(host="127.0.0.1", port=self._live().port)
+
+    def wait_ok(self, timeout: float = STARTUP_TIMEOUT) -> None:
+        """Block until every live node reports cluster_state:ok (e.g. after a failover)."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                live = [n for n in self.nodes if n.alive()]
+                if all(n.cluster_state() == "ok" for n in live):
+                    return
+            except redis.RedisError:
+                pass
+            time.sleep(0.1)
+        raise TopologyError(f"cluster not ok after {timeout}s; logs under {self.root}")
+
+
+def _as_dict(value: Any) -> dict[str, Any]:
+    """RESP2 replies of CLUSTER SHARDS are flat [name, value, ...] lists."""
+    if isinstance(value, dict):
+        return value
+    return {str(k): v for k, v in zip(value[::2], value[1::2], strict=True)}
+
+
+class SentinelGroup(_Topology):
+    """One primary, its replica(s) and three Sentinels monitoring them as ``kvmeta``.
+
+    ``url`` is ``redis+sentinel://127.0.0.1:S1,127.0.0.1:S2,127.0.0.1:S3/kvmeta``.
+    """
+
+    NAME = "kvmeta"
+
+    def __init__(
+        self,
+        *extra: str,
+        replicas: int = 1,
+        down_after_ms: int = 1000,
+        failover_timeout_ms: int = 3000,
+    ) -> None:
+        """``replicas``: 2 keeps ``WAIT 1`` satisfiable after one failover."""
+        super().__init__()
+        self.extra = list(extra)
+        self.replica_count = replicas
+        self.down_after_ms = down_after_ms
+        self.failover_timeout_ms = failover_timeout_ms
+        self.data: list[Node] = []
+        self.sentinels: list[Node] = []
+
+    def start(self) -> SentinelGroup:
+        try:
+            self._start()
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def _start(self) -> None:
+        primary = Node(self.root, "primary", list(self.extra)).start()
+        self.nodes.append(primary)
+        self.data = [primary]
+        replica_args = ["--replicaof", "127.0.0.1", str(primary.port), *self.extra]
+        for i in range(self.replica_count):
+            replica = Node(self.root, f"replica{i}", replica_args).start()
+            self.nodes.append(replica)
+            self.data.append(replica)
+        _wait_for(
+            "the replicas to link to the primary",
+            lambda: all(
+                r.info("replication").get("master_link_status") == "up" for r in self.data[1:]
+            ),
+            self.data,
+        )
+        conf = (
+            f"sentinel monitor {self.NAME} 127.0.0.1 {primary.port} 2\n"
+            f"sentinel down-after-milliseconds {self.NAME} {self.down_after_ms}\n"
+            f"sentinel failover-timeout {self.NAME} {self.failover_timeout_ms}\n"
+        )
+        for i in range(3):
+            sentinel = Node(self.root, f"sentinel{i}", [], conf=conf).start()
+            self.nodes.append(sentinel)
+            self.sentinels.append(sentinel)
+
+        def all_seen() -> bool:
+            for s in self.sentinels:
+                if len(s.call("SENTINEL", "REPLICAS", self.NAME)) != self.replica_count:
+                    return False
+                if len(s.call("SENTINEL", "SENTINELS", self.NAME)) != 2:
+                    return False
+            return True
+
+        _wait_for("every Sentinel to see the replicas and the other two", all_seen, self.nodes)
+
+    @property
+    def url(self) -> str:
+        return "redis+sentinel://" + ",".join(s.addr for s in self.sentinels) + f"/{self.NAME}"
+
+    def primary(self) -> Node:
+        """The data node a Sentinel names as primary now (the first Sentinel that answers)."""
+        for sentinel in self.sentinels:
+            if not sentinel.alive():
+                continue
+            try:
+                _host, port = sentinel.call("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.NAME)
+            except redis.RedisError:
+                continue
+            for node in self.data:
+                if node.port == int(port):
+                    return node
+        raise TopologyError(f"no Sentinel names a primary; logs under {self.root}")
+
+    def replica(self) -> Node:
+        """A data node other than the current primary."""
+        primary = self.primary()
+        return next(n for n in self.data if n is not primary and n.alive())
+
+    def kill_primary(self, sig: int = signal.SIGKILL) -> Node:
+        """Kill the current primary; returns the node killed."""
+        node = self.primary()
+        node.kill(sig)
+        return node
+
+    def flush(self) -> None:
+        primary = self.primary()
+        primary.call("FLUSHALL")
+        self._wait_replicated(primary)
+
+    def client(self) -> redis.Redis:
+        """A client to the current primary."""
+        return redis.Redis(port=self.primary().port)
+
+    def async_client(self) -> aioredis.Redis:
+        return aioredis.Redis(port=self.primary().port)
+
+
+@pytest.fixture(scope="session")
+def redis_cluster() -> Iterator[RedisCluster]:
+    cluster = RedisCluster().start()
+    try:
+        yield cluster
+    finally:
+        cluster.close()
+
+
+@pytest.fixture
+def redis_cluster_url(redis_cluster: RedisCluster) -> str:
+    """An empty 3-primary cluster for this test."""
+    redis_cluster.flush()
+    return redis_cluster.url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel() -> Iterator[SentinelGroup]:
+    group = SentinelGroup().start()
+    try:
+        yield group
+    finally:
+        group.close()
+
+
+@pytest.fixture
+def redis_sentinel_url(redis_sentinel: SentinelGroup) -> str:
+    """An empty Sentinel-managed primary (+ replica) for this test."""
+    redis_sentinel.flush()
+    return redis_sentinel.url

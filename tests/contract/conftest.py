@@ -1,9 +1,12 @@
 """The ``backend`` fixture: every contract test runs once per backend.
 
-A backend is built by a factory ``(reservation_ttl, read_lease, redis_url) -> Backend``;
-``BACKENDS`` maps each fixture id to its factory, so adding a backend (e.g. a journaled
-memory backend) is one line. ``Sync`` drives the async Backend from plain tests on a private
-event loop, and ``check()`` validates the full page invariant in whichever store it is.
+A backend is built by a factory ``(reservation_ttl, read_lease, fixture) -> Backend``, where
+``fixture(name)`` returns a pytest fixture's value (e.g. ``"redis_cluster_url"``: an empty
+cluster), requested only by the factories that need it; ``BACKENDS`` maps each fixture id to
+its factory, so adding a backend (or a Redis topology) is one line. Redis runs on every
+topology kvmeta supports: one node, a 3-primary + 3-replica cluster, and a Sentinel group.
+``Sync`` drives the async Backend from plain tests on a private event loop, and ``check()``
+validates the full page invariant in whichever store it is.
 """
 
 from __future__ import annotations
@@ -20,13 +23,21 @@ from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.redis import RedisBackend
 
 T = TypeVar("T")
-Factory = Callable[[float, float, Callable[[], str]], Backend]
+Factory = Callable[[float, float, Callable[[str], str]], Backend]
 
 BACKENDS: dict[str, Factory] = {
-    "memory": lambda ttl, lease, url: MemoryBackend(
+    "memory": lambda ttl, lease, fixture: MemoryBackend(
         MemoryStore(reservation_ttl=ttl, read_lease=lease)
     ),
-    "redis": lambda ttl, lease, url: RedisBackend(url(), reservation_ttl=ttl, read_lease=lease),
+    "redis": lambda ttl, lease, fixture: RedisBackend(
+        fixture("redis_url"), reservation_ttl=ttl, read_lease=lease
+    ),
+    "redis-cluster": lambda ttl, lease, fixture: RedisBackend(
+        fixture("redis_cluster_url"), reservation_ttl=ttl, read_lease=lease
+    ),
+    "redis-sentinel": lambda ttl, lease, fixture: RedisBackend(
+        fixture("redis_sentinel_url"), reservation_ttl=ttl, read_lease=lease
+    ),
 }
 
 
@@ -59,11 +70,11 @@ def make_backend(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]
     loop = asyncio.new_event_loop()
     started: list[Sync] = []
 
-    def redis_url() -> str:
-        return str(request.getfixturevalue("redis_url"))
+    def fixture(name: str) -> str:
+        return str(request.getfixturevalue(name))
 
     def make(ttl: float = 300.0, lease: float = 0.0) -> Sync:
-        backend = BACKENDS[request.param](ttl, lease, redis_url)
+        backend = BACKENDS[request.param](ttl, lease, fixture)
         loop.run_until_complete(backend.start())
         started.append(Sync(backend, loop))
         return started[-1]

@@ -7,8 +7,9 @@ and the release grace exactly as the model says. After every step the replies (o
 class, message and field), every stats line (counters included) and the vLLM index must be
 identical, and each store's page invariant must hold.
 
-Every example is a new random sequence (no fixed seed), so each CI run explores new ones; a
-failure is replayed from hypothesis's example database and shrunk to a short sequence.
+The sequences are derandomized (the same 120 every run, on every Redis topology: one node, a
+cluster, a Sentinel group), so CI compares and never flakes; a failure is shrunk to a short
+sequence.
 Every operation of ``store.base.Backend`` has a rule here: a new operation lands with its rule.
 """
 
@@ -39,7 +40,7 @@ from kvmeta.errors import KvmetaError
 from kvmeta.store.base import Backend
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
-from tests.redis_support import RedisServer
+from tests.redis_support import RedisCluster, RedisServer, SentinelGroup
 
 T = TypeVar("T")
 
@@ -82,6 +83,19 @@ class Writer:
     reply: list[tuple[bool, int]]
 
 
+_REORDER = """
+redis.call('DEL', KEYS[1])
+if #ARGV > 0 then redis.call('RPUSH', KEYS[1], unpack(ARGV)) end
+"""
+
+# Every Redis topology kvmeta runs on: fixture id -> the session fixture that starts it.
+TOPOLOGIES = {
+    "redis": "redis_server",
+    "redis-cluster": "redis_cluster",
+    "redis-sentinel": "redis_sentinel",
+}
+
+
 def _outcome(exc: KvmetaError) -> tuple[str, str, str | None]:
     return type(exc).__name__, str(exc), getattr(exc, "field", None)
 
@@ -92,6 +106,8 @@ class Differential(RuleBasedStateMachine):
     # Set by the test before each run (the Redis backend is started once per test).
     loop: asyncio.AbstractEventLoop
     red: RedisBackend
+    raw: Any  # a plain (or cluster-aware) redis-py client to the same data, to inspect it
+    flush: Callable[[], None]  # empties every primary of the topology
     clock: Clock
     seen: Counter[str]
     check_every = 10  # Redis's check is ~50 calls: every step would double the run time
@@ -131,7 +147,7 @@ class Differential(RuleBasedStateMachine):
         lease=st.sampled_from([0.0, 0.0, 3.0, 12.0]),
     )
     def setup(self, ttl: float, lease: float) -> None:
-        self.run(self.red._client.flushdb())  # type: ignore[union-attr]
+        self.flush()
         store = self.memory.store
         store.reservation_ttl = self.red.reservation_ttl = ttl
         store.read_lease = self.red.read_lease = lease
@@ -304,8 +320,7 @@ class Differential(RuleBasedStateMachine):
         one, so the page numbers handed out later stay comparable.
         """
         ticked, self.ticked = self.ticked, False
-        client = self.red._client
-        assert client is not None
+        client = self.raw
         pools = list(self.memory.store.pools.items())
         parts = [dict(zip(POOL_PARTS, pool_keys(pid), strict=True)) for pid, _ in pools]
         pipe = client.pipeline(transaction=False)  # one round trip for every pool
@@ -335,13 +350,8 @@ class Differential(RuleBasedStateMachine):
             self.free_before[pid] = mem
 
     async def _reorder(self, key: str, pages: list[int]) -> None:
-        client = self.red._client
-        assert client is not None
-        async with client.pipeline(transaction=True) as pipe:
-            pipe.delete(key)
-            if pages:
-                pipe.rpush(key, *pages)
-            await pipe.execute()
+        # One script: atomic on every topology (a cluster routes it by its one key).
+        await self.raw.eval(_REORDER, 1, key, *pages)
 
     def teardown(self) -> None:
         assert self.run(self.red.check()).problems == []
@@ -376,11 +386,17 @@ MUST_SEE = [
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)  # a failure shrinks for up to hypothesis's 5 minutes, then reports
-def test_memory_and_redis_agree_on_every_reply(redis_server: RedisServer) -> None:
-    redis_server.flush()
+@pytest.mark.parametrize("topology", sorted(TOPOLOGIES))
+def test_memory_and_redis_agree_on_every_reply(
+    topology: str, request: pytest.FixtureRequest
+) -> None:
+    server: RedisServer | RedisCluster | SentinelGroup = request.getfixturevalue(
+        TOPOLOGIES[topology]
+    )
+    server.flush()
     clock = Clock()
     loop = asyncio.new_event_loop()
-    red = RedisBackend(redis_server.url, clock=clock)
+    red = RedisBackend(server.url, clock=clock)
     loop.run_until_complete(red.start())
     seen: Counter[str] = Counter()
     Differential.loop, Differential.red, Differential.clock, Differential.seen = (
@@ -389,6 +405,7 @@ def test_memory_and_redis_agree_on_every_reply(redis_server: RedisServer) -> Non
         clock,
         seen,
     )
+    Differential.raw, Differential.flush = server.async_client(), server.flush
     try:
         run_state_machine_as_test(
             Differential,
@@ -402,6 +419,7 @@ def test_memory_and_redis_agree_on_every_reply(redis_server: RedisServer) -> Non
         )
     finally:
         loop.run_until_complete(red.close())
+        loop.run_until_complete(Differential.raw.aclose())
         loop.close()
     missing = [name for name in MUST_SEE if not seen[name]]
     assert not missing, f"no example reached {missing}: {dict(seen)}"
