@@ -4,7 +4,6 @@ and ASK while a slot migrates, a primary failing over to its replica, the epoch.
 from __future__ import annotations
 
 import asyncio
-import os
 import signal
 import time
 from collections.abc import Iterator
@@ -15,14 +14,13 @@ import redis
 from redis.crc import key_slot
 
 from kvmeta._types import PoolId
-from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis import RedisBackend, pool_keys
-from tests.redis_support import RedisServer
+from tests.redis_support import Node, RedisCluster
 
 pytestmark = pytest.mark.slow
 
 
-def _wait(check: Any, timeout: float = 30.0, what: str = "") -> None:
+def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         try:
@@ -31,123 +29,19 @@ def _wait(check: Any, timeout: float = 30.0, what: str = "") -> None:
         except redis.RedisError:
             pass
         time.sleep(0.1)
-    raise AssertionError(f"timed out waiting for {what or check}")
-
-
-class Cluster:
-    """3 primaries (slots split evenly) + one replica each, cluster-node-timeout 1000 ms."""
-
-    def __init__(self) -> None:
-        self.nodes = [
-            RedisServer(
-                "--cluster-enabled",
-                "yes",
-                "--cluster-node-timeout",
-                "1000",
-                "--cluster-config-file",
-                "nodes.conf",
-            ).start()
-            for _ in range(6)
-        ]
-        try:
-            self._join()
-        except BaseException:
-            self.close()
-            raise
-
-    def _join(self) -> None:
-        first = self.nodes[0].client()
-        for node in self.nodes[1:]:
-            first.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port)
-        bounds = [(0, 5460), (5461, 10922), (10923, 16383)]
-        for node, (lo, hi) in zip(self.nodes[:3], bounds, strict=True):
-            node.client().execute_command("CLUSTER", "ADDSLOTSRANGE", lo, hi)
-        ids = [self.node_id(n) for n in self.nodes[:3]]
-        _wait(
-            lambda: all(
-                len(n.client().execute_command("CLUSTER", "NODES").decode().splitlines()) == 6
-                for n in self.nodes
-            ),
-            what="meet",
-        )
-        for replica, primary_id in zip(self.nodes[3:], ids, strict=True):
-            _wait(
-                lambda r=replica, p=primary_id: r.client().execute_command(
-                    "CLUSTER", "REPLICATE", p
-                ),
-                what="replicate",
-            )
-        self.wait_ok()
-
-    @staticmethod
-    def node_id(node: RedisServer) -> str:
-        return str(node.client().execute_command("CLUSTER", "MYID").decode())
-
-    def wait_ok(self) -> None:
-        def ok() -> bool:
-            for n in self.nodes:
-                if n.proc is None or n.proc.poll() is not None:
-                    continue
-                if b"cluster_state:ok" not in n.client().execute_command("CLUSTER", "INFO"):
-                    return False
-            return True
-
-        _wait(ok, what="cluster_state ok")
-
-    @property
-    def url(self) -> str:
-        return "redis+cluster://" + ",".join(f"127.0.0.1:{n.port}" for n in self.nodes[:2])
-
-    def owner(self, key: str) -> RedisServer:
-        slot = key_slot(key.encode())
-        for n in self.nodes:
-            if n.proc is None or n.proc.poll() is not None:
-                continue
-            for lo, hi, primary, *_ in n.client().execute_command("CLUSTER", "SLOTS"):
-                if lo <= slot <= hi:
-                    return next(x for x in self.nodes if x.port == int(primary[1]))
-        raise AssertionError(f"no owner for slot {slot}")
-
-    def replica_of(self, primary: RedisServer) -> RedisServer:
-        pid = self.node_id(primary)
-        for n in self.nodes:
-            if n is primary or n.proc is None or n.proc.poll() is not None:
-                continue
-            info = n.client().info("replication")
-            if info["role"] == "slave" and info["master_port"] == primary.port:
-                return n
-        raise AssertionError(f"no replica of {pid}")
-
-    def flush(self) -> None:
-        for n in self.nodes:
-            if n.proc is not None and n.proc.poll() is None:
-                if n.client().info("replication")["role"] == "master":
-                    n.client().flushall()
-
-    def close(self) -> None:
-        for n in self.nodes:
-            n.close()
-
-
-@pytest.fixture(scope="module")
-def cluster() -> Iterator[Cluster]:
-    made = Cluster()
-    try:
-        yield made
-    finally:
-        made.close()
+    raise AssertionError(f"timed out waiting for {what}")
 
 
 def _run(coro: Any) -> Any:
     return asyncio.run(coro)
 
 
-def _pools_on_each_primary(cluster: Cluster) -> list[PoolId]:
+def _pools_on_each_primary(cluster: RedisCluster) -> list[PoolId]:
     """One SGLang pool per primary (namespaces chosen by their slot)."""
     found: dict[int, PoolId] = {}
     for i in range(200):
         pid = PoolId("s", 0, f"ns{i}")
-        found.setdefault(cluster.owner(pool_keys(pid)[0]).port, pid)
+        found.setdefault(cluster.primary_for(pool_keys(pid)[0]).port, pid)
         if len(found) == 3:
             return list(found.values())
     raise AssertionError("pools did not spread")
@@ -162,7 +56,8 @@ async def _cycle(backend: RedisBackend, pid: PoolId, key: str) -> int:
     return page
 
 
-def test_pools_on_every_shard_answer_through_one_backend(cluster: Cluster) -> None:
+def test_pools_on_every_shard_answer_through_one_backend(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
     cluster.flush()
 
     async def go() -> None:
@@ -187,17 +82,18 @@ def test_pools_on_every_shard_answer_through_one_backend(cluster: Cluster) -> No
 
     _run(go())
     # Each primary holds only its own pools' keys (no cross-slot keys anywhere).
-    owners = {cluster.owner(pool_keys(p)[0]).port for p in _pools_on_each_primary(cluster)}
+    owners = {cluster.primary_for(pool_keys(p)[0]).port for p in _pools_on_each_primary(cluster)}
     assert len(owners) == 3
 
 
 def test_a_plain_url_naming_a_cluster_node_switches_to_cluster_mode(
-    cluster: Cluster, caplog: pytest.LogCaptureFixture
+    redis_cluster: RedisCluster, caplog: pytest.LogCaptureFixture
 ) -> None:
+    cluster = redis_cluster
     cluster.flush()
 
     async def go() -> None:
-        backend = RedisBackend(cluster.nodes[0].url)
+        backend = RedisBackend(f"redis://{cluster.primaries[0].addr}")
         await backend.start()
         try:
             assert backend.describe.startswith("redis cluster at ")
@@ -212,25 +108,19 @@ def test_a_plain_url_naming_a_cluster_node_switches_to_cluster_mode(
 
     async def db_one() -> None:
         with pytest.raises(Exception, match="has only database 0"):
-            await RedisBackend(cluster.nodes[0].url + "/1").start()
+            await RedisBackend(f"redis://{cluster.primaries[0].addr}/1").start()
 
     _run(db_one())
 
 
-def _primaries(cluster: Cluster) -> list[RedisServer]:
-    return [
-        n
-        for n in cluster.nodes
-        if n.proc is not None
-        and n.proc.poll() is None
-        and n.client().info("replication")["role"] == "master"
-    ]
+def _primaries(cluster: RedisCluster) -> list[Node]:
+    return cluster.current_primaries()
 
 
-def _start_migration(cluster: Cluster, slot: int, src: RedisServer, dst: RedisServer) -> None:
+def _start_migration(cluster: RedisCluster, slot: int, src: Node, dst: Node) -> None:
     """Mark ``slot`` MIGRATING on ``src``/IMPORTING on ``dst`` and move its keys, as a
     resharding tool does, but do not hand the slot over yet (``_finish_migration``)."""
-    src_id, dst_id = cluster.node_id(src), cluster.node_id(dst)
+    src_id, dst_id = src.call("CLUSTER", "MYID"), dst.call("CLUSTER", "MYID")
     dst.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
     src.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
     names = src.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
@@ -238,13 +128,14 @@ def _start_migration(cluster: Cluster, slot: int, src: RedisServer, dst: RedisSe
         src.client().execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *names)
 
 
-def _finish_migration(cluster: Cluster, slot: int, dst: RedisServer) -> None:
-    dst_id = cluster.node_id(dst)
+def _finish_migration(cluster: RedisCluster, slot: int, dst: Node) -> None:
+    dst_id = dst.call("CLUSTER", "MYID")
     for n in _primaries(cluster):
         n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
 
-def test_ask_then_tryagain_then_moved_during_a_slot_migration(cluster: Cluster) -> None:
+def test_ask_then_tryagain_then_moved_during_a_slot_migration(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
     """A pool's slot migrates while it is used: its keys already on the target, the slot not
     yet handed over (the source answers ASK, the target TRYAGAIN for a multi-key script whose
     keys are not all there), then handed over (MOVED): the calls wait it out and answer
@@ -252,8 +143,8 @@ def test_ask_then_tryagain_then_moved_during_a_slot_migration(cluster: Cluster) 
     cluster.flush()
     pid = _pools_on_each_primary(cluster)[0]
     slot = key_slot(pool_keys(pid)[0].encode())
-    src = cluster.owner(pool_keys(pid)[0])
-    dst = next(n for n in _primaries(cluster) if n is not src)
+    src = cluster.primary_for(pool_keys(pid)[0])
+    dst = next(n for n in _primaries(cluster) if n.port != src.port)
 
     async def go() -> None:
         backend = RedisBackend(cluster.url)
@@ -277,10 +168,11 @@ def test_ask_then_tryagain_then_moved_during_a_slot_migration(cluster: Cluster) 
             await backend.close()
 
     _run(go())
-    assert cluster.owner(pool_keys(pid)[0]) is dst
+    assert cluster.primary_for(pool_keys(pid)[0]).port == dst.port
 
 
-def test_ask_on_a_single_key_command_is_followed(cluster: Cluster) -> None:
+def test_ask_on_a_single_key_command_is_followed(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
     """The pool registry key moved to the target while its slot is still MIGRATING: SADD and
     SMEMBERS get ASK and are sent with ASKING to the target."""
     cluster.flush()
@@ -293,8 +185,8 @@ def test_ask_on_a_single_key_command_is_followed(cluster: Cluster) -> None:
             await backend.initialize(pools[0], 8)
             registry = "kvmeta:pools"
             slot = key_slot(registry.encode())
-            src = cluster.owner(registry)
-            dst = next(n for n in _primaries(cluster) if n is not src)
+            src = cluster.primary_for(registry)
+            dst = next(n for n in _primaries(cluster) if n.port != src.port)
             _start_migration(cluster, slot, src, dst)
             try:
                 await backend.initialize(pools[1], 8)
@@ -305,6 +197,115 @@ def test_ask_on_a_single_key_command_is_followed(cluster: Cluster) -> None:
             finally:
                 _finish_migration(cluster, slot, dst)
             assert set(pools[:2]) <= set(await backend.pools())
+        finally:
+            await backend.close()
+
+    _run(go())
+
+
+@pytest.fixture(scope="module")
+def doomed_cluster() -> Iterator[RedisCluster]:
+    """A cluster of this module's own: its primaries get failed over and killed."""
+    with RedisCluster().start() as made:
+        yield made
+
+
+def _replica_of(cluster: RedisCluster, primary: Node) -> Node:
+    for node in cluster.nodes:
+        if node.alive() and node.port != primary.port:
+            info = node.info("replication")
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
+                return node
+    raise AssertionError(f"no replica of {primary}")
+
+
+def _has_library(node: Node) -> bool:
+    return bool(node.call("FUNCTION", "LIST", "LIBRARYNAME", "kvmeta"))
+
+
+def test_a_clean_failover_keeps_answers_code_and_epoch(doomed_cluster: RedisCluster) -> None:
+    """CLUSTER FAILOVER on a replica: the pool's slot moves to it (MOVED), its data and
+    kvmeta's functions came with replication, and the epoch stays (no data was lost)."""
+    cluster = doomed_cluster
+    cluster.flush()
+    pid = _pools_on_each_primary(cluster)[0]
+
+    async def go() -> None:
+        backend = RedisBackend(cluster.url)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            epoch = backend.epoch
+            old = cluster.primary_for(pool_keys(pid)[0])
+            replica = _replica_of(cluster, old)
+            cluster._wait_replicated(old)
+            replica.call("CLUSTER", "FAILOVER")
+            _wait(lambda: replica.call("ROLE")[0] == "master", "the replica to take over")
+            assert _has_library(replica)  # replicated with the data, not installed by us
+            assert await backend.get(pid, ["a"]) == [page]
+            assert await backend.confirm(pid, [("a", page)], []) == 0
+            assert backend.epoch == epoch
+        finally:
+            await backend.close()
+
+    _run(go())
+
+
+def test_a_killed_primary_is_replaced_within_the_failover_timeout(
+    doomed_cluster: RedisCluster,
+) -> None:
+    """kill -9 of the primary serving a pool: calls wait for the automatic promotion
+    (cluster-node-timeout 1000 ms) and then answer from the promoted replica."""
+    cluster = doomed_cluster
+    cluster.wait_ok()
+    cluster.flush()
+    pid = _pools_on_each_primary(cluster)[1]
+
+    async def go() -> float:
+        backend = RedisBackend(cluster.url, failover_timeout=30.0)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            epoch = backend.epoch
+            victim = cluster.primary_for(pool_keys(pid)[0])
+            cluster._wait_replicated(victim)
+            victim.kill(signal.SIGKILL)
+            began = time.monotonic()
+            assert await backend.get(pid, ["a"]) == [page]
+            took = time.monotonic() - began
+            [(stored, page_b)] = await backend.reserve(pid, ["b"])
+            assert not stored and page_b != page
+            assert backend.epoch == epoch
+            assert await backend.ready()
+            return took
+        finally:
+            await backend.close()
+
+    took = _run(go())
+    print(f"cluster primary kill -9: answered again after {took:.2f}s")
+
+
+def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
+    """FLUSHALL then every connection dropped (what a restart without persistence looks
+    like to kvmeta): the next call finds kvmeta:epoch gone and makes a new one."""
+
+    async def go() -> None:
+        redis_server.flush()
+        backend = RedisBackend(redis_server.url)
+        await backend.start()
+        try:
+            first = backend.epoch
+            assert first and first.isalnum()
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            with redis_server.client() as client:
+                client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            assert backend.epoch == first  # a reconnect alone changes nothing
+            with redis_server.client() as client:
+                client.flushall()
+                client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            assert backend.epoch != first
         finally:
             await backend.close()
 
