@@ -70,6 +70,10 @@ class Settings:
     idle_timeout: float = 300.0
     max_connections: int = 4096
     metrics_max_pools: int = 256
+    # Redis high availability (see store/redis.py)
+    failover_timeout: float = 5.0
+    min_replicas_ack: int = 0
+    replica_ack_timeout: float = 1.0
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -114,6 +118,13 @@ def _positive_int(text: str) -> int:
     value = int(text)
     if value <= 0:
         raise ValueError("must be > 0")
+    return value
+
+
+def _non_negative_int(text: str) -> int:
+    value = int(text)
+    if value < 0:
+        raise ValueError("must be >= 0")
     return value
 
 
@@ -202,6 +213,24 @@ OPTIONS: tuple[Option, ...] = (
         "metrics_max_pools",
         "pools with their own /metrics series; the rest are summed per dialect as rank _other",
         _positive_int,
+    ),
+    # Redis high availability
+    Option(
+        "failover_timeout",
+        "Redis backend: seconds a request retries across a failover, slot move or lost "
+        "connection before it answers 503",
+        _seconds,
+    ),
+    Option(
+        "min_replicas_ack",
+        "Redis backend: replicas that must acknowledge each change (WAIT) before it is "
+        "answered; fewer within --replica-ack-timeout: 503 (0: the primary's word)",
+        _non_negative_int,
+    ),
+    Option(
+        "replica_ack_timeout",
+        "Redis backend: seconds to wait for --min-replicas-ack replicas",
+        _seconds,
     ),
 )
 

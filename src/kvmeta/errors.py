@@ -15,6 +15,7 @@
     |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
     |   +-- JournalFailed                  the journal cannot be written: 503 until it can
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
+    |   +-- NotReplicated                  too few replicas acknowledged a write: 503
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
 
 All of them subclass ``RuntimeError`` because both engines' stock clients raise
@@ -37,6 +38,7 @@ __all__ = [
     "MethodNotAllowed",
     "NotFound",
     "NotInitialized",
+    "NotReplicated",
     "PayloadTooLarge",
     "ServerError",
     "ServerUnavailable",
@@ -165,6 +167,12 @@ class CannotListen(KvmetaError):
 
 
 # (Classes added later go here, each at the end of the list.)
+
+
+class NotReplicated(BackendUnavailable):
+    """Raised when a write reached the Redis primary but fewer replicas than
+    ``--min-replicas-ack`` acknowledged it in time: it may not survive a failover (503; every
+    operation is idempotent, so the request is safe to retry)."""
 
 
 class InvalidPathParameter(InvalidRequest):

@@ -42,6 +42,9 @@ def build_backend(settings: Settings) -> Backend:
             settings.backend,
             reservation_ttl=settings.reservation_ttl,
             read_lease=settings.read_lease,
+            failover_timeout=settings.failover_timeout,
+            min_replicas_ack=settings.min_replicas_ack,
+            replica_ack_timeout=settings.replica_ack_timeout,
         )
     store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
     if settings.in_memory and not settings.persistence_path:

@@ -26,23 +26,25 @@ from Python: one long script would stall every pool on that Redis for its whole 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import functools
-import hashlib
 import logging
+import time
+import uuid
 from collections.abc import Callable
-from importlib import resources
-from pathlib import Path
 from typing import Any
-from urllib.parse import parse_qs, quote, unquote, urlsplit, urlunsplit
+from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
 from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import (
+    AskError,
     AuthenticationError,
     ConnectionError,
-    NoScriptError,
+    MovedError,
+    ReadOnlyError,
     RedisError,
     ResponseError,
 )
@@ -55,15 +57,28 @@ from kvmeta.errors import (
     InvalidRequest,
     KvmetaError,
     NotInitialized,
+    NotReplicated,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.redis_nodes import (
+    READ_TIMEOUT,
+    ClusterTopology,
+    Node,
+    SentinelTopology,
+    Topology,
+    retriable,
+)
+from kvmeta.store.redis_scripts import ScriptLibrary
+from kvmeta.store.redis_url import DB_HINT, RedisTarget, check_url, parse_target, redact_url
 
-__all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
+__all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]  # check_url,
+# redact_url: from store.redis_url, kept importable here
 
 logger = logging.getLogger(__name__)
 
 _PREFIX = "kvmeta"
 _S_REGISTRY = f"{_PREFIX}:pools"
+_EPOCH_KEY = f"{_PREFIX}:epoch"
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
 _SCRIPTS = (
     "initialize",
@@ -106,7 +121,10 @@ _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "tota
 # ``now_s``). A static test checks each script reads exactly this ARGV.
 _TIMED = {"reserve": 2, "confirm": 2, "get": 2, "delete": 2, "clear": 3, "stats": 1, "v_clear": 1}
 _MAX_PROBLEMS = 20
-_MAX_IDLE = 64  # connections kept open per server process for concurrent requests
+# Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
+_FIRST_DELAY = 0.05
+_MAX_DELAY = 0.5
+_MAX_REDIRECTS = 16  # MOVED/ASK hops for one call before it counts as a failure to retry
 # The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
 # counter added to ``PoolCounters`` is reported here at once (the Lua bumps it by name).
 _COUNTERS = tuple(f.name for f in dataclasses.fields(PoolCounters))
@@ -153,64 +171,14 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def redact_url(url: str) -> str:
-    """``url`` with any password replaced by ``***``, for logs and error messages."""
-    parts = urlsplit(url)
-    if parts.password is None:
-        return url
-    netloc = parts.netloc.rsplit("@", 1)[1]
-    user = parts.username or ""
-    return urlunsplit(parts._replace(netloc=f"{user}:***@{netloc}"))
-
-
-# URL query parameters that name a file redis-py opens only when it connects.
-_TLS_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ca_path")
-_DB_HINT = (
-    "databases are numbered 0..N-1, N being Redis's `databases` setting (16 by default); "
-    "write the number after the port, e.g. redis://host:6379/0"
-)
-
-
-def check_url(url: str) -> None:
-    """Refuse a ``--backend`` URL that redis-py would misread or fail on only when connecting.
-
-    redis-py takes ``/abc`` as database 0 without a word, and opens TLS files only inside the
-    connection attempt (a bare "No such file" with no name); both are checked here instead.
-
-    Raises:
-        ConfigError: naming the part of the URL and the fix.
-    """
-    shown = redact_url(url)
-    parts = urlsplit(url)
-    if parts.scheme not in ("redis", "rediss", "unix"):
-        raise ConfigError(
-            f"Expected `--backend` to be a redis://, rediss:// or unix:// URL, got {shown!r}"
-            " (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
-            "backend",
-        )
-    try:
-        parts.port  # noqa: B018  (raises on a port that is not a number 0..65535)
-    except ValueError as exc:
-        raise ConfigError(f"`--backend` URL {shown}: {exc}", "backend") from None
-    query = parse_qs(parts.query, keep_blank_values=True)
-    dbs = [f"db={v}" for v in query.get("db", [])]
-    if parts.scheme != "unix" and parts.path not in ("", "/"):
-        dbs.append(parts.path)
-    for db in dbs:
-        number = db[3:] if db.startswith("db=") else unquote(db[1:])
-        if not (number.isascii() and number.isdecimal()):
-            raise ConfigError(
-                f"`--backend` URL {shown}: the database {db!r} is not a number; {_DB_HINT}",
-                "backend",
-            )
-    for param in _TLS_FILES:
-        for value in query.get(param, []):
-            if not Path(value).exists():
-                raise ConfigError(
-                    f"`--backend` URL {shown}: {param}={value}: file not found (the path is "
-                    "read on the machine running kvmeta; fix it or drop the parameter)",
-                    "backend",
-                )
+def _info(raw: Any) -> dict[str, str]:
+    """An ``INFO`` reply read off a raw connection: ``field:value`` lines."""
+    out = {}
+    for line in _text(raw).splitlines():
+        field, sep, value = line.partition(":")
+        if sep and not line.startswith("#"):
+            out[field] = value.strip()
+    return out
 
 
 def _set_up_refused(url: str, exc: RedisError) -> str:
@@ -219,7 +187,7 @@ def _set_up_refused(url: str, exc: RedisError) -> str:
     text = f"Redis at {redact_url(url)} refused the connection set-up: {answer!r}"
     if "DB index is out of range" in answer:
         db = urlsplit(url).path or "?db=" + ",".join(parse_qs(urlsplit(url).query).get("db", []))
-        return f"{text}: it has no database {db} ({_DB_HINT})"
+        return f"{text}: it has no database {db} ({DB_HINT})"
     if isinstance(exc, AuthenticationError) or "auth" in answer.lower():
         return (
             f"{text}: check the password in the URL (redis://:PASSWORD@host:port/db, or "
@@ -242,15 +210,11 @@ def pool_keys(pid: PoolId) -> tuple[str, ...]:
     return tuple(prefix + part for part in POOL_PARTS)
 
 
-def _load_sources() -> dict[str, str]:
-    lua = resources.files("kvmeta.store").joinpath("lua")
-    lib = lua.joinpath("_lib.lua").read_text()
-    return {name: lib + "\n" + lua.joinpath(f"{name}.lua").read_text() for name in _SCRIPTS}
-
-
 class RedisBackend:
-    """The ``Backend`` over Redis/Valkey: ``redis://[:password@]host:port/db``, ``rediss://``
-    (TLS) or ``unix:///path/redis.sock?db=0`` (same machine; cheaper than loopback TCP)."""
+    """The ``Backend`` over Redis/Valkey: one endpoint (``redis://[:password@]host:port/db``,
+    ``rediss://`` for TLS, ``unix:///path/redis.sock?db=0``), a Cluster
+    (``redis+cluster://h:p[,h:p...]``, or a plain URL naming a Cluster node) or a Sentinel group
+    (``redis+sentinel://s:p[,s:p...]/primary-name``); see ``store.redis_url``."""
 
     name = "redis"
 
@@ -261,31 +225,52 @@ class RedisBackend:
         reservation_ttl: float = 300.0,
         read_lease: float = 5.0,
         clock: Callable[[], float] | None = None,
+        failover_timeout: float = 5.0,
+        min_replicas_ack: int = 0,
+        replica_ack_timeout: float = 1.0,
+        functions: bool | None = None,
     ):
         """``clock`` is for tests only: every script that reads the time gets ``clock()``
         (seconds) instead of Redis ``TIME``, so a test can drive this backend and a
         ``MemoryStore`` from one clock and step time past leases. It is a constructor argument
         and nothing else (no flag, URL parameter or request field sets it): several servers on
-        one Redis must share Redis's clock. None (production) adds nothing to a call."""
-        check_url(url)
+        one Redis must share Redis's clock. None (production) adds nothing to a call.
+
+        ``failover_timeout``: how long one call retries across a failover, a slot move or a
+        lost connection before it answers 503. ``min_replicas_ack``: replicas that must
+        acknowledge every state-changing script (``WAIT``) before it counts as done, within
+        ``replica_ack_timeout`` seconds; fewer -> ``NotReplicated`` (503, safe to retry).
+        ``functions``: see ``ScriptLibrary`` (False forces EVALSHA)."""
+        self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
-        self._client: aioredis.Redis | None = None
-        self._idle: list[AbstractConnection] = []
-        self._sources = _load_sources()
-        self._shas = {
-            name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
-        }
+        self.failover_timeout = failover_timeout
+        self.min_replicas_ack = min_replicas_ack
+        self.replica_ack_timeout = replica_ack_timeout
+        self._scripts = ScriptLibrary(functions=functions)
+        self._client: aioredis.Redis | None = None  # single endpoint only: start-up checks
+        self._topo: Topology | None = None
+        self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
+        self._epoch = ""
+        self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
 
     @property
     def describe(self) -> str:
-        return f"redis at {redact_url(self.url)}"
+        mode = self._topo.mode if self._topo is not None else self.target.mode
+        kind = {"single": "redis", "cluster": "redis cluster", "sentinel": "redis sentinel"}[mode]
+        return f"{kind} at {self.target.shown}"
 
     @property
     def failure(self) -> str | None:
         return None  # an unreachable Redis is an error per call (503), not a standing state
+
+    @property
+    def epoch(self) -> str:
+        """The ``kvmeta:epoch`` key's value: created when absent (a new or emptied Redis), read
+        again after every reconnect or failover, so it changes exactly when Redis lost data."""
+        return self._epoch
 
     def durability_stats(self) -> dict[str, float]:
         return {}  # Redis keeps its own persistence (RDB/AOF); nothing on this machine's disk
@@ -293,14 +278,42 @@ class RedisBackend:
     # ------------------------------------------------------------------ lifecycle
 
     async def start(self) -> None:
-        """Connect and check Redis answers, so a wrong URL fails at start-up, not per request.
+        """Find the primaries, install kvmeta's code on each, choose the acknowledgement mode
+        and read the epoch, so a wrong URL fails at start-up, not per request.
 
         Raises:
             ConfigError: redis-py does not understand the URL.
             BackendUnavailable: Redis cannot be reached at the URL, or it answered but refused
                 the connection set-up (wrong database or password: Redis's own answer is in
-                the message).
+                the message); no majority of Sentinels names a primary; a Cluster does not
+                answer.
         """
+        read_timeout = max(READ_TIMEOUT, self.replica_ack_timeout + 2.0)
+        target = self.target
+        if target.mode == "single":
+            target = await self._check_single()
+        kinds = {"single": Topology, "cluster": ClusterTopology, "sentinel": SentinelTopology}
+        topo = kinds[target.mode](target, read_timeout=read_timeout)
+        self._topo = topo
+        try:
+            await topo.start()
+            for node in topo.primaries():
+                logger.info("Redis %s: %s", node.addr, await self._install(node))
+            await self._choose_ack_mode(topo.primaries())
+            await self._refresh_epoch()
+        except BackendUnavailable:
+            await self.close()
+            raise
+        except (RedisError, OSError) as exc:
+            await self.close()
+            raise BackendUnavailable(
+                f"cannot set up kvmeta on Redis at {target.shown}: {exc}"
+            ) from exc
+        logger.info("%s: epoch %s", self.describe, self._epoch)
+
+    async def _check_single(self) -> RedisTarget:
+        """Ping the one endpoint (Redis's answer to a bad database or password goes into the
+        message) and find out whether it is a Cluster node: then run in Cluster mode."""
         try:
             client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
         except (ValueError, TypeError) as exc:
@@ -308,101 +321,307 @@ class RedisBackend:
                 f"`--backend` URL {redact_url(self.url)} is not understood: {exc}", "backend"
             ) from None
         self._client = client
-        self._idle = []
         try:
             await client.ping()
+            info = await client.info("cluster")
         except (ResponseError, AuthenticationError) as exc:
             await self.close()
+            if "DB index is out of range" in str(exc) and await self._is_cluster_node():
+                raise self._cluster_db_refused() from None
             raise BackendUnavailable(_set_up_refused(self.url, exc)) from None
         except (ConnectionError, RedisError, OSError) as exc:
             await self.close()
             raise BackendUnavailable(
                 f"cannot reach Redis at {redact_url(self.url)}: {exc}"
             ) from None
-        try:  # load every script now; EVALSHA reloads one only if Redis loses it later
-            for source in self._sources.values():
-                await client.script_load(source)
-        except (RedisError, OSError) as exc:
+        if not info.get("cluster_enabled"):
+            return self.target
+        parts = urlsplit(self.url)
+        if parts.scheme == "unix" or parts.hostname is None:
             await self.close()
-            raise BackendUnavailable(
-                f"cannot load scripts into {redact_url(self.url)}: {exc}"
-            ) from exc
+            raise ConfigError(
+                f"`--backend` URL {self.target.shown} names a Redis Cluster node over a unix "
+                "socket: a Cluster is reached over TCP, use redis+cluster://host:port",
+                "backend",
+            )
+        if self.target.db:
+            await self.close()
+            raise self._cluster_db_refused()
+        await client.aclose()
+        self._client = None
+        logger.warning(
+            "%s is a Redis Cluster node (cluster_enabled:1): using Cluster mode, with it as "
+            "the seed node (write redis+cluster://host:port[,host:port...] to name more seeds)",
+            self.target.shown,
+        )
+        return self.target.with_mode("cluster", parts.hostname, parts.port or 6379)
+
+    def _cluster_db_refused(self) -> ConfigError:
+        return ConfigError(
+            f"`--backend` URL {self.target.shown} names a Redis Cluster node, and a Cluster "
+            f"has only database 0: drop /{self.target.db} from the URL",
+            "backend",
+        )
+
+    async def _is_cluster_node(self) -> bool:
+        """Whether the endpoint (which refused the URL's database) is a Cluster node."""
+        pool = aioredis.ConnectionPool.from_url(self.url)
+        pool.connection_kwargs["db"] = 0
+        client = aioredis.Redis(connection_pool=pool)
+        try:
+            return bool((await client.info("cluster")).get("cluster_enabled"))
+        except (RedisError, OSError):
+            return False
+        finally:
+            await client.aclose()
+            await pool.aclose()
+
+    async def _install(self, node: Node) -> str:
+        conn = node.take()
+        try:
+            text = await self._scripts.install(conn)
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        await node.give(conn)
+        return text
+
+    async def _choose_ack_mode(self, primaries: list[Node]) -> None:
+        """``WAIT N`` after each write, or ``WAITAOF 1 N`` where the primary logs to an AOF and
+        N replicas acknowledge their own AOF (measured on Valkey 9.1: WAITAOF counts only
+        replicas that have appendonly on, and needs it on the primary; WAIT counts replicas
+        that received the write). Too few connected replicas is a warning, not fatal: a
+        replica may be resyncing, and each write then answers 503 until it is back."""
+        n = self.min_replicas_ack
+        if n <= 0:
+            self._ack = None
+            logger.info("Redis acknowledgements: the primary's alone (--min-replicas-ack 0)")
+            return
+        ms = max(1, int(self.replica_ack_timeout * 1000))
+        aof = bool(primaries)
+        for node in primaries:
+            info = _info(await node.call("INFO", "replication")) | _info(
+                await node.call("INFO", "persistence")
+            )
+            replicas = int(info.get("connected_slaves", "0"))
+            if replicas < n:
+                logger.warning(
+                    "Redis primary %s has %d connected replica(s) but --min-replicas-ack is %d: "
+                    "every write will answer 503 until enough replicas are connected",
+                    node.addr,
+                    replicas,
+                    n,
+                )
+            if info.get("aof_enabled") != "1":
+                aof = False
+                continue
+            try:
+                local, acked = await node.call("WAITAOF", 1, n, ms)
+            except ResponseError:
+                aof = False  # no WAITAOF (Redis < 7.2)
+                continue
+            aof = aof and int(local) >= 1 and int(acked) >= n
+        if aof:
+            self._ack = ("WAITAOF", 1, n, ms)
+            logger.info(
+                "Redis acknowledgements: WAITAOF 1 %d %d (each write in the primary's AOF and "
+                "in the AOF of %d replica(s))",
+                n,
+                ms,
+                n,
+            )
+        else:
+            self._ack = ("WAIT", n, ms)
+            logger.info(
+                "Redis acknowledgements: WAIT %d %d (each write received by %d replica(s); "
+                "WAITAOF needs appendonly on the primary and on the replicas)",
+                n,
+                ms,
+                n,
+            )
+
+    async def _refresh_epoch(self) -> None:
+        await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, uuid.uuid4().hex, "NX")
+        value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
+        epoch = _text(value)
+        if self._epoch and epoch != self._epoch:
+            logger.warning(
+                "Redis epoch changed from %s to %s: Redis lost its data (restart without "
+                "persistence, flush, or a failover to a replica without it); engines "
+                "re-initialise their pools",
+                self._epoch,
+                epoch,
+            )
+        self._epoch = epoch
 
     async def close(self) -> None:
-        idle, self._idle = self._idle, []
-        for conn in idle:
-            await conn.disconnect()
+        if self._topo is not None:
+            await self._topo.close()
+            self._topo = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
 
     async def ready(self) -> bool:
-        if self._client is None:
+        """Every slot has a primary and every primary answers PING."""
+        topo = self._topo
+        if topo is None or topo.coverage() is not None:
             return False
         try:
-            return bool(await self._client.ping())
-        except (RedisError, OSError):
+            replies = await asyncio.wait_for(
+                asyncio.gather(*(node.call("PING") for node in topo.primaries())),
+                self.failover_timeout,
+            )
+        except (RedisError, OSError, asyncio.TimeoutError):
             return False
+        return bool(replies) and all(replies)
 
     # ------------------------------------------------------------------ calls
 
     async def _run(self, script: str, keys: str | tuple[str, ...], args: list[Any]) -> list[Any]:
-        """EVALSHA one script on a connection of our own (see ``_evalsha``); errors -> 503.
+        """Run one script on the primary of ``keys[0]``'s slot; errors -> 503.
 
         ``keys`` is every key the script touches (a pool's ``pool_keys``), or one prefix for
-        the vLLM index scripts that still name keys inside Lua.
+        the vLLM index scripts that still name keys inside Lua. A state-changing script gets
+        the WAIT of ``--min-replicas-ack`` in the same send.
         """
-        if self._client is None:
-            raise BackendUnavailable(f"Redis backend {redact_url(self.url)} is not started")
         if self._clock is not None and script in _TIMED:
             assert len(args) + 1 == _TIMED[script], f"{script}: the time goes after its arguments"
             args = [*args, repr(float(self._clock()))]
-        conn = self._idle.pop() if self._idle else self._new_connection()
-        try:
-            names = (keys,) if isinstance(keys, str) else keys
-            raw = await self._evalsha(conn, script, names, args)
-        except BaseException as exc:
-            # A failed or cancelled call may leave a reply in flight: never reuse the socket.
-            await conn.disconnect(nowait=True)
-            if isinstance(exc, (RedisError, OSError)):
-                raise BackendUnavailable(
-                    f"Redis backend at {redact_url(self.url)} failed during {script}: {exc}"
-                ) from exc
-            raise
-        if len(self._idle) < _MAX_IDLE:
-            self._idle.append(conn)
-        else:
-            await conn.disconnect()
-        reply: list[Any] = _decode(raw)
+        names = (keys,) if isinstance(keys, str) else keys
+        command = self._scripts.command(script, names, args)
+        wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
+        reply: list[Any] = _decode(await self._call(names[0], command, script, wait))
         return reply
 
-    def _new_connection(self) -> AbstractConnection:
-        assert self._client is not None
-        pool = self._client.connection_pool
-        return pool.connection_class(**pool.connection_kwargs)
+    async def _command(self, key: str, *args: Any) -> Any:
+        """One plain command (registry, epoch) routed by ``key``, with the same retries."""
+        return await self._call(key, args, str(args[0]), None)
 
-    async def _evalsha(
-        self, conn: AbstractConnection, script: str, keys: tuple[str, ...], args: list[Any]
+    async def _call(
+        self, key: str, command: tuple[Any, ...], what: str, wait: tuple[Any, ...] | None
     ) -> Any:
-        """EVALSHA, and on NOSCRIPT (Redis restarted or flushed its scripts) load it and retry.
+        """Send ``command`` (and ``wait``) to the node serving ``key`` until it succeeds.
+
+        ``MOVED`` -> the new owner at once; ``ASK`` -> ``ASKING`` + the command on the target;
+        kvmeta's code missing on the node -> install it there; a failover, lost connection or
+        ``TRYAGAIN`` -> re-learn the topology and retry, backing off, until
+        ``failover_timeout``. Every operation is idempotent, so a mutation whose reply was
+        lost may run again safely.
+        """
+        topo = self._topo
+        if topo is None:
+            raise BackendUnavailable(f"Redis backend {self.target.shown} is not started")
+        deadline = 0.0
+        delay = _FIRST_DELAY
+        asking: Node | None = None
+        installed = False
+        hops = 0
+        where = self.target.shown
+        while True:
+            try:
+                node = asking or topo.route(key)
+                where = node.addr
+                reply, acks = await self._send(node, command, wait, asking is not None)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                asking = None
+                if isinstance(exc, AskError) and hops < _MAX_REDIRECTS:
+                    hops += 1
+                    if isinstance(exc, MovedError):
+                        topo.moved(exc.slot_id, exc.host, exc.port)
+                    else:
+                        asking = topo.node(exc.host, exc.port)
+                    continue
+                if self._scripts.missing(exc) and not installed:
+                    installed = True
+                    logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
+                    await self._install(node)
+                    continue
+                if not (retriable(exc) or isinstance(exc, AskError)):
+                    raise BackendUnavailable(
+                        f"Redis backend at {where} failed during {what}: {exc}"
+                    ) from exc
+                now = time.monotonic()
+                if not deadline:
+                    deadline = now + self.failover_timeout
+                elif now >= deadline:
+                    raise BackendUnavailable(
+                        f"Redis backend at {where} failed during {what} and did not recover "
+                        f"within --failover-timeout {self.failover_timeout:g}s: {exc}"
+                    ) from exc
+                self._stale_epoch = True
+                if not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError):
+                    await self._forget(where)  # lost connection, or no longer a primary
+                await asyncio.sleep(min(delay, max(0.0, deadline - now)))
+                delay = min(delay * 2, _MAX_DELAY)
+                await topo.refresh()
+                hops = 0
+                continue
+            if wait is not None:
+                self._check_acks(where, what, acks)
+            if self._stale_epoch and what != "SET" and what != "GET":
+                self._stale_epoch = False
+                await self._refresh_epoch()
+            return reply
+
+    async def _forget(self, where: str) -> None:
+        """Drop the idle connections of a node that failed: they may be half-closed."""
+        assert self._topo is not None
+        for node in list(self._topo._nodes.values()):
+            if node.addr == where:
+                await node.drop()
+
+    def _check_acks(self, where: str, what: str, acks: Any) -> None:
+        assert self._ack is not None
+        n = self.min_replicas_ack
+        got = int(acks[1]) if isinstance(acks, list) else int(acks)
+        local = int(acks[0]) if isinstance(acks, list) else 1
+        if got >= n and local >= 1:
+            return
+        raise NotReplicated(
+            f"Redis primary {where}: {got} of {n} replica(s) acknowledged {what} within "
+            f"{self.replica_ack_timeout:g}s (--min-replicas-ack {n}, --replica-ack-timeout)"
+            + ("" if local >= 1 else " and the primary's AOF fsync did not complete")
+            + "; the change may not survive a failover. The request is safe to retry"
+        )
+
+    async def _send(
+        self, node: Node, command: tuple[Any, ...], wait: tuple[Any, ...] | None, asking: bool
+    ) -> tuple[Any, Any]:
+        """One send and its replies on a connection of our own.
 
         Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and the
         protocol): ``register_script`` through the client's pool costs well over twice the CPU
         per call, enough to decide whether a kvmeta worker stays within 2x of the embedded
-        server's CPU per request (benchmarks/README.md, "Implementation costs").
+        server's CPU per request (benchmarks/README.md, "Implementation costs"). An error reply
+        is read whole (and the WAIT after it), so the connection is reused; anything else may
+        leave a reply in flight and the socket is closed.
         """
-        packed = conn.pack_command("EVALSHA", self._shas[script], len(keys), *keys, *args)
-        await conn.send_packed_command(packed, check_health=False)
+        conn: AbstractConnection = node.take()
+        error: ResponseError | None = None
+        acks = None
         try:
-            return await conn.read_response()
-        except NoScriptError:
-            logger.warning(
-                "Redis lost kvmeta's %s script (restart or SCRIPT FLUSH): loading", script
-            )
-            await conn.send_command("SCRIPT", "LOAD", self._sources[script])
-            await conn.read_response()
-            await conn.send_packed_command(packed, check_health=False)
-            return await conn.read_response()
+            if wait is None and not asking:
+                await conn.send_packed_command(conn.pack_command(*command), check_health=False)
+            else:
+                parts = [("ASKING",)] if asking else []
+                parts += [command] + ([wait] if wait is not None else [])
+                await conn.send_packed_command(conn.pack_commands(parts), check_health=False)
+                if asking:
+                    await conn.read_response()
+            try:
+                reply = await conn.read_response()
+            except ResponseError as exc:
+                error, reply = exc, None
+            if wait is not None:
+                acks = await conn.read_response()
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        await node.give(conn)
+        if error is not None:
+            raise error
+        return reply, acks
 
     async def _pool_op(self, script: str, pid: PoolId, request: Any) -> list[Any]:
         """Run one pool script with ``request`` as its JSON argument; raise its error code."""
@@ -422,13 +641,8 @@ class RedisBackend:
     async def _sadd_pool(self, pool: PoolId) -> None:
         # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats
         # skips it), never an unlisted one.
-        assert self._client is not None
-        try:
-            await self._client.sadd(_S_REGISTRY, f"{pool.rank}:{quote(pool.namespace, safe='')}")
-        except (RedisError, OSError) as exc:
-            raise BackendUnavailable(
-                f"Redis backend at {redact_url(self.url)} failed: {exc}"
-            ) from exc
+        member = f"{pool.rank}:{quote(pool.namespace, safe='')}"
+        await self._command(_S_REGISTRY, "SADD", _S_REGISTRY, member)
 
     def _init_result(self, pool: PoolId, reply: list[Any], requested: int) -> InitResult:
         result = InitResult(created=bool(reply[1]), num_pages=int(reply[2]), requested=requested)
@@ -514,14 +728,8 @@ class RedisBackend:
 
     async def pools(self) -> list[PoolId]:
         """Every pool known to this Redis, sorted like ``MemoryStore.stats``."""
-        assert self._client is not None
-        try:
-            s_members = await self._client.smembers(_S_REGISTRY)
-            v_members = await self._client.smembers(_V_PREFIX + "ranks")
-        except (RedisError, OSError) as exc:
-            raise BackendUnavailable(
-                f"Redis backend at {redact_url(self.url)} failed: {exc}"
-            ) from exc
+        s_members = await self._command(_S_REGISTRY, "SMEMBERS", _S_REGISTRY)
+        v_members = await self._command(_V_PREFIX, "SMEMBERS", _V_PREFIX + "ranks")
         out = [PoolId("v", int(r), "") for r in v_members]
         for member in s_members:
             rank, ns = _text(member).split(":", 1)

@@ -1,0 +1,281 @@
+"""Where a Redis key lives: one endpoint, a Cluster's slot map, or the primary a Sentinel group
+names; and which failures are worth a retry.
+
+Each node keeps its own idle raw redis-py connections (``Node.take``/``Node.give``): a request
+costs one packed send and one read, with no client object or pool lock in between (see
+``RedisBackend._evalsha`` for why). A topology answers ``route(key)`` from memory; ``refresh()``
+re-learns it after a failure (a Cluster's slot map from any reachable node, a Sentinel group's
+primary by majority), and the caller retries until its failover deadline.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.asyncio.connection import AbstractConnection
+from redis.crc import REDIS_CLUSTER_HASH_SLOTS, key_slot
+from redis.exceptions import (
+    BusyLoadingError,
+    ClusterDownError,
+    ConnectionError,
+    ReadOnlyError,
+    RedisError,
+    TimeoutError,
+    TryAgainError,
+)
+
+from kvmeta.errors import BackendUnavailable
+from kvmeta.store.redis_sentinel import resolve_primary
+from kvmeta.store.redis_url import RedisTarget
+
+__all__ = ["ClusterTopology", "Node", "SentinelTopology", "SingleTopology", "Topology", "retriable"]
+
+logger = logging.getLogger("kvmeta.store.redis")
+
+MAX_IDLE = 64  # connections kept open per node and server process for concurrent requests
+# Connection timeouts unless the URL sets its own (?socket_timeout=...): a node that stops
+# answering (partitioned, frozen) must fail a call so it can be retried elsewhere, not hang it.
+CONNECT_TIMEOUT = 1.0
+READ_TIMEOUT = 3.0
+
+
+def retriable(exc: BaseException) -> bool:
+    """A failure a failover or a slot move explains: retry after re-learning the topology.
+    (``MOVED``/``ASK`` are handled apart, without waiting.)"""
+    if isinstance(exc, (TryAgainError, ClusterDownError, ReadOnlyError, BusyLoadingError)):
+        return True  # ClusterDownError includes MASTERDOWN
+    if isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError)):
+        return True
+    text = str(exc)
+    return text.startswith(("READONLY", "UNBLOCKED", "MASTERDOWN", "CLUSTERDOWN"))
+
+
+class Node:
+    """One Redis node and the idle connections this process keeps to it."""
+
+    def __init__(self, target: RedisTarget, host: str, port: int, *, read_timeout: float) -> None:
+        self.host, self.port = host, port
+        self.addr = f"{host}:{port}" if target.mode != "single" else target.shown
+        self._pool = aioredis.ConnectionPool.from_url(
+            target.node_url(host, port),
+            socket_connect_timeout=CONNECT_TIMEOUT,
+            socket_timeout=read_timeout,
+        )
+        self.idle: list[AbstractConnection] = []
+
+    def take(self) -> AbstractConnection:
+        return self.idle.pop() if self.idle else self.connect()
+
+    def connect(self) -> AbstractConnection:
+        return self._pool.connection_class(**self._pool.connection_kwargs)
+
+    async def give(self, conn: AbstractConnection) -> None:
+        if len(self.idle) < MAX_IDLE:
+            self.idle.append(conn)
+        else:
+            await conn.disconnect()
+
+    async def drop(self) -> None:
+        """Close every idle connection (the node failed, or it is no longer a primary)."""
+        idle, self.idle = self.idle, []
+        for conn in idle:
+            await conn.disconnect(nowait=True)
+
+    async def call(self, *args: Any) -> Any:
+        """One plain command on a connection of this node (errors propagate)."""
+        conn = self.take()
+        try:
+            await conn.send_command(*args, check_health=False)
+            reply = await conn.read_response()
+        except BaseException:
+            await conn.disconnect(nowait=True)
+            raise
+        await self.give(conn)
+        return reply
+
+
+class Topology:
+    """The single endpoint: every key on one node."""
+
+    mode = "single"
+
+    def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
+        self.target = target
+        self.read_timeout = read_timeout
+        self._nodes: dict[tuple[str, int], Node] = {}
+
+    def node(self, host: str, port: int) -> Node:
+        found = self._nodes.get((host, port))
+        if found is None:
+            found = self._nodes[(host, port)] = Node(
+                self.target, host, port, read_timeout=self.read_timeout
+            )
+        return found
+
+    def route(self, key: str) -> Node:
+        return self.node("", 0)
+
+    def primaries(self) -> list[Node]:
+        return [self.node("", 0)]
+
+    async def start(self) -> None:
+        """Learn the topology once; errors propagate to the caller's start-up message."""
+
+    async def refresh(self) -> None:
+        """Re-learn where the primaries are after a failure (idle connections of a failed
+        node are dropped by the caller)."""
+
+    def moved(self, slot: int, host: str, port: int) -> Node:
+        return self.node(host, port)
+
+    def coverage(self) -> str | None:
+        """Why the topology cannot serve every key (None: it can)."""
+        return None
+
+    async def close(self) -> None:
+        for node in self._nodes.values():
+            await node.drop()
+        self._nodes.clear()
+
+
+SingleTopology = Topology
+
+
+class ClusterTopology(Topology):
+    """A Redis Cluster: the slot of a call is ``key_slot(keys[0])`` (a pool's keys share a hash
+    tag), its node comes from the slot map learnt with ``CLUSTER SLOTS``."""
+
+    mode = "cluster"
+
+    def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
+        super().__init__(target, read_timeout=read_timeout)
+        self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        self._refreshing: asyncio.Task[None] | None = None
+        self.last_error = ""
+
+    def route(self, key: str) -> Node:
+        node = self._slots[key_slot(key.encode())]
+        if node is None:
+            raise ClusterDownError(f"CLUSTERDOWN slot {key_slot(key.encode())} is not served")
+        return node
+
+    def primaries(self) -> list[Node]:
+        seen: dict[int, Node] = {}
+        for node in self._slots:
+            if node is not None:
+                seen.setdefault(id(node), node)
+        return list(seen.values())
+
+    async def start(self) -> None:
+        await self.refresh(raise_errors=True)
+
+    async def refresh(self, raise_errors: bool = False) -> None:
+        """Read the slot map from the first node that answers (known primaries, then seeds)."""
+        errors = []
+        candidates = [*self.primaries(), *(self.node(h, p) for h, p in self.target.hosts)]
+        candidates += [n for n in self._nodes.values() if n not in candidates]
+        for node in candidates:
+            try:
+                reply = await asyncio.wait_for(node.call("CLUSTER", "SLOTS"), CONNECT_TIMEOUT * 2)
+            except (RedisError, OSError, asyncio.TimeoutError) as exc:
+                await node.drop()
+                errors.append(f"{node.addr}: {exc or type(exc).__name__}")
+                continue
+            self._apply(node, reply)
+            return
+        self.last_error = "; ".join(errors)
+        if raise_errors:
+            raise BackendUnavailable(
+                f"no Redis Cluster node answered CLUSTER SLOTS ({self.last_error})"
+            )
+
+    def _apply(self, asked: Node, reply: list[Any]) -> None:
+        slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
+        for entry in reply:
+            start, end, primary = int(entry[0]), int(entry[1]), entry[2]
+            host = primary[0].decode() if isinstance(primary[0], bytes) else str(primary[0])
+            if host in ("", "?"):
+                host = asked.host  # the node did not announce an address: the one we asked
+            node = self.node(host, int(primary[1]))
+            slots[start : end + 1] = [node] * (end - start + 1)
+        self._slots = slots
+
+    def moved(self, slot: int, host: str, port: int) -> Node:
+        """A ``MOVED`` reply: use the new owner for that slot now, and re-read the whole map
+        in the background (a failover or resharding moves many slots at once)."""
+        node = self.node(host, port)
+        self._slots[slot] = node
+        if self._refreshing is None or self._refreshing.done():
+            self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
+        return node
+
+    def coverage(self) -> str | None:
+        missing = sum(node is None for node in self._slots)
+        return f"{missing} of 16384 slots have no primary" if missing else None
+
+    async def close(self) -> None:
+        if self._refreshing is not None:
+            self._refreshing.cancel()
+            self._refreshing = None
+        await super().close()
+
+
+class SentinelTopology(Topology):
+    """A primary and its replicas watched by Sentinels: every key on the primary a majority of
+    the configured Sentinels name, checked with ``ROLE`` before use."""
+
+    mode = "sentinel"
+
+    def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
+        super().__init__(target, read_timeout=read_timeout)
+        self._primary: Node | None = None
+        self.last_error = ""
+
+    def route(self, key: str) -> Node:
+        if self._primary is None:
+            raise ConnectionError(f"no primary known for {self.target.master!r}")
+        return self._primary
+
+    def primaries(self) -> list[Node]:
+        return [] if self._primary is None else [self._primary]
+
+    async def start(self) -> None:
+        await self.refresh(raise_errors=True)
+
+    async def refresh(self, raise_errors: bool = False) -> None:
+        old = self._primary
+        try:
+            host, port = await resolve_primary(self.target, timeout=CONNECT_TIMEOUT)
+            node = self.node(host, port)
+            role = await asyncio.wait_for(node.call("ROLE"), CONNECT_TIMEOUT * 2)
+        except (RedisError, OSError, asyncio.TimeoutError, BackendUnavailable) as exc:
+            self.last_error = str(exc) or type(exc).__name__
+            self._primary = None
+            if raise_errors:
+                raise BackendUnavailable(
+                    f"Sentinel primary {self.target.master!r}: {self.last_error}"
+                ) from None
+            return
+        kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+        if kind != "master":
+            # The Sentinels still name a node that was demoted (or not yet promoted): ask again.
+            self.last_error = f"{node.addr} named by the Sentinels says ROLE {kind}"
+            await node.drop()
+            self._primary = None
+            if raise_errors:
+                raise BackendUnavailable(
+                    f"Sentinel primary {self.target.master!r}: {self.last_error}"
+                )
+            return
+        if old is not None and old is not node:
+            await old.drop()
+            logger.warning(
+                "Redis primary %r moved from %s to %s (Sentinel failover)",
+                self.target.master,
+                old.addr,
+                node.addr,
+            )
+        self._primary = node

@@ -1,0 +1,212 @@
+"""``--backend`` URLs for Redis/Valkey: one endpoint, a Cluster, or a Sentinel group.
+
+Forms (passwords never leave this module unredacted: ``redact_url``)::
+
+    redis://[[user]:pass@]host:port[/db]        one endpoint (a Cluster node is detected)
+    rediss://...                                 the same over TLS
+    unix:///path/redis.sock[?db=N]               one endpoint on this machine
+    redis+cluster://[[user]:pass@]h:p[,h:p...]   Cluster seed nodes (rediss+cluster: TLS)
+    redis+sentinel://[[user]:pass@]s:p[,s:p...]/primary-name[?db=N&sentinel_password=...]
+
+Everything a URL can get wrong is refused here, at start-up, with the part and the fix named:
+redis-py would read ``/abc`` as database 0 and open TLS files only inside a connection attempt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
+
+from kvmeta.errors import ConfigError
+
+__all__ = ["RedisTarget", "check_url", "parse_target", "redact_url"]
+
+SINGLE_SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
+SENTINEL_SCHEMES = ("redis+sentinel", "rediss+sentinel")
+_DEFAULT_PORT = {"cluster": 6379, "sentinel": 26379}
+# URL query parameters that name a file redis-py opens only when it connects.
+_TLS_FILES = ("ssl_certfile", "ssl_keyfile", "ssl_ca_certs", "ssl_ca_path")
+# Query parameters kvmeta reads itself; never passed on to a node's connection.
+_OWN_PARAMS = ("db", "sentinel_password")
+DB_HINT = (
+    "databases are numbered 0..N-1, N being Redis's `databases` setting (16 by default); "
+    "write the number after the port, e.g. redis://host:6379/0"
+)
+_FORMS = (
+    "redis://host:port/db, rediss://..., unix:///path/redis.sock, "
+    "redis+cluster://host:port[,host:port...] or "
+    "redis+sentinel://sentinel:port[,sentinel:port...]/primary-name"
+)
+
+
+def redact_url(url: str) -> str:
+    """``url`` with any password (and ``sentinel_password``) replaced by ``***``."""
+    parts = urlsplit(url)
+    if parts.password is not None:
+        hosts = parts.netloc.rsplit("@", 1)[1]
+        parts = parts._replace(netloc=f"{parts.username or ''}:***@{hosts}")
+    if "sentinel_password" in parts.query:
+        query = parse_qs(parts.query, keep_blank_values=True)
+        query["sentinel_password"] = ["***"]
+        parts = parts._replace(query=urlencode(query, doseq=True, safe="*"))
+    return urlunsplit(parts)
+
+
+@dataclass(frozen=True)
+class RedisTarget:
+    """What a ``--backend`` URL names. ``mode`` is "single", "cluster" or "sentinel";
+    ``hosts`` are the Cluster seeds or the Sentinels (empty for "single"); ``master`` is the
+    Sentinel primary name."""
+
+    url: str
+    mode: str
+    hosts: tuple[tuple[str, int], ...] = ()
+    master: str = ""
+    db: int = 0
+    sentinel_password: str | None = None
+
+    @property
+    def shown(self) -> str:
+        return redact_url(self.url)
+
+    def node_url(self, host: str, port: int) -> str:
+        """A plain ``redis[s]://`` URL for one node, with this URL's credentials, database and
+        connection parameters: redis-py builds the node's connections from it."""
+        if self.mode == "single":
+            return self.url
+        parts = urlsplit(self.url)
+        scheme = "rediss" if parts.scheme.startswith("rediss") else "redis"
+        userinfo = parts.netloc.rsplit("@", 1)[0] + "@" if "@" in parts.netloc else ""
+        where = f"[{host}]" if ":" in host else host
+        query = {
+            k: v
+            for k, v in parse_qs(parts.query, keep_blank_values=True).items()
+            if k not in _OWN_PARAMS
+        }
+        return urlunsplit(
+            (scheme, f"{userinfo}{where}:{port}", f"/{self.db}", urlencode(query, doseq=True), "")
+        )
+
+    def with_mode(self, mode: str, host: str, port: int) -> RedisTarget:
+        """This single endpoint seen as a Cluster seed (a plain URL that named a Cluster node)."""
+        return RedisTarget(self.url, mode, ((host, port),), db=self.db)
+
+
+def _fail(shown: str, what: str) -> ConfigError:
+    return ConfigError(f"`--backend` URL {shown}: {what}", "backend")
+
+
+def _hosts(shown: str, netloc: str, default: int) -> tuple[tuple[str, int], ...]:
+    hostlist = netloc.rsplit("@", 1)[-1]
+    out = []
+    for item in hostlist.split(","):
+        item = item.strip()
+        if not item:
+            raise _fail(shown, "an empty host in the host list; write host:port[,host:port...]")
+        if item.startswith("["):  # [ipv6]:port
+            host, _, rest = item[1:].partition("]")
+            port_text = rest[1:] if rest.startswith(":") else ""
+        else:
+            host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
+        if not host:
+            raise _fail(shown, f"no host name in {item!r}; write host:port")
+        if port_text and not (port_text.isascii() and port_text.isdecimal()):
+            raise _fail(shown, f"port {port_text!r} of {host} is not a number")
+        port = int(port_text) if port_text else default
+        if not 0 < port <= 65535:
+            raise _fail(shown, f"port {port} of {host} is outside 1..65535")
+        out.append((host, port))
+    return tuple(out)
+
+
+def _db(shown: str, text: str) -> int:
+    if not (text.isascii() and text.isdecimal()):
+        raise _fail(shown, f"the database {text!r} is not a number; {DB_HINT}")
+    return int(text)
+
+
+def parse_target(url: str) -> RedisTarget:
+    """Read a ``--backend`` URL into a ``RedisTarget``.
+
+    Raises:
+        ConfigError: naming the part of the URL and the fix.
+    """
+    shown = redact_url(url)
+    parts = urlsplit(url)
+    query = parse_qs(parts.query, keep_blank_values=True)
+    for param in _TLS_FILES:
+        for value in query.get(param, []):
+            if not Path(value).exists():
+                raise _fail(
+                    shown,
+                    f"{param}={value}: file not found (the path is read on the machine running "
+                    "kvmeta; fix it or drop the parameter)",
+                )
+    if parts.scheme in SINGLE_SCHEMES:
+        return _single(url, shown, parts.scheme, parts.path, query)
+    if parts.scheme in CLUSTER_SCHEMES:
+        hosts = _hosts(shown, parts.netloc, _DEFAULT_PORT["cluster"])
+        dbs = query.get("db", []) + (
+            [unquote(parts.path[1:])] if parts.path not in ("", "/") else []
+        )
+        for text in dbs:
+            if _db(shown, text) != 0:
+                raise _fail(
+                    shown,
+                    f"Redis Cluster has only database 0, the URL asks for {text}: drop the "
+                    "database from the URL (or give each deployment its own cluster)",
+                )
+        return RedisTarget(url, "cluster", hosts)
+    if parts.scheme in SENTINEL_SCHEMES:
+        hosts = _hosts(shown, parts.netloc, _DEFAULT_PORT["sentinel"])
+        path = unquote(parts.path.strip("/"))
+        if not path:
+            raise _fail(
+                shown,
+                "no primary name: write the name the Sentinels monitor after the hosts, e.g. "
+                "redis+sentinel://s1:26379,s2:26379,s3:26379/mymaster",
+            )
+        if "/" in path:
+            raise _fail(
+                shown,
+                f"{path!r} is not one primary name; give the database as ?db=N, e.g. "
+                "redis+sentinel://s1:26379/mymaster?db=0",
+            )
+        db = [_db(shown, text) for text in query.get("db", [])]
+        password = query.get("sentinel_password", [None])[-1]
+        return RedisTarget(url, "sentinel", hosts, path, db[-1] if db else 0, password)
+    raise ConfigError(
+        f"Expected `--backend` to be a redis://, rediss:// or unix:// URL ({_FORMS}), got "
+        f"{shown!r} (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
+        "backend",
+    )
+
+
+def _single(
+    url: str, shown: str, scheme: str, path: str, query: dict[str, list[str]]
+) -> RedisTarget:
+    try:
+        urlsplit(url).port  # noqa: B018  (raises on a port that is not a number 0..65535)
+    except ValueError as exc:
+        raise _fail(shown, str(exc)) from None
+    dbs = [f"db={v}" for v in query.get("db", [])]
+    if scheme != "unix" and path not in ("", "/"):
+        dbs.append(path)
+    db = 0
+    for shown_db in dbs:
+        number = shown_db[3:] if shown_db.startswith("db=") else unquote(shown_db[1:])
+        if not (number.isascii() and number.isdecimal()):
+            raise _fail(shown, f"the database {shown_db!r} is not a number; {DB_HINT}")
+        db = int(number)
+    return RedisTarget(url, "single", db=db)
+
+
+def check_url(url: str) -> None:
+    """Refuse a ``--backend`` URL that redis-py would misread or fail on only when connecting.
+
+    Raises:
+        ConfigError: naming the part of the URL and the fix.
+    """
+    parse_target(url)

@@ -1,0 +1,312 @@
+"""The Redis backend on a real Redis Cluster (3 primaries + 3 replicas): slot routing, MOVED
+and ASK while a slot migrates, a primary failing over to its replica, the epoch."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import time
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+import redis
+from redis.crc import key_slot
+
+from kvmeta._types import PoolId
+from kvmeta.store.redis import RedisBackend, pool_keys
+from tests.redis_support import Node, RedisCluster
+
+pytestmark = pytest.mark.slow
+
+
+def _wait(check: Any, what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            if check():
+                return
+        except redis.RedisError:
+            pass
+        time.sleep(0.1)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _run(coro: Any) -> Any:
+    return asyncio.run(coro)
+
+
+def _pools_on_each_primary(cluster: RedisCluster) -> list[PoolId]:
+    """One SGLang pool per primary (namespaces chosen by their slot)."""
+    found: dict[int, PoolId] = {}
+    for i in range(200):
+        pid = PoolId("s", 0, f"ns{i}")
+        found.setdefault(cluster.primary_for(pool_keys(pid)[0]).port, pid)
+        if len(found) == 3:
+            return list(found.values())
+    raise AssertionError("pools did not spread")
+
+
+async def _cycle(backend: RedisBackend, pid: PoolId, key: str) -> int:
+    await backend.initialize(pid, 16)
+    [(stored, page)] = await backend.reserve(pid, [key])
+    assert not stored
+    assert await backend.confirm(pid, [(key, page)], []) == 0
+    assert await backend.get(pid, [key]) == [page]
+    return page
+
+
+def test_pools_on_every_shard_answer_through_one_backend(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
+    cluster.flush()
+
+    async def go() -> None:
+        backend = RedisBackend(cluster.url)
+        await backend.start()
+        try:
+            assert backend.describe.startswith("redis cluster at ")
+            pools = _pools_on_each_primary(cluster)
+            for pid in pools:
+                await _cycle(backend, pid, "k")
+                assert await backend.exists(pid, ["k", "x"]) == [True, False]
+            await backend.v_register(0, 8, 1)
+            assert (await backend.v_index()).ranks == (0,)
+            listed = await backend.pools()
+            assert set(pools) <= set(listed) and PoolId("v", 0, "") in listed
+            stats = {st.pool: st for st in await backend.stats()}
+            assert all(stats[pid].stored == 1 for pid in pools)
+            assert (await backend.check()).problems == []
+            assert await backend.ready()
+        finally:
+            await backend.close()
+
+    _run(go())
+    # Each primary holds only its own pools' keys (no cross-slot keys anywhere).
+    owners = {cluster.primary_for(pool_keys(p)[0]).port for p in _pools_on_each_primary(cluster)}
+    assert len(owners) == 3
+
+
+def test_a_plain_url_naming_a_cluster_node_switches_to_cluster_mode(
+    redis_cluster: RedisCluster, caplog: pytest.LogCaptureFixture
+) -> None:
+    cluster = redis_cluster
+    cluster.flush()
+
+    async def go() -> None:
+        backend = RedisBackend(f"redis://{cluster.primaries[0].addr}")
+        await backend.start()
+        try:
+            assert backend.describe.startswith("redis cluster at ")
+            for pid in _pools_on_each_primary(cluster):
+                await _cycle(backend, pid, "k")
+        finally:
+            await backend.close()
+
+    with caplog.at_level("WARNING"):
+        _run(go())
+    assert "is a Redis Cluster node (cluster_enabled:1): using Cluster mode" in caplog.text
+
+    async def db_one() -> None:
+        with pytest.raises(Exception, match="has only database 0"):
+            await RedisBackend(f"redis://{cluster.primaries[0].addr}/1").start()
+
+    _run(db_one())
+
+
+def _primaries(cluster: RedisCluster) -> list[Node]:
+    return cluster.current_primaries()
+
+
+def _start_migration(cluster: RedisCluster, slot: int, src: Node, dst: Node) -> None:
+    """Mark ``slot`` MIGRATING on ``src``/IMPORTING on ``dst`` and move its keys, as a
+    resharding tool does, but do not hand the slot over yet (``_finish_migration``)."""
+    src_id, dst_id = src.call("CLUSTER", "MYID"), dst.call("CLUSTER", "MYID")
+    dst.client().execute_command("CLUSTER", "SETSLOT", slot, "IMPORTING", src_id)
+    src.client().execute_command("CLUSTER", "SETSLOT", slot, "MIGRATING", dst_id)
+    names = src.client().execute_command("CLUSTER", "GETKEYSINSLOT", slot, 1000)
+    if names:
+        src.client().execute_command("MIGRATE", "127.0.0.1", dst.port, "", 0, 5000, "KEYS", *names)
+
+
+def _finish_migration(cluster: RedisCluster, slot: int, dst: Node) -> None:
+    dst_id = dst.call("CLUSTER", "MYID")
+    for n in _primaries(cluster):
+        n.client().execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
+
+
+def test_ask_then_tryagain_then_moved_during_a_slot_migration(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
+    """A pool's slot migrates while it is used: its keys already on the target, the slot not
+    yet handed over (the source answers ASK, the target TRYAGAIN for a multi-key script whose
+    keys are not all there), then handed over (MOVED): the calls wait it out and answer
+    right."""
+    cluster.flush()
+    pid = _pools_on_each_primary(cluster)[0]
+    slot = key_slot(pool_keys(pid)[0].encode())
+    src = cluster.primary_for(pool_keys(pid)[0])
+    dst = next(n for n in _primaries(cluster) if n.port != src.port)
+
+    async def go() -> None:
+        backend = RedisBackend(cluster.url)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            _start_migration(cluster, slot, src, dst)
+            loop = asyncio.get_running_loop()
+            finish = loop.run_in_executor(
+                None, lambda: (time.sleep(1.0), _finish_migration(cluster, slot, dst))
+            )
+            assert await backend.get(pid, ["a"]) == [page]
+            await finish
+            assert await backend.get(pid, ["a"]) == [page]
+            [(stored, page_b)] = await backend.reserve(pid, ["b"])
+            assert not stored and page_b != page
+            assert await backend.confirm(pid, [("b", page_b)], []) == 0
+            assert await backend.exists(pid, ["a", "b", "c"]) == [True, True, False]
+            assert (await backend.check()).problems == []
+        finally:
+            await backend.close()
+
+    _run(go())
+    assert cluster.primary_for(pool_keys(pid)[0]).port == dst.port
+
+
+def test_ask_on_a_single_key_command_is_followed(redis_cluster: RedisCluster) -> None:
+    cluster = redis_cluster
+    """The pool registry key moved to the target while its slot is still MIGRATING: SADD and
+    SMEMBERS get ASK and are sent with ASKING to the target."""
+    cluster.flush()
+    pools = _pools_on_each_primary(cluster)
+
+    async def go() -> None:
+        backend = RedisBackend(cluster.url)
+        await backend.start()
+        try:
+            await backend.initialize(pools[0], 8)
+            registry = "kvmeta:pools"
+            slot = key_slot(registry.encode())
+            src = cluster.primary_for(registry)
+            dst = next(n for n in _primaries(cluster) if n.port != src.port)
+            _start_migration(cluster, slot, src, dst)
+            try:
+                await backend.initialize(pools[1], 8)
+                assert set(pools[:2]) <= set(await backend.pools())
+                with dst.client().pipeline(transaction=False) as pipe:
+                    members = pipe.execute_command("ASKING").smembers(registry).execute()[1]
+                assert len(members) == 2  # written on the target, through ASK
+            finally:
+                _finish_migration(cluster, slot, dst)
+            assert set(pools[:2]) <= set(await backend.pools())
+        finally:
+            await backend.close()
+
+    _run(go())
+
+
+@pytest.fixture(scope="module")
+def doomed_cluster() -> Iterator[RedisCluster]:
+    """A cluster of this module's own: its primaries get failed over and killed."""
+    with RedisCluster().start() as made:
+        yield made
+
+
+def _replica_of(cluster: RedisCluster, primary: Node) -> Node:
+    for node in cluster.nodes:
+        if node.alive() and node.port != primary.port:
+            info = node.info("replication")
+            if info.get("role") == "slave" and int(info.get("master_port", 0)) == primary.port:
+                return node
+    raise AssertionError(f"no replica of {primary}")
+
+
+def _has_library(node: Node) -> bool:
+    return bool(node.call("FUNCTION", "LIST", "LIBRARYNAME", "kvmeta"))
+
+
+def test_a_clean_failover_keeps_answers_code_and_epoch(doomed_cluster: RedisCluster) -> None:
+    """CLUSTER FAILOVER on a replica: the pool's slot moves to it (MOVED), its data and
+    kvmeta's functions came with replication, and the epoch stays (no data was lost)."""
+    cluster = doomed_cluster
+    cluster.flush()
+    pid = _pools_on_each_primary(cluster)[0]
+
+    async def go() -> None:
+        backend = RedisBackend(cluster.url)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            epoch = backend.epoch
+            old = cluster.primary_for(pool_keys(pid)[0])
+            replica = _replica_of(cluster, old)
+            cluster._wait_replicated(old)
+            replica.call("CLUSTER", "FAILOVER")
+            _wait(lambda: replica.call("ROLE")[0] == "master", "the replica to take over")
+            assert _has_library(replica)  # replicated with the data, not installed by us
+            assert await backend.get(pid, ["a"]) == [page]
+            assert await backend.confirm(pid, [("a", page)], []) == 0
+            assert backend.epoch == epoch
+        finally:
+            await backend.close()
+
+    _run(go())
+
+
+def test_a_killed_primary_is_replaced_within_the_failover_timeout(
+    doomed_cluster: RedisCluster,
+) -> None:
+    """kill -9 of the primary serving a pool: calls wait for the automatic promotion
+    (cluster-node-timeout 1000 ms) and then answer from the promoted replica."""
+    cluster = doomed_cluster
+    cluster.wait_ok()
+    cluster.flush()
+    pid = _pools_on_each_primary(cluster)[1]
+
+    async def go() -> float:
+        backend = RedisBackend(cluster.url, failover_timeout=30.0)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            epoch = backend.epoch
+            victim = cluster.primary_for(pool_keys(pid)[0])
+            cluster._wait_replicated(victim)
+            victim.kill(signal.SIGKILL)
+            began = time.monotonic()
+            assert await backend.get(pid, ["a"]) == [page]
+            took = time.monotonic() - began
+            [(stored, page_b)] = await backend.reserve(pid, ["b"])
+            assert not stored and page_b != page
+            assert backend.epoch == epoch
+            assert await backend.ready()
+            return took
+        finally:
+            await backend.close()
+
+    took = _run(go())
+    print(f"cluster primary kill -9: answered again after {took:.2f}s")
+
+
+def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
+    """FLUSHALL then every connection dropped (what a restart without persistence looks
+    like to kvmeta): the next call finds kvmeta:epoch gone and makes a new one."""
+
+    async def go() -> None:
+        redis_server.flush()
+        backend = RedisBackend(redis_server.url)
+        await backend.start()
+        try:
+            first = backend.epoch
+            assert first and first.isalnum()
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            with redis_server.client() as client:
+                client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            assert backend.epoch == first  # a reconnect alone changes nothing
+            with redis_server.client() as client:
+                client.flushall()
+                client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await backend.initialize(PoolId("s", 0, "e"), 4)
+            assert backend.epoch != first
+        finally:
+            await backend.close()
+
+    _run(go())
