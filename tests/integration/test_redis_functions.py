@@ -82,6 +82,7 @@ class _LibraryBackend(RedisBackend):
         self.library = library
         self.conn: AbstractConnection | None = None
         self.installs = 0
+        self.installed: list[str] = []  # install()'s texts
         self.commands: list[str] = []
 
     async def _run(self, script: str, keys: str | tuple[str, ...], args: list[Any]) -> list[Any]:
@@ -107,7 +108,7 @@ class _LibraryBackend(RedisBackend):
     async def _install(self) -> None:
         assert self.conn is not None
         self.installs += 1
-        await self.library.install(self.conn)
+        self.installed.append(await self.library.install(self.conn))
 
     async def close(self) -> None:
         if self.conn is not None:
@@ -377,3 +378,35 @@ def test_command_shapes() -> None:
     source = lua.joinpath("_lib.lua").read_text() + "\n" + lua.joinpath("reserve.lua").read_text()
     sha = hashlib.sha1(source.encode()).hexdigest()  # the script EVALSHA has always run
     assert evalsha == ("EVALSHA", sha, 2, "k1", "k2", "x")
+
+
+def test_a_replica_has_the_library_and_serves_it_once_promoted(fresh: RedisServer) -> None:
+    """What Functions are for: the library travels with the data, so after a failover the new
+    primary runs every op with no install (the EVALSHA cache would be empty there)."""
+    replica = RedisServer("--replicaof", "127.0.0.1", str(fresh.port)).start()
+    try:
+        library = ScriptLibrary()
+
+        async def install() -> str:
+            conn = await _connect(fresh)
+            try:
+                return await library.install(conn)
+            finally:
+                await conn.disconnect()
+
+        _run(install())
+        with fresh.client() as client:
+            client.wait(1, 30_000)  # the replica has everything the primary had so far
+        assert _version(replica) == library.version
+        with replica.client() as client:
+            client.execute_command("REPLICAOF", "NO", "ONE")  # promoted, as by a failover
+
+        async def body(backend: _LibraryBackend) -> None:
+            await _every_op(backend)
+            assert backend.installs == 1
+            assert "current" in backend.installed[0]  # nothing loaded: it was already there
+            assert set(backend.commands) == {"FCALL"}
+
+        _backend_run(replica, library, body)
+    finally:
+        replica.close()
