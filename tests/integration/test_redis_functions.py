@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -82,6 +83,7 @@ class _LibraryBackend(RedisBackend):
         self.library = library
         self.conn: AbstractConnection | None = None
         self.installs = 0
+        self.installed: list[str] = []  # install()'s texts
         self.commands: list[str] = []
 
     async def _run(self, script: str, keys: str | tuple[str, ...], args: list[Any]) -> list[Any]:
@@ -107,7 +109,7 @@ class _LibraryBackend(RedisBackend):
     async def _install(self) -> None:
         assert self.conn is not None
         self.installs += 1
-        await self.library.install(self.conn)
+        self.installed.append(await self.library.install(self.conn))
 
     async def close(self) -> None:
         if self.conn is not None:
@@ -377,3 +379,52 @@ def test_command_shapes() -> None:
     source = lua.joinpath("_lib.lua").read_text() + "\n" + lua.joinpath("reserve.lua").read_text()
     sha = hashlib.sha1(source.encode()).hexdigest()  # the script EVALSHA has always run
     assert evalsha == ("EVALSHA", sha, 2, "k1", "k2", "x")
+
+
+def test_a_replica_has_the_library_and_serves_it_once_promoted(fresh: RedisServer) -> None:
+    """What Functions are for: the library travels with the data, so after a failover the new
+    primary runs every op with no install (the EVALSHA cache would be empty there)."""
+    replica = RedisServer("--replicaof", "127.0.0.1", str(fresh.port)).start()
+    try:
+        library = ScriptLibrary()
+
+        async def install() -> str:
+            conn = await _connect(fresh)
+            try:
+                return await library.install(conn)
+            finally:
+                await conn.disconnect()
+
+        _wait_for(lambda: _linked(replica), "the replica's initial sync")
+        _run(install())
+        _wait_for(lambda: _has_library(replica), "the library on the replica")
+        assert _version(replica) == library.version
+        with replica.client() as client:
+            client.execute_command("REPLICAOF", "NO", "ONE")  # promoted, as by a failover
+
+        async def body(backend: _LibraryBackend) -> None:
+            await _every_op(backend)
+            assert backend.installs == 1
+            assert "current" in backend.installed[0]  # nothing loaded: it was already there
+            assert set(backend.commands) == {"FCALL"}
+
+        _backend_run(replica, library, body)
+    finally:
+        replica.close()
+
+
+def _linked(replica: RedisServer) -> bool:
+    with replica.client() as client:
+        return client.info("replication").get("master_link_status") == "up"
+
+
+def _has_library(server: RedisServer) -> bool:
+    with server.client() as client:
+        return bool(client.function_list(library=LIBRARY_NAME))
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)

@@ -14,7 +14,14 @@ from typing import Any
 
 from kvmeta.bench.driver import BenchConfig
 from kvmeta.bench.launch import LAUNCH_MODES, Launch, run_on, with_launch
-from kvmeta.bench.report import format_table, median_result, refusal_notes, to_json
+from kvmeta.bench.redisstat import check_backend_url
+from kvmeta.bench.report import (
+    backend_notes,
+    format_table,
+    median_result,
+    refusal_notes,
+    to_json,
+)
 from kvmeta.bench.workload import HttpClient
 from kvmeta.errors import InvalidRequest
 
@@ -138,6 +145,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "otherwise)",
     )
     server.add_argument(
+        "--backend-url",
+        metavar="URL",
+        help="the --url server's Redis (redis://, rediss://, unix://, redis+cluster://H:P[,H:P] "
+        "or redis+sentinel://H:P[,H:P]/MASTER), for redis-server CPU per request from INFO cpu "
+        "of every primary, per primary on a cluster; --backend-pid wins when both are given "
+        "(default: the Redis the server reports in /v1/pools, when it shows no password)",
+    )
+    server.add_argument(
         "--auth-token",
         metavar="TOKEN",
         help="send `Authorization: Bearer TOKEN` with every request; a launched server is "
@@ -250,6 +265,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         server_pid=args.server_pid,
         auth_token=args.auth_token,
         backend_pid=args.backend_pid,
+        backend_url=args.backend_url,
     )
 
 
@@ -297,7 +313,7 @@ def _report(results: list[dict[str, Any]], as_json: bool, payload: object) -> st
         for note in notes:
             logger.warning("%s", note)
         return to_json(payload)
-    return "\n\n".join([format_table(results), *notes])
+    return "\n\n".join([format_table(results), *backend_notes(results), *notes])
 
 
 def run(args: argparse.Namespace) -> str:
@@ -322,6 +338,8 @@ def run(args: argparse.Namespace) -> str:
         raise InvalidRequest("give either --url (a running server) or --launch, not both")
     if args.url:
         HttpClient(args.url)  # a malformed URL fails here, before anything runs
+    if args.backend_url:
+        check_backend_url(args.backend_url)
     launch = launch_of(args)
     cfg = _config(args)
     if args.mode == "sweep":

@@ -8,6 +8,7 @@ at the window's two edges. Warm-up and prefill are therefore excluded from every
 
 from __future__ import annotations
 
+import json
 import logging
 import multiprocessing as mp
 import os
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.bench import procstat
+from kvmeta.bench.redisstat import RedisCpu, backend_url_of
 from kvmeta.bench.workload import (
     BenchHttpError,
     HttpClient,
@@ -60,6 +62,9 @@ class BenchConfig:
     auth_token: str | None = None
     # The process holding the server's shared state (redis-server): its CPU is reported apart.
     backend_pid: int | None = None
+    # The server's Redis, for its primaries' CPU from INFO cpu when there is no backend_pid
+    # (None: the URL the server reports in /v1/pools, if it is Redis and shows no password).
+    backend_url: str | None = None
     # A durable server's data directory: its journal growth over the window is reported.
     data_dir: str | None = None
 
@@ -83,6 +88,10 @@ class BenchResult:
     reserved_keys: int = 0
     backend_cpu_s: float | None = None
     backend_cpu_us_per_request: float | None = None
+    # Where backend_cpu_s came from: "pid" (/proc of backend_pid) or "info" (INFO cpu).
+    backend_cpu_source: str | None = None
+    # With "info": each primary's share, "host:port" -> us/request (they sum to the total).
+    backend_nodes_cpu_us_per_request: dict[str, float] | None = None
     journal_bytes_per_request: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -236,6 +245,58 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     if not cfg.seed:
         cfg.seed = f"{os.getpid()}-{time.time_ns()}"
     pages = _setup(cfg)
+    redis_cpu = None if cfg.backend_pid else _redis_cpu(cfg)
+    try:
+        return _measure(cfg, pages, redis_cpu)
+    finally:
+        if redis_cpu is not None:
+            redis_cpu.close()
+
+
+def _redis_cpu(cfg: BenchConfig) -> RedisCpu | None:
+    """The primaries whose INFO cpu is read around the window: ``cfg.backend_url``, else the
+    Redis the server says it uses; None when neither names a reachable Redis."""
+    url = cfg.backend_url
+    if url is None:
+        described = _server_backend(cfg)
+        if described is None or "://" not in described:
+            return None  # not a Redis backend (or a server that does not say)
+        url = backend_url_of(described)
+        if url is None:
+            logger.warning(
+                "the server's Redis (%s) needs a password it does not show: pass "
+                "`--backend-url` with it (or `--backend-pid` for a local redis-server) to get "
+                "redis-server CPU per request",
+                described,
+            )
+            return None
+    try:
+        return RedisCpu(url)
+    except KvmetaError as exc:
+        if cfg.backend_url is not None:
+            raise
+        logger.warning("no redis-server CPU per request: %s", exc)
+        return None
+
+
+def _server_backend(cfg: BenchConfig) -> str | None:
+    """The server's backend description from ``/v1/pools`` (kvmeta servers only)."""
+    client = HttpClient(cfg.url, auth_token=cfg.auth_token)
+    try:
+        status, body = client.get("/v1/pools")
+    finally:
+        client.close()
+    if status != 200:
+        return None
+    try:
+        server = json.loads(body).get("server") or {}
+    except (ValueError, AttributeError):
+        return None
+    backend = server.get("backend") if isinstance(server, dict) else None
+    return backend if isinstance(backend, str) else None
+
+
+def _measure(cfg: BenchConfig, pages: int, redis_cpu: RedisCpu | None) -> BenchResult:
     ctx = mp.get_context("spawn")
     phase = ctx.Value("i", _WARMUP, lock=False)
     out: mp.Queue[_ClientReport] = ctx.Queue()
@@ -251,6 +312,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         time.sleep(cfg.warmup)
         cpu0 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
         backend0 = procstat.cpu_seconds(cfg.backend_pid) if cfg.backend_pid else None
+        nodes0 = redis_cpu.sample() if redis_cpu is not None else None
         journal0 = _journal_bytes(cfg.data_dir)
         t0 = time.perf_counter()
         phase.value = _MEASURE
@@ -262,6 +324,7 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
         t1 = time.perf_counter()
         cpu1 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
         backend1 = procstat.cpu_seconds(cfg.backend_pid) if cfg.backend_pid else None
+        nodes1 = redis_cpu.sample() if redis_cpu is not None else None
         journal1 = _journal_bytes(cfg.data_dir)
         rss = procstat.rss_bytes(cfg.server_pid) if cfg.server_pid else None
         if not quota:
@@ -287,6 +350,15 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     if result.requests and backend0 is not None and backend1 is not None:
         result.backend_cpu_s = backend1 - backend0
         result.backend_cpu_us_per_request = result.backend_cpu_s / result.requests * 1e6
+        result.backend_cpu_source = "pid"
+    elif result.requests and nodes0 is not None and nodes1 is not None:
+        spent = {node: nodes1[node] - nodes0[node] for node in nodes0}
+        result.backend_cpu_s = sum(spent.values())
+        result.backend_cpu_us_per_request = result.backend_cpu_s / result.requests * 1e6
+        result.backend_cpu_source = "info"
+        result.backend_nodes_cpu_us_per_request = {
+            node: cpu / result.requests * 1e6 for node, cpu in spent.items()
+        }
     # A snapshot in the window compacts the journal: then its growth says nothing.
     if result.requests and journal0 is not None and journal1 is not None and journal1 >= journal0:
         result.journal_bytes_per_request = (journal1 - journal0) / result.requests

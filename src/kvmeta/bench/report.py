@@ -7,7 +7,7 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["format_table", "median_result", "refusal_notes", "to_json"]
+__all__ = ["backend_notes", "format_table", "median_result", "refusal_notes", "to_json"]
 
 # (label, result field, format)
 _COLUMNS = (
@@ -63,6 +63,13 @@ def median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             values = [r[name] for r in runs if r.get(name) is not None]
             out[name] = statistics.median(values) if values else None
+        elif isinstance(value, dict) and name.endswith("_us_per_request"):
+            out[name] = {  # per node: the median of each node's runs
+                key: statistics.median(
+                    r[name][key] for r in runs if isinstance(r.get(name), dict) and key in r[name]
+                )
+                for key in value
+            }
     out["repeats"] = len(runs)
     out["runs_cpu_us_per_request"] = [r.get("cpu_us_per_request") for r in runs]
     return out
@@ -94,5 +101,26 @@ def refusal_notes(results: Sequence[dict[str, Any]]) -> list[str]:
             "read-leased or reserved, so this run timed refusals, not eviction. Use "
             f"`--pool-pages 1048576` or {lease_fix} to measure eviction "
             "(benchmarks/README.md, 'Read leases and this workload')."
+        )
+    return notes
+
+
+def backend_notes(results: Sequence[dict[str, Any]]) -> list[str]:
+    """A line per result whose redis-server CPU came from INFO cpu: the total and, for several
+    primaries (a cluster), each one's share, so a skewed shard shows."""
+    notes = []
+    for result in results:
+        nodes = result.get("backend_nodes_cpu_us_per_request")
+        total = result.get("backend_cpu_us_per_request")
+        if result.get("backend_cpu_source") != "info" or not nodes or total is None:
+            continue
+        if len(nodes) == 1:
+            [node] = nodes
+            notes.append(f"redis-server CPU per request (INFO cpu of {node}): {total:.1f} us")
+            continue
+        shares = ", ".join(f"{node} {cpu:.1f}" for node, cpu in sorted(nodes.items()))
+        notes.append(
+            f"redis-server CPU per request (INFO cpu of {len(nodes)} primaries): {total:.1f} us "
+            f"= {shares}"
         )
     return notes
