@@ -21,7 +21,6 @@ import json
 import sys
 import tempfile
 import threading
-import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,7 +31,6 @@ from tests.redis_support import Node, RedisCluster, RedisServer  # noqa: E402
 from tests.support import ServerProcess  # noqa: E402
 
 from kvmeta._types import PoolId  # noqa: E402
-from kvmeta.bench import procstat  # noqa: E402
 from kvmeta.bench.driver import BenchConfig, BenchResult, _setup, run_bench  # noqa: E402
 from kvmeta.store.redis import pool_keys  # noqa: E402
 
@@ -65,7 +63,6 @@ def measure(layout: Layout, args: argparse.Namespace, cwd: Path) -> dict[str, ob
     flags = ["--backend", layout.url, "--read-lease", "0", "--workers", str(args.workers)]
     server = ServerProcess(*flags, cwd=cwd).start(60)
     try:
-        server_pids = [server.pid]
         configs = [
             BenchConfig(
                 url=server.url,
@@ -76,6 +73,8 @@ def measure(layout: Layout, args: argparse.Namespace, cwd: Path) -> dict[str, ob
                 warmup=args.warmup,
                 prefill=False,
                 seed=f"shards-{layout.name}-{rank}",
+                server_pid=server.pid,
+                backend_pid=layout.shards[rank],
             )
             for rank in layout.shards
         ]
@@ -91,39 +90,39 @@ def measure(layout: Layout, args: argparse.Namespace, cwd: Path) -> dict[str, ob
         threads = [threading.Thread(target=one, args=(cfg,)) for cfg in configs]
         for t in threads:
             t.start()
-        time.sleep(args.warmup + 1.0)  # clients spawned and warmed up (spawn takes ~1 s)
-        window = min(args.duration - 1.0, args.duration * 0.8)
-        cpu0 = {pid: procstat.cpu_seconds(pid) for pid in [*server_pids, *layout.pids]}
-        t0 = time.monotonic()
-        time.sleep(window)
-        cpu1 = {pid: procstat.cpu_seconds(pid) for pid in [*server_pids, *layout.pids]}
-        seconds = time.monotonic() - t0
         for t in threads:
             t.join()
+        # Every pool's run measured its own window (they overlap: all start together). kvmeta
+        # and a shard serve several pools, so their load is CPU seconds per second of a run's
+        # window (averaged over the runs), divided by the requests per second of all pools.
         rps = {rank: r.requests_per_s for rank, r in results.items()}
         total = sum(rps.values())
-        per_s = {pid: (cpu1[pid] - cpu0[pid]) / seconds for pid in cpu0}
+
+        def load(cpu: str, ranks: list[int]) -> float:
+            runs = [results[r] for r in ranks]
+            return sum(float(getattr(r, cpu) or 0.0) / r.seconds for r in runs) / len(runs)
+
         shards = []
         for pid in layout.pids:
             ranks = [rank for rank, p in layout.shards.items() if p == pid]
+            share = load("backend_cpu_s", ranks)
             reqs = sum(rps[r] for r in ranks)
             shards.append(
                 {
                     "ranks": ranks,
-                    "cpu_share": round(per_s[pid], 3),
-                    "us_per_request": round(per_s[pid] / reqs * 1e6, 1) if reqs else None,
+                    "cpu_share": round(share, 3),
+                    "us_per_request": round(share / reqs * 1e6, 1) if reqs else None,
                 }
             )
-        kvmeta_cpu = sum(per_s[p] for p in server_pids)
+        kvmeta = load("server_cpu_s", list(results))
+        redis_all = sum(float(sh["cpu_share"]) for sh in shards)  # type: ignore[arg-type]
         return {
             "layout": layout.name,
             "requests_per_s": round(total, 1),
             "per_pool_requests_per_s": {r: round(v, 1) for r, v in rps.items()},
-            "kvmeta_cpu_share": round(kvmeta_cpu, 3),
-            "kvmeta_us_per_request": round(kvmeta_cpu / total * 1e6, 1) if total else None,
-            "redis_us_per_request_total": round(sum(per_s[p] for p in layout.pids) / total * 1e6, 1)
-            if total
-            else None,
+            "kvmeta_cpu_share": round(kvmeta, 3),
+            "kvmeta_us_per_request": round(kvmeta / total * 1e6, 1) if total else None,
+            "redis_us_per_request_total": round(redis_all / total * 1e6, 1) if total else None,
             "shards": shards,
             "refused_keys": sum(r.refused_keys for r in results.values()),
         }
@@ -154,7 +153,7 @@ def main() -> None:
     parser.add_argument("--pools", type=int, default=3, help="SGLang pools (ranks), default 3")
     parser.add_argument("--clients", type=int, default=1, help="client processes per pool")
     parser.add_argument("--duration", type=float, default=10.0, help="measured seconds")
-    parser.add_argument("--warmup", type=float, default=1.0)
+    parser.add_argument("--warmup", type=float, default=3.0, help="seconds before measuring")
     parser.add_argument("--pool-pages", type=int, default=16384)
     parser.add_argument("--workers", type=int, default=1, help="kvmeta serve --workers")
     parser.add_argument("--repeat", type=int, default=3, help="runs per layout; the median")
