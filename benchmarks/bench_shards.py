@@ -100,12 +100,15 @@ def measure(layout: Layout, args: argparse.Namespace, cwd: Path) -> dict[str, ob
 
         def load(cpu: str, ranks: list[int]) -> float:
             runs = [results[r] for r in ranks]
-            return sum(float(getattr(r, cpu) or 0.0) / r.seconds for r in runs) / len(runs)
+            used: list[float] = [float(getattr(r, cpu) or 0.0) / r.seconds for r in runs]
+            return sum(used) / len(used)
 
-        shards = []
+        shards: list[dict[str, object]] = []
+        redis_all = 0.0
         for pid in layout.pids:
             ranks = [rank for rank, p in layout.shards.items() if p == pid]
             share = load("backend_cpu_s", ranks)
+            redis_all += share
             reqs = sum(rps[r] for r in ranks)
             shards.append(
                 {
@@ -115,7 +118,6 @@ def measure(layout: Layout, args: argparse.Namespace, cwd: Path) -> dict[str, ob
                 }
             )
         kvmeta = load("server_cpu_s", list(results))
-        redis_all = sum(float(sh["cpu_share"]) for sh in shards)  # type: ignore[arg-type]
         return {
             "layout": layout.name,
             "requests_per_s": round(total, 1),
