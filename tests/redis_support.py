@@ -434,6 +434,19 @@ class RedisCluster(_Topology):
     def kill(self, node: Node, sig: int = signal.SIGKILL) -> None:
         node.kill(sig)
 
+    def replicas_of(self, primary: Node) -> list[Node]:
+        """Live nodes replicating ``primary`` now (from their ROLE)."""
+        found = []
+        for node in self.nodes:
+            if node.alive() and node is not primary:
+                try:
+                    role = node.call("ROLE")
+                except redis.RedisError:
+                    continue
+                if role[0] == "slave" and int(role[2]) == primary.port:
+                    found.append(node)
+        return found
+
     def flush(self) -> None:
         """FLUSHALL on every primary, then wait until their replicas have it."""
         for node in self.current_primaries():
@@ -554,6 +567,11 @@ class SentinelGroup(_Topology):
                 if node.port == int(port):
                     return node
         raise TopologyError(f"no Sentinel names a primary; logs under {self.root}")
+
+    def replicas(self) -> list[Node]:
+        """The live data nodes other than the current primary."""
+        primary = self.primary()
+        return [n for n in self.data if n is not primary and n.alive()]
 
     def replica(self) -> Node:
         """A data node other than the current primary."""

@@ -5,7 +5,9 @@ With ``--min-replicas-ack 1`` a confirm is acknowledged only once a replica has 
 promoted replica must still hold every acknowledged key, no page may hold two keys, and no key
 may point at bytes another writer put in its page (each writer writes its key's bytes into a
 simulated page file before it confirms, as the engines do). The numbers (time until requests
-succeed again, 5xx replies during the window) are printed on one line per topology.
+succeed again, 5xx replies during the window) are printed on one line per topology and
+scenario: a plain kill, and a kill while the replicas are stopped (writes in flight, waiting
+for a replica's acknowledgement, when the primary dies).
 
 Each topology has TWO replicas per primary: after one failover the promoted primary still has a
 replica, so ``WAIT 1`` can be met and writes resume (with one replica they would be refused
@@ -47,6 +49,8 @@ WARM_UP = 4.0  # seconds of load before the kill
 AFTER = 5.0  # seconds of load after requests succeed again
 RECOVERY_BOUND = 20.0  # goal 5 s; generous: the machine has 2 shared cores
 GIVE_UP = 40.0
+LAG = 1.5  # seconds the replicas are stopped before the kill (lagging-replicas)
+SCENARIOS = ["kill", "lagging-replicas"]
 
 _STATUS = re.compile(r"\b(\d{3}) (?:Server|Client) Error")
 
@@ -319,6 +323,35 @@ def _assert(r: dict[str, Any], logs: str) -> None:
     assert r["unexpected"] == [], r["unexpected"][:20]
 
 
+def _killer(primary: Node, replicas: list[Node], scenario: str) -> Callable[[], None]:
+    """``kill``: SIGKILL the primary. ``lagging-replicas``: stop its replicas (SIGSTOP) for
+    ``LAG`` seconds of load first. A stopped replica sends no acknowledgement, so with
+    ``--min-replicas-ack 1`` every write of that window is still waiting on ``WAIT`` (past
+    ``--replica-ack-timeout``) when the primary dies: nothing of it may have been answered 204,
+    and kvmeta's retry on the promoted replica must be idempotent (the replication stream that
+    sat unread in the stopped replica's socket buffer reaches it on SIGCONT, so the promoted
+    replica may already hold the write)."""
+
+    assert len(replicas) == 2, replicas  # both replicas of the doomed primary
+
+    def kill() -> None:
+        if scenario == "kill":
+            primary.kill(signal.SIGKILL)
+            return
+        for r in replicas:
+            assert r.proc is not None
+            r.proc.send_signal(signal.SIGSTOP)
+        try:
+            time.sleep(LAG)
+            primary.kill(signal.SIGKILL)
+        finally:
+            for r in replicas:
+                assert r.proc is not None
+                r.proc.send_signal(signal.SIGCONT)
+
+    return kill
+
+
 def _same_shard(cluster: RedisCluster, owner: Node) -> str:
     """A namespace for the evicting pool whose keys live on ``owner`` too, so the kill hits
     both SGLang pools."""
@@ -347,8 +380,9 @@ def servers(tmp_path: Path) -> Iterator[Callable[[str], list[ServerProcess]]]:
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_cluster_failover_drill(
-    tmp_path: Path, servers: Callable[[str], list[ServerProcess]]
+    tmp_path: Path, servers: Callable[[str], list[ServerProcess]], scenario: str
 ) -> None:
     with RedisCluster(replicas=2).start() as cluster:
         owner = cluster.primary_for(pool_keys(HOT)[0])
@@ -359,25 +393,26 @@ def test_cluster_failover_drill(
         procs = servers(cluster.url)
         drill = Drill(procs, tmp_path, small_ns, hot)
         try:
-            result = drill.run(lambda: cluster.kill(owner, signal.SIGKILL))
+            result = drill.run(_killer(owner, cluster.replicas_of(owner), scenario))
         finally:
             drill.close()
-        _report("cluster", result)
+        _report(f"cluster {scenario}", result)
         _assert(result, "\n".join(p.log[-3000:] for p in procs))
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(600)
+@pytest.mark.parametrize("scenario", SCENARIOS)
 def test_sentinel_failover_drill(
-    tmp_path: Path, servers: Callable[[str], list[ServerProcess]]
+    tmp_path: Path, servers: Callable[[str], list[ServerProcess]], scenario: str
 ) -> None:
     with SentinelGroup(replicas=2).start() as group:
         procs = servers(group.url)
         hot = {"s:kv", "s:small", *(f"v:{r}" for r in V_RANKS)}
         drill = Drill(procs, tmp_path, "small", hot)
         try:
-            result = drill.run(lambda: group.kill_primary(signal.SIGKILL))
+            result = drill.run(_killer(group.primary(), group.replicas(), scenario))
         finally:
             drill.close()
-        _report("sentinel", result)
+        _report(f"sentinel {scenario}", result)
         _assert(result, "\n".join(p.log[-3000:] for p in procs))
