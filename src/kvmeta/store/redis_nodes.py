@@ -11,6 +11,7 @@ primary by majority), and the caller retries until its failover deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -106,6 +107,7 @@ class Topology:
         self.target = target
         self.read_timeout = read_timeout
         self._nodes: dict[tuple[str, int], Node] = {}
+        self.last_error = ""  # why the last refresh found no primary, for the 503 message
 
     def node(self, host: str, port: int) -> Node:
         found = self._nodes.get((host, port))
@@ -116,10 +118,16 @@ class Topology:
         return found
 
     def route(self, key: str) -> Node:
-        return self.node("", 0)
+        return self._single or self._first()
+
+    _single: Node | None = None
+
+    def _first(self) -> Node:
+        self._single = self.node("", 0)
+        return self._single
 
     def primaries(self) -> list[Node]:
-        return [self.node("", 0)]
+        return [self.route("")]
 
     async def start(self) -> None:
         """Learn the topology once; errors propagate to the caller's start-up message."""
@@ -139,6 +147,12 @@ class Topology:
         for node in self._nodes.values():
             await node.drop()
         self._nodes.clear()
+        self._single = None
+
+
+@functools.lru_cache(maxsize=8192)
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
 
 
 SingleTopology = Topology
@@ -154,12 +168,11 @@ class ClusterTopology(Topology):
         super().__init__(target, read_timeout=read_timeout)
         self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._refreshing: asyncio.Task[None] | None = None
-        self.last_error = ""
 
     def route(self, key: str) -> Node:
-        node = self._slots[key_slot(key.encode())]
+        node = self._slots[_slot(key)]
         if node is None:
-            raise ClusterDownError(f"CLUSTERDOWN slot {key_slot(key.encode())} is not served")
+            raise ClusterDownError(f"CLUSTERDOWN slot {_slot(key)} has no primary known")
         return node
 
     def primaries(self) -> list[Node]:
@@ -185,6 +198,7 @@ class ClusterTopology(Topology):
                 errors.append(f"{node.addr}: {exc or type(exc).__name__}")
                 continue
             self._apply(node, reply)
+            self.last_error = ""
             return
         self.last_error = "; ".join(errors)
         if raise_errors:
@@ -232,7 +246,6 @@ class SentinelTopology(Topology):
     def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
         super().__init__(target, read_timeout=read_timeout)
         self._primary: Node | None = None
-        self.last_error = ""
 
     def route(self, key: str) -> Node:
         if self._primary is None:
@@ -279,3 +292,4 @@ class SentinelTopology(Topology):
                 node.addr,
             )
         self._primary = node
+        self.last_error = ""
