@@ -15,7 +15,7 @@ from redis.crc import key_slot
 
 from kvmeta._types import PoolId
 from kvmeta.store.redis import RedisBackend, pool_keys
-from tests.redis_support import Node, RedisCluster
+from tests.redis_support import Node, RedisCluster, RedisServer
 
 pytestmark = pytest.mark.slow
 
@@ -310,3 +310,37 @@ def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
             await backend.close()
 
     _run(go())
+
+
+def test_a_restart_keeps_the_epoch_with_an_aof_and_changes_it_without() -> None:
+    """A whole-Redis restart: with appendonly on, the data and the epoch come back (nothing to
+    re-initialise); with no persistence, Redis comes back empty and the epoch changes, so
+    engines know to initialise their pools again."""
+    pid = PoolId("s", 0, "restart")
+
+    async def restart_and_look(server: RedisServer) -> tuple[str, str, list[int | None]]:
+        backend = RedisBackend(server.url, failover_timeout=30.0)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            before = backend.epoch
+            port = server.port
+            server.stop()
+            server.start(port=port)
+            await backend.initialize(pid, 16)  # reconnects, then reads the epoch again
+            return before, backend.epoch, [page, *await backend.get(pid, ["a"])]
+        finally:
+            await backend.close()
+
+    durable = RedisServer("--appendonly", "yes", "--appendfsync", "always")
+    try:
+        before, after, (page, got) = _run(restart_and_look(durable.start()))
+    finally:
+        durable.close()
+    assert after == before and got == page
+    volatile = RedisServer()
+    try:
+        before, after, (page, got) = _run(restart_and_look(volatile.start()))
+    finally:
+        volatile.close()
+    assert after != before and got is None
