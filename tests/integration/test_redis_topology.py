@@ -14,8 +14,9 @@ import redis
 from redis.crc import key_slot
 
 from kvmeta._types import PoolId
+from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis import RedisBackend, pool_keys
-from tests.redis_support import Node, RedisCluster, RedisServer
+from tests.redis_support import Node, RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -344,3 +345,17 @@ def test_a_restart_keeps_the_epoch_with_an_aof_and_changes_it_without() -> None:
     finally:
         volatile.close()
     assert after != before and got is None
+
+
+def test_unreachable_cluster_seeds_stop_start_up_naming_each() -> None:
+    ports = [free_port(), free_port()]
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    async def go() -> None:
+        with pytest.raises(BackendUnavailable) as info:
+            await RedisBackend(url).start()
+        text = str(info.value)
+        assert "no Cluster node answered CLUSTER SLOTS" in text
+        assert all(f"127.0.0.1:{p}:" in text for p in ports), text
+
+    _run(go())

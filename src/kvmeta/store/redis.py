@@ -288,7 +288,7 @@ class RedisBackend:
                 the message); no majority of Sentinels names a primary; a Cluster does not
                 answer.
         """
-        read_timeout = max(READ_TIMEOUT, self.replica_ack_timeout + 2.0)
+        read_timeout = max(READ_TIMEOUT, self.replica_ack_timeout + 1.0)
         target = self.target
         if target.mode == "single":
             target = await self._check_single()

@@ -40,7 +40,7 @@ MAX_IDLE = 64  # connections kept open per node and server process for concurren
 # Connection timeouts unless the URL sets its own (?socket_timeout=...): a node that stops
 # answering (partitioned, frozen) must fail a call so it can be retried elsewhere, not hang it.
 CONNECT_TIMEOUT = 1.0
-READ_TIMEOUT = 3.0
+READ_TIMEOUT = 2.0
 
 
 def retriable(exc: BaseException) -> bool:
@@ -186,25 +186,37 @@ class ClusterTopology(Topology):
         await self.refresh(raise_errors=True)
 
     async def refresh(self, raise_errors: bool = False) -> None:
-        """Read the slot map from the first node that answers (known primaries, then seeds)."""
-        errors = []
+        """Read the slot map from the first node that answers, asking every known node and
+        seed at once: a frozen or partitioned node must not make the others wait."""
         candidates = [*self.primaries(), *(self.node(h, p) for h, p in self.target.hosts)]
         candidates += [n for n in self._nodes.values() if n not in candidates]
-        for node in candidates:
+
+        async def ask(node: Node) -> tuple[Node, Any]:
             try:
                 reply = await asyncio.wait_for(node.call("CLUSTER", "SLOTS"), CONNECT_TIMEOUT * 2)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                await node.drop()
-                errors.append(f"{node.addr}: {exc or type(exc).__name__}")
-                continue
-            self._apply(node, reply)
-            self.last_error = ""
-            return
-        self.last_error = "; ".join(errors)
+                raise ConnectionError(f"{node.addr}: {exc or type(exc).__name__}") from exc
+            return node, reply
+
+        tasks = [asyncio.ensure_future(ask(node)) for node in candidates]
+        errors = []
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                try:
+                    node, reply = await next_done
+                except ConnectionError as exc:
+                    errors.append(str(exc))
+                    continue
+                self._apply(node, reply)
+                self.last_error = ""
+                return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.last_error = "no Cluster node answered CLUSTER SLOTS: " + "; ".join(errors)
         if raise_errors:
-            raise BackendUnavailable(
-                f"no Redis Cluster node answered CLUSTER SLOTS ({self.last_error})"
-            )
+            raise BackendUnavailable(f"{self.last_error} (seeds {self.target.shown})")
 
     def _apply(self, asked: Node, reply: list[Any]) -> None:
         slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
