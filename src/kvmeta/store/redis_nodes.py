@@ -51,7 +51,9 @@ def retriable(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError)):
         return True
     text = str(exc)
-    return text.startswith(("READONLY", "UNBLOCKED", "MASTERDOWN", "CLUSTERDOWN"))
+    # NOREPLICAS: a primary with min-replicas-to-write refuses writes while its replicas are
+    # away, as a newly promoted one may for a moment.
+    return text.startswith(("READONLY", "UNBLOCKED", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS"))
 
 
 class Node:
