@@ -14,8 +14,9 @@ import redis
 from redis.crc import key_slot
 
 from kvmeta._types import PoolId
+from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis import RedisBackend, pool_keys
-from tests.redis_support import Node, RedisCluster
+from tests.redis_support import Node, RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.slow
 
@@ -308,5 +309,53 @@ def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
             assert backend.epoch != first
         finally:
             await backend.close()
+
+    _run(go())
+
+
+def test_a_restart_keeps_the_epoch_with_an_aof_and_changes_it_without() -> None:
+    """A whole-Redis restart: with appendonly on, the data and the epoch come back (nothing to
+    re-initialise); with no persistence, Redis comes back empty and the epoch changes, so
+    engines know to initialise their pools again."""
+    pid = PoolId("s", 0, "restart")
+
+    async def restart_and_look(server: RedisServer) -> tuple[str, str, list[int | None]]:
+        backend = RedisBackend(server.url, failover_timeout=30.0)
+        await backend.start()
+        try:
+            page = await _cycle(backend, pid, "a")
+            before = backend.epoch
+            port = server.port
+            server.stop()
+            server.start(port=port)
+            await backend.initialize(pid, 16)  # reconnects, then reads the epoch again
+            return before, backend.epoch, [page, *await backend.get(pid, ["a"])]
+        finally:
+            await backend.close()
+
+    durable = RedisServer("--appendonly", "yes", "--appendfsync", "always")
+    try:
+        before, after, (page, got) = _run(restart_and_look(durable.start()))
+    finally:
+        durable.close()
+    assert after == before and got == page
+    volatile = RedisServer()
+    try:
+        before, after, (page, got) = _run(restart_and_look(volatile.start()))
+    finally:
+        volatile.close()
+    assert after != before and got is None
+
+
+def test_unreachable_cluster_seeds_stop_start_up_naming_each() -> None:
+    ports = [free_port(), free_port()]
+    url = "redis+cluster://" + ",".join(f"127.0.0.1:{p}" for p in ports)
+
+    async def go() -> None:
+        with pytest.raises(BackendUnavailable) as info:
+            await RedisBackend(url).start()
+        text = str(info.value)
+        assert "no Cluster node answered CLUSTER SLOTS" in text
+        assert all(f"127.0.0.1:{p}:" in text for p in ports), text
 
     _run(go())

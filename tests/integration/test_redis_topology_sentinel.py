@@ -194,3 +194,27 @@ def test_a_server_with_min_replicas_ack_answers_503_not_204_without_the_replica(
         assert "Redis acknowledgements: WAIT 1 300" in server.log
     finally:
         server.stop()
+
+
+def test_a_primary_refusing_writes_without_replicas_is_retried_then_503() -> None:
+    """min-replicas-to-write on the primary and no replica: NOREPLICAS is retried (a newly
+    promoted primary may say it for a moment) until --failover-timeout, then 503 naming it."""
+    server = RedisServer().start()
+
+    async def go() -> None:
+        backend = RedisBackend(server.url, failover_timeout=0.5)
+        await backend.start()
+        try:
+            with server.client() as client:
+                client.config_set("min-replicas-to-write", 1)
+            with pytest.raises(BackendUnavailable) as info:
+                await backend.initialize(POOL, 8)
+            assert "NOREPLICAS" in str(info.value)
+            assert "did not recover within --failover-timeout 0.5s" in str(info.value)
+        finally:
+            await backend.close()
+
+    try:
+        _run(go())
+    finally:
+        server.close()

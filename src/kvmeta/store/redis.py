@@ -288,7 +288,7 @@ class RedisBackend:
                 the message); no majority of Sentinels names a primary; a Cluster does not
                 answer.
         """
-        read_timeout = max(READ_TIMEOUT, self.replica_ack_timeout + 2.0)
+        read_timeout = max(READ_TIMEOUT, self.replica_ack_timeout + 1.0)
         target = self.target
         if target.mode == "single":
             target = await self._check_single()
@@ -465,16 +465,25 @@ class RedisBackend:
     async def ready(self) -> bool:
         """Every slot has a primary and every primary answers PING."""
         topo = self._topo
-        if topo is None or topo.coverage() is not None:
+        if topo is None:
             return False
-        try:
-            replies = await asyncio.wait_for(
-                asyncio.gather(*(node.call("PING") for node in topo.primaries())),
-                self.failover_timeout,
-            )
-        except (RedisError, OSError, asyncio.TimeoutError):
-            return False
-        return bool(replies) and all(replies)
+        if topo.coverage() is not None:
+            await topo.refresh()
+            if topo.coverage() is not None:
+                return False
+        for attempt in range(2):
+            try:
+                replies = await asyncio.wait_for(
+                    asyncio.gather(*(node.call("PING") for node in topo.primaries())),
+                    self.failover_timeout,
+                )
+                if replies and all(replies):
+                    return True
+            except (RedisError, OSError, asyncio.TimeoutError):
+                pass
+            if not attempt:
+                await topo.refresh()  # a failover with no request since: find the new primary
+        return False
 
     # ------------------------------------------------------------------ calls
 
@@ -545,9 +554,10 @@ class RedisBackend:
                 if not deadline:
                     deadline = now + self.failover_timeout
                 elif now >= deadline:
+                    why = f"; {topo.last_error}" if topo.last_error else ""
                     raise BackendUnavailable(
                         f"Redis backend at {where} failed during {what} and did not recover "
-                        f"within --failover-timeout {self.failover_timeout:g}s: {exc}"
+                        f"within --failover-timeout {self.failover_timeout:g}s: {exc}{why}"
                     ) from exc
                 self._stale_epoch = True
                 if not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError):

@@ -11,6 +11,7 @@ primary by majority), and the caller retries until its failover deadline.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from typing import Any
 
@@ -39,7 +40,7 @@ MAX_IDLE = 64  # connections kept open per node and server process for concurren
 # Connection timeouts unless the URL sets its own (?socket_timeout=...): a node that stops
 # answering (partitioned, frozen) must fail a call so it can be retried elsewhere, not hang it.
 CONNECT_TIMEOUT = 1.0
-READ_TIMEOUT = 3.0
+READ_TIMEOUT = 2.0
 
 
 def retriable(exc: BaseException) -> bool:
@@ -50,7 +51,9 @@ def retriable(exc: BaseException) -> bool:
     if isinstance(exc, (ConnectionError, TimeoutError, OSError, asyncio.TimeoutError)):
         return True
     text = str(exc)
-    return text.startswith(("READONLY", "UNBLOCKED", "MASTERDOWN", "CLUSTERDOWN"))
+    # NOREPLICAS: a primary with min-replicas-to-write refuses writes while its replicas are
+    # away, as a newly promoted one may for a moment.
+    return text.startswith(("READONLY", "UNBLOCKED", "MASTERDOWN", "CLUSTERDOWN", "NOREPLICAS"))
 
 
 class Node:
@@ -106,6 +109,7 @@ class Topology:
         self.target = target
         self.read_timeout = read_timeout
         self._nodes: dict[tuple[str, int], Node] = {}
+        self.last_error = ""  # why the last refresh found no primary, for the 503 message
 
     def node(self, host: str, port: int) -> Node:
         found = self._nodes.get((host, port))
@@ -116,10 +120,16 @@ class Topology:
         return found
 
     def route(self, key: str) -> Node:
-        return self.node("", 0)
+        return self._single or self._first()
+
+    _single: Node | None = None
+
+    def _first(self) -> Node:
+        self._single = self.node("", 0)
+        return self._single
 
     def primaries(self) -> list[Node]:
-        return [self.node("", 0)]
+        return [self.route("")]
 
     async def start(self) -> None:
         """Learn the topology once; errors propagate to the caller's start-up message."""
@@ -139,6 +149,12 @@ class Topology:
         for node in self._nodes.values():
             await node.drop()
         self._nodes.clear()
+        self._single = None
+
+
+@functools.lru_cache(maxsize=8192)
+def _slot(key: str) -> int:
+    return int(key_slot(key.encode()))
 
 
 SingleTopology = Topology
@@ -154,12 +170,11 @@ class ClusterTopology(Topology):
         super().__init__(target, read_timeout=read_timeout)
         self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
         self._refreshing: asyncio.Task[None] | None = None
-        self.last_error = ""
 
     def route(self, key: str) -> Node:
-        node = self._slots[key_slot(key.encode())]
+        node = self._slots[_slot(key)]
         if node is None:
-            raise ClusterDownError(f"CLUSTERDOWN slot {key_slot(key.encode())} is not served")
+            raise ClusterDownError(f"CLUSTERDOWN slot {_slot(key)} has no primary known")
         return node
 
     def primaries(self) -> list[Node]:
@@ -173,24 +188,37 @@ class ClusterTopology(Topology):
         await self.refresh(raise_errors=True)
 
     async def refresh(self, raise_errors: bool = False) -> None:
-        """Read the slot map from the first node that answers (known primaries, then seeds)."""
-        errors = []
+        """Read the slot map from the first node that answers, asking every known node and
+        seed at once: a frozen or partitioned node must not make the others wait."""
         candidates = [*self.primaries(), *(self.node(h, p) for h, p in self.target.hosts)]
         candidates += [n for n in self._nodes.values() if n not in candidates]
-        for node in candidates:
+
+        async def ask(node: Node) -> tuple[Node, Any]:
             try:
                 reply = await asyncio.wait_for(node.call("CLUSTER", "SLOTS"), CONNECT_TIMEOUT * 2)
             except (RedisError, OSError, asyncio.TimeoutError) as exc:
-                await node.drop()
-                errors.append(f"{node.addr}: {exc or type(exc).__name__}")
-                continue
-            self._apply(node, reply)
-            return
-        self.last_error = "; ".join(errors)
+                raise ConnectionError(f"{node.addr}: {exc or type(exc).__name__}") from exc
+            return node, reply
+
+        tasks = [asyncio.ensure_future(ask(node)) for node in candidates]
+        errors = []
+        try:
+            for next_done in asyncio.as_completed(tasks):
+                try:
+                    node, reply = await next_done
+                except ConnectionError as exc:
+                    errors.append(str(exc))
+                    continue
+                self._apply(node, reply)
+                self.last_error = ""
+                return
+        finally:
+            for task in tasks:
+                task.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+        self.last_error = "no Cluster node answered CLUSTER SLOTS: " + "; ".join(errors)
         if raise_errors:
-            raise BackendUnavailable(
-                f"no Redis Cluster node answered CLUSTER SLOTS ({self.last_error})"
-            )
+            raise BackendUnavailable(f"{self.last_error} (seeds {self.target.shown})")
 
     def _apply(self, asked: Node, reply: list[Any]) -> None:
         slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
@@ -232,7 +260,6 @@ class SentinelTopology(Topology):
     def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
         super().__init__(target, read_timeout=read_timeout)
         self._primary: Node | None = None
-        self.last_error = ""
 
     def route(self, key: str) -> Node:
         if self._primary is None:
@@ -279,3 +306,4 @@ class SentinelTopology(Topology):
                 node.addr,
             )
         self._primary = node
+        self.last_error = ""
