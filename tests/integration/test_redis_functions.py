@@ -9,6 +9,7 @@ import asyncio
 import hashlib
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from importlib import resources
 from typing import Any, TypeVar
@@ -394,9 +395,9 @@ def test_a_replica_has_the_library_and_serves_it_once_promoted(fresh: RedisServe
             finally:
                 await conn.disconnect()
 
+        _wait_for(lambda: _linked(replica), "the replica's initial sync")
         _run(install())
-        with fresh.client() as client:
-            client.wait(1, 30_000)  # the replica has everything the primary had so far
+        _wait_for(lambda: _has_library(replica), "the library on the replica")
         assert _version(replica) == library.version
         with replica.client() as client:
             client.execute_command("REPLICAOF", "NO", "ONE")  # promoted, as by a failover
@@ -410,3 +411,20 @@ def test_a_replica_has_the_library_and_serves_it_once_promoted(fresh: RedisServe
         _backend_run(replica, library, body)
     finally:
         replica.close()
+
+
+def _linked(replica: RedisServer) -> bool:
+    with replica.client() as client:
+        return client.info("replication").get("master_link_status") == "up"
+
+
+def _has_library(server: RedisServer) -> bool:
+    with server.client() as client:
+        return bool(client.function_list(library=LIBRARY_NAME))
+
+
+def _wait_for(check: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not check():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
