@@ -485,9 +485,9 @@ class RedisBackend:
     # ------------------------------------------------------------------ vLLM index
     # Every v_* script gets every key it touches in KEYS (as Redis Cluster requires; all in the
     # ``{v}`` slot): the registry keys, then whole pools (``pool_keys``). The ranks a cross-rank
-    # operation needs are known only from the registry, so it reads the registry first
-    # (``_v_registry``) and passes those ranks' keys; a script that finds the registry changed
-    # since answers ``_V_STALE`` having changed nothing, and the read is repeated.
+    # operation needs are known only from the registry, so it passes the keys of the ranks a
+    # registry read (``_v_registry``) found, and a script that finds the registry changed since
+    # answers ``_V_STALE`` having changed nothing: the registry is read again and the op retried.
     _V_RANKS = _V_PREFIX + "ranks"
     _V_WORLD = _V_PREFIX + "world"
     _V_STALE = 9
@@ -495,30 +495,48 @@ class RedisBackend:
     # consecutive ones inside the microseconds between a read and a script means something is
     # rewriting the registry in a loop, and the caller gets a 503 rather than a hung request.
     _V_TRIES = 20
+    # What v_exists needs from the registry as this process last read it (its KEYS and ranks
+    # argument, see ``_v_exists_plan``): where it starts, checked by the script to be current.
+    # Several servers share the registry, so this is a guess, never an answer.
+    _v_known: tuple[tuple[str, ...], bytes] | None = None
 
     async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
         pool = PoolId("v", rank, "")
         keys = (self._V_RANKS, self._V_WORLD, *pool_keys(pool))
         args = [rank, num_pages, "" if world_size is None else world_size]
         reply = _checked(pool, await self._run("v_register", keys, args), None)
+        self._v_known = None  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)
 
     async def v_exists(self, keys: list[str]) -> list[bool]:
-        """One consistent answer: the required ranks as the registry has them when the
-        script runs (read, then checked by ``v_exists.lua``; repeated if it changed)."""
+        """One consistent answer: the required ranks as the registry has them when the script
+        runs. It starts from the last registry read this process made (``_v_known``), so the
+        common case is one script; ``v_exists.lua`` refuses, changing nothing, when other ranks
+        are required by then, and the registry is read again. "Nothing is complete" (a required
+        rank not registered) is answered only from a fresh read, never from a remembered one."""
         request = _encode(keys)
+        plan, fresh = self._v_known, False
         for _ in range(self._V_TRIES):
-            index = await self._v_registry()
-            if index.missing or not index.required:
+            if plan is None or not (fresh or plan[1]):
+                plan, fresh = self._v_exists_plan(await self._v_registry()), True
+            names, ranks = plan
+            if not ranks:
                 return [False] * len(keys)  # a required rank is not registered (yet)
-            ranks = index.required
-            names = [self._V_RANKS, self._V_WORLD]
-            for rank in ranks:
-                names += pool_keys(PoolId("v", rank, ""))
-            reply = await self._run("v_exists", tuple(names), [request, _encode(ranks)])
+            reply = await self._run("v_exists", names, [request, ranks])
             if int(reply[0]) != self._V_STALE:
                 return [bool(x) for x in reply[1:]]
+            plan = None
         raise self._v_unsettled("exists")
+
+    def _v_exists_plan(self, index: VIndex) -> tuple[tuple[str, ...], bytes]:
+        """v_exists's KEYS and ranks argument for ``index`` (ranks ``b""``: nothing is complete,
+        a required rank is not registered)."""
+        if index.missing or not index.required:
+            return (), b""
+        names = [self._V_RANKS, self._V_WORLD]
+        for rank in index.required:
+            names += pool_keys(PoolId("v", rank, ""))
+        return tuple(names), _encode(index.required)
 
     def _v_unsettled(self, op: str) -> BackendUnavailable:
         return BackendUnavailable(
@@ -545,10 +563,12 @@ class RedisBackend:
     async def v_remove(self, rank: int) -> int | None:
         keys = (self._V_RANKS, *pool_keys(PoolId("v", rank, "")))
         dropped = int((await self._run("v_remove", keys, [rank]))[1])
+        self._v_known = None
         return None if dropped < 0 else dropped
 
     async def v_set_world_size(self, world_size: int | None) -> None:
         await self._run("v_world", (self._V_WORLD,), ["" if world_size is None else world_size])
+        self._v_known = None
 
     async def v_index(self) -> VIndex:
         return await self._v_registry()
@@ -558,7 +578,9 @@ class RedisBackend:
         reply = await self._run("v_index", (self._V_RANKS, self._V_WORLD), [])
         world = _text(reply[1])
         ranks = tuple(sorted(int(r) for r in reply[2:]))
-        return VIndex(int(world) if world else None, ranks)
+        index = VIndex(int(world) if world else None, ranks)
+        self._v_known = self._v_exists_plan(index)
+        return index
 
     # ------------------------------------------------------------------ stats and check
 
