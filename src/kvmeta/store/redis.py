@@ -8,9 +8,10 @@ semantics of ``core.pool`` + ``store.memory``; the contract suite runs against b
 Key layout (see ``_lib.lua`` for the per-pool structures): each SGLang pool lives under its own
 hash tag ``kvmeta:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one pool's
 keys stay in one slot. The vLLM index (per-rank pools, the rank registry and the world size) is
-one unit under ``kvmeta:{v}:``, because completeness and ``/clear`` span every rank atomically.
-A pool script gets every key it touches in ``KEYS`` (``pool_keys``), as Redis Cluster requires;
-the vLLM index scripts (``v_*``) still name per-rank keys inside Lua (all in the ``{v}`` slot).
+one unit under ``kvmeta:{v}:``, because completeness spans every rank atomically.
+Every script gets every key it touches in ``KEYS`` (``pool_keys``), as Redis Cluster requires;
+a vLLM index script that spans ranks gets the keys of the ranks the registry listed when read
+just before, and refuses (nothing changed, read again) if the registry changed in between.
 ``kvmeta:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
@@ -92,7 +93,6 @@ _SCRIPTS = (
     "check",
     "v_register",
     "v_exists",
-    "v_clear",
     "v_remove",
     "v_world",
     "v_index",
@@ -119,7 +119,7 @@ _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "tota
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
 # ``now_s``). A static test checks each script reads exactly this ARGV.
-_TIMED = {"reserve": 2, "confirm": 2, "get": 2, "delete": 2, "clear": 3, "stats": 1, "v_clear": 1}
+_TIMED = {"reserve": 2, "confirm": 2, "get": 2, "delete": 2, "clear": 3, "stats": 1}
 _MAX_PROBLEMS = 20
 # Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
 _FIRST_DELAY = 0.05
@@ -707,32 +707,104 @@ class RedisBackend:
                 return total
 
     # ------------------------------------------------------------------ vLLM index
+    # Every v_* script gets every key it touches in KEYS (as Redis Cluster requires; all in the
+    # ``{v}`` slot): the registry keys, then whole pools (``pool_keys``). The ranks a cross-rank
+    # operation needs are known only from the registry, so it passes the keys of the ranks a
+    # registry read (``_v_registry``) found, and a script that finds the registry changed since
+    # answers ``_V_STALE`` having changed nothing: the registry is read again and the op retried.
+    _V_RANKS = _V_PREFIX + "ranks"
+    _V_WORLD = _V_PREFIX + "world"
+    _V_STALE = 9
+    # Registry changes come from engines starting or an operator, seconds apart: a handful of
+    # consecutive ones inside the microseconds between a read and a script means something is
+    # rewriting the registry in a loop, and the caller gets a 503 rather than a hung request.
+    _V_TRIES = 20
+    # What v_exists needs from the registry as this process last read it (its KEYS and ranks
+    # argument, see ``_v_exists_plan``): where it starts, checked by the script to be current.
+    # Several servers share the registry, so this is a guess, never an answer.
+    _v_known: tuple[tuple[str, ...], bytes] | None = None
 
     async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
         pool = PoolId("v", rank, "")
+        keys = (self._V_RANKS, self._V_WORLD, *pool_keys(pool))
         args = [rank, num_pages, "" if world_size is None else world_size]
-        reply = _checked(pool, await self._run("v_register", _V_PREFIX, args), None)
+        reply = _checked(pool, await self._run("v_register", keys, args), None)
+        self._v_known = None  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)
 
     async def v_exists(self, keys: list[str]) -> list[bool]:
-        reply = await self._run("v_exists", _V_PREFIX, [_encode(keys)])
-        return [bool(x) for x in reply[1:]]
+        """One consistent answer: the required ranks as the registry has them when the script
+        runs. It starts from the last registry read this process made (``_v_known``), so the
+        common case is one script; ``v_exists.lua`` refuses, changing nothing, when other ranks
+        are required by then, and the registry is read again. "Nothing is complete" (a required
+        rank not registered) is answered only from a fresh read, never from a remembered one."""
+        request = _encode(keys)
+        plan, fresh = self._v_known, False
+        for _ in range(self._V_TRIES):
+            if plan is None or not (fresh or plan[1]):
+                plan, fresh = self._v_exists_plan(await self._v_registry()), True
+            names, ranks = plan
+            if not ranks:
+                return [False] * len(keys)  # a required rank is not registered (yet)
+            reply = await self._run("v_exists", names, [request, ranks])
+            if int(reply[0]) != self._V_STALE:
+                return [bool(x) for x in reply[1:]]
+            plan = None
+        raise self._v_unsettled("exists")
+
+    def _v_exists_plan(self, index: VIndex) -> tuple[tuple[str, ...], bytes]:
+        """v_exists's KEYS and ranks argument for ``index`` (ranks ``b""``: nothing is complete,
+        a required rank is not registered)."""
+        if index.missing or not index.required:
+            return (), b""
+        names = [self._V_RANKS, self._V_WORLD]
+        for rank in index.required:
+            names += pool_keys(PoolId("v", rank, ""))
+        return tuple(names), _encode(index.required)
+
+    def _v_unsettled(self, op: str) -> BackendUnavailable:
+        return BackendUnavailable(
+            f"vLLM {op} on Redis backend {redact_url(self.url)}: the vLLM rank registry kept "
+            f"changing while it ran ({self._V_TRIES} reads in a row were out of date by the "
+            "time they were used); something is registering or removing ranks, or changing "
+            "the world size, in a loop: stop it (GET /v1/vllm shows the registry) and retry"
+        )
 
     async def v_clear(self) -> int:
-        return int((await self._run("v_clear", _V_PREFIX, []))[1])
+        """Each registered rank's pool is cleared like an SGLang pool (``clear``): in chunks of
+        ``CLEAR_CHUNK`` keys, one short script each, so a big index never holds Redis for the
+        whole clear. Registrations, world size and reservations stay. Not atomic across ranks
+        (nor is ``clear`` within a pool): a key stored while the clear runs may survive it, and a
+        rank registered meanwhile is new and empty anyway."""
+        total = 0
+        for rank in (await self._v_registry()).ranks:
+            try:
+                total += await self.clear(PoolId("v", rank, ""))
+            except NotInitialized:
+                continue  # removed since the registry was read: nothing left to clear
+        return total
 
     async def v_remove(self, rank: int) -> int | None:
-        dropped = int((await self._run("v_remove", _V_PREFIX, [rank]))[1])
+        keys = (self._V_RANKS, *pool_keys(PoolId("v", rank, "")))
+        dropped = int((await self._run("v_remove", keys, [rank]))[1])
+        self._v_known = None
         return None if dropped < 0 else dropped
 
     async def v_set_world_size(self, world_size: int | None) -> None:
-        await self._run("v_world", _V_PREFIX, ["" if world_size is None else world_size])
+        await self._run("v_world", (self._V_WORLD,), ["" if world_size is None else world_size])
+        self._v_known = None
 
     async def v_index(self) -> VIndex:
-        reply = await self._run("v_index", _V_PREFIX, [])
+        return await self._v_registry()
+
+    async def _v_registry(self) -> VIndex:
+        """The rank registry and world size, read in one script (``v_index.lua``)."""
+        reply = await self._run("v_index", (self._V_RANKS, self._V_WORLD), [])
         world = _text(reply[1])
         ranks = tuple(sorted(int(r) for r in reply[2:]))
-        return VIndex(int(world) if world else None, ranks)
+        index = VIndex(int(world) if world else None, ranks)
+        self._v_known = self._v_exists_plan(index)
+        return index
 
     # ------------------------------------------------------------------ stats and check
 

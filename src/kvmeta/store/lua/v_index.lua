@@ -1,8 +1,8 @@
--- v_index: the rank registry and world size in one consistent read.
--- KEYS[1] vLLM prefix.  Returns [0, world size or '', rank, ...].
-local v = KEYS[1]
-local out = { 0, redis.call('GET', v .. 'world') or '' }
-for _, rank in ipairs(redis.call('SMEMBERS', v .. 'ranks')) do
+-- v_index: the rank registry and world size in one consistent read (the read every
+-- cross-rank operation starts from, see v_exists).
+-- KEYS[1] the rank registry, KEYS[2] the world size.  Returns [0, world size or '', rank, ...].
+local out = { 0, redis.call('GET', KEYS[2]) or '' }
+for _, rank in ipairs(redis.call('SMEMBERS', KEYS[1])) do
   out[#out + 1] = rank
 end
 return cjson.encode(out)

@@ -1,11 +1,9 @@
 -- v_remove: deregister a vLLM worker rank: its pool (keys, reservations, counters) is deleted
 -- and it leaves the registry. Idempotent. UNLINK frees a big pool's memory off Redis's main
--- thread. KEYS[1] vLLM prefix; ARGV[1] rank.  Returns [0, keys dropped] or [0, -1] (was not
--- registered).
-local v = KEYS[1]
-local k = pool_keys(v .. 'r' .. ARGV[1] .. ':')
-local registered = redis.call('SREM', v .. 'ranks', ARGV[1]) == 1
+-- thread. KEYS[1] the rank registry, KEYS[2..] the rank's pool keys (store.redis.pool_keys);
+-- ARGV[1] rank.  Returns [0, keys dropped] or [0, -1] (was not registered).
+local k = pool_keys_from(KEYS, 2)
+local registered = redis.call('SREM', KEYS[1], ARGV[1]) == 1
 local stored = redis.call('HLEN', k.stored)
-redis.call('UNLINK', k.meta, k.stored, k.reserved, k.pk, k.holders, k.free, k.lru, k.resq,
-           k.reads, k.cool)
+redis.call('UNLINK', unpack(KEYS, 2))
 return cjson.encode({ 0, registered and stored or -1 })
