@@ -57,6 +57,7 @@ from kvmeta.errors import (
     NotInitialized,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.epoch import new_epoch
 
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
@@ -64,6 +65,7 @@ logger = logging.getLogger(__name__)
 
 _PREFIX = "kvmeta"
 _S_REGISTRY = f"{_PREFIX}:pools"
+_EPOCH_KEY = f"{_PREFIX}:epoch"  # names the state this Redis holds (``Backend.epoch``)
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
 _SCRIPTS = (
     "initialize",
@@ -274,10 +276,16 @@ class RedisBackend:
         self.read_lease = read_lease
         self._client: aioredis.Redis | None = None
         self._idle: list[AbstractConnection] = []
+        self._epoch = new_epoch()  # replaced by Redis's own at start
         self._sources = _load_sources()
         self._shas = {
             name: hashlib.sha1(src.encode()).hexdigest() for name, src in self._sources.items()
         }
+
+    @property
+    def epoch(self) -> str:
+        """The ``kvmeta:epoch`` key as read at start-up (created there when missing)."""
+        return self._epoch
 
     @property
     def describe(self) -> str:
@@ -319,6 +327,14 @@ class RedisBackend:
             raise BackendUnavailable(
                 f"cannot reach Redis at {redact_url(self.url)}: {exc}"
             ) from None
+        try:  # the first server on this Redis names its epoch; the others adopt it
+            await client.set(_EPOCH_KEY, new_epoch(), nx=True)
+            self._epoch = _text(await client.get(_EPOCH_KEY))
+        except (RedisError, OSError) as exc:
+            await self.close()
+            raise BackendUnavailable(
+                f"cannot read the epoch key from {redact_url(self.url)}: {exc}"
+            ) from exc
         try:  # load every script now; EVALSHA reloads one only if Redis loses it later
             for source in self._sources.values():
                 await client.script_load(source)
