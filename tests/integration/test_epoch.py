@@ -189,3 +189,27 @@ def test_same_epoch_resends_nothing(make_server: Callable[..., ServerProcess]) -
     line = [ln for ln in counts.splitlines() if ln.startswith(wanted)]
     assert line == [wanted + " 1.0"], line
     client.close()
+
+
+def test_pool_lost_under_the_same_epoch_is_reinitialised_on_not_initialized(
+    make_server: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture
+) -> None:
+    """The 404 path stays: another client removed this client's rank (the epoch is unchanged)."""
+    server = make_server("--in-memory")
+    client = vllm.Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
+    operator = vllm.Hf3fsGlobalMetadataClient(server.url)
+    client.initialize(0, 8)
+    epoch = client.epoch
+    assert operator.remove_rank(0) is True
+    with caplog.at_level("WARNING"):
+        assert client.allocate_pages_for_keys(0, [("a", "")]) == [("a", 0)]
+    assert "forgot" in caplog.text and "re-initialising with 8 pages" in caplog.text
+    assert client.epoch == epoch
+    client.close()
+    operator.close()
+
+
+def test_in_process_clients_have_a_fixed_epoch() -> None:
+    a, b = sglang.Hf3fsLocalMetadataClient(), vllm.Hf3fsLocalMetadataClient()
+    a.initialize(0, 4)
+    assert a.epoch == a.epoch and a.epoch != b.epoch and len(a.epoch) == 32
