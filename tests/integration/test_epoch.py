@@ -213,3 +213,12 @@ def test_in_process_clients_have_a_fixed_epoch() -> None:
     a, b = sglang.Hf3fsLocalMetadataClient(), vllm.Hf3fsLocalMetadataClient()
     a.initialize(0, 4)
     assert a.epoch == a.epoch and a.epoch != b.epoch and len(a.epoch) == 32
+
+
+def test_kvmeta_status_shows_the_epoch(make_server: Callable[..., ServerProcess]) -> None:
+    from tests.integration.test_ops_routes import run_status
+
+    server = make_server("--in-memory")
+    out = run_status("--url", server.url)
+    assert out.returncode == 0, out.stderr
+    assert f"epoch {_epoch(server)}" in out.stdout.splitlines()[0]
