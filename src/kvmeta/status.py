@@ -67,7 +67,7 @@ def format_table(url: str, doc: dict[str, Any]) -> str:
     lines = [
         f"kvmeta {server.get('version', '?')} at {url}: ready; backend {server.get('backend')}, "
         f"state {server.get('durability')}, auth {'on' if server.get('auth') else 'off'}, "
-        f"tls {'on' if server.get('tls') else 'off'}"
+        f"tls {'on' if server.get('tls') else 'off'}, epoch {server.get('epoch', '-')}"
     ]
     pools = doc.get("pools", [])
     if not pools:

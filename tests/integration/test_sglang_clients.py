@@ -161,7 +161,7 @@ def test_auto_reinitialize_after_server_restart(
             plain.exists(0, ["a"])  # without the option the error surfaces
         with caplog.at_level("WARNING"):
             assert client.exists(0, ["a"]) == [False]
-        assert "re-initialising with 8 pages" in caplog.text
+        assert "re-initialising" in caplog.text  # (the new epoch noticed)
         got = client.reserve_and_allocate_page_indices(0, [("a", None)])
         assert got == [(False, 0)]
     finally:

@@ -381,7 +381,7 @@ def test_auto_reinitialize_after_server_restart(
             plain.get_key_locations(1, ["a"])  # without the option the error surfaces
         with caplog.at_level("WARNING"):
             assert client.allocate_pages_for_keys(1, [("a", "")]) == [("a", 0)]
-        assert "re-initialising with 8 pages" in caplog.text
+        assert "re-initialising" in caplog.text  # (the new epoch noticed)
         client.confirm_write_for_keys(1, [("a", 0)])
         assert client.batch_key_exists(["a"]) == [False]  # the world_size pin came back too
     finally:

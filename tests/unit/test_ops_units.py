@@ -98,7 +98,7 @@ def test_families_render_and_parse_with_durability() -> None:
 
 def test_status_table_marks_size_conflicts() -> None:
     doc = {
-        "server": {"version": "1", "backend": "memory", "durability": "in-memory"},
+        "server": {"version": "1", "backend": "memory", "durability": "in-memory", "epoch": "e1"},
         "pools": [
             {
                 "dialect": "s",
@@ -115,6 +115,7 @@ def test_status_table_marks_size_conflicts() -> None:
         ],
     }
     text = format_table("http://h:1", doc)
+    assert text.splitlines()[0].endswith(", epoch e1")
     row = text.splitlines()[2]
     assert "[###############.....]" in row and "75.0%" in row and "50.0%" in row
     assert row.rstrip().endswith("SIZE") and "re-initialised" in text

@@ -15,6 +15,7 @@ from typing import TypeVar
 
 from kvmeta.service.core import Op, Operations, Outcome, run_sync
 from kvmeta.service.limits import RequestLimits
+from kvmeta.store.epoch import new_epoch
 from kvmeta.store.memory import MemoryStore
 
 __all__ = ["LocalState"]
@@ -40,6 +41,13 @@ class LocalState:
         self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
         self._ops = Operations(limits)
         self._lock = threading.Lock()
+        self._epoch = new_epoch()
+
+    @property
+    def epoch(self) -> str:
+        """As the HTTP clients' ``epoch``: the state lives and dies with this object, so its
+        epoch never changes (there is nothing to re-initialise)."""
+        return self._epoch
 
     def _run(self, op: Op[T]) -> T:
         with self._lock:

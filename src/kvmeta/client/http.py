@@ -4,6 +4,9 @@ and server errors mapped back to kvmeta's exception classes with the server's me
 Retries: every kvmeta mutation is idempotent on the wire, so a request is retried after a
 connection failure, a timeout or a 5xx, with exponential backoff; a 4xx is never retried (the
 same request would fail the same way).
+
+Every reply of a kvmeta server carries ``X-Kvmeta-Epoch`` (the backend's epoch: it changes when
+the server's state may have been lost); the transport remembers the last one seen (``epoch``).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 import base64
 import logging
 import time
+from collections.abc import Callable
 from typing import Any
 from urllib.parse import unquote, urlsplit, urlunsplit
 
@@ -18,12 +22,13 @@ import requests
 
 from kvmeta.errors import KvmetaError, ServerError, ServerUnavailable, error_for_status
 
-__all__ = ["DEFAULT_TIMEOUT", "HttpTransport"]
+__all__ = ["DEFAULT_TIMEOUT", "EPOCH_HEADER", "HttpTransport"]
 
 logger = logging.getLogger(__name__)
 
 DEFAULT_TIMEOUT = 30.0
 _RETRY_STATUSES = frozenset({500, 502, 503, 504})
+EPOCH_HEADER = "X-Kvmeta-Epoch"
 
 
 class HttpTransport:
@@ -66,6 +71,10 @@ class HttpTransport:
         self.max_retries = max_retries
         self.timeout = timeout
         self.backoff = backoff
+        # The last X-Kvmeta-Epoch seen (None: none yet, or a server that does not send it), and
+        # who to tell when a reply carries another one (called with (old, new)).
+        self.epoch: str | None = None
+        self.on_epoch_change: Callable[[str | None, str], None] | None = None
 
     def post(self, path: str, payload: dict[str, Any] | None = None) -> Any:
         """POST ``payload``; returns the decoded JSON reply (None for 204).
@@ -97,6 +106,9 @@ class HttpTransport:
                 )
                 logger.debug("attempt %d of %s failed: %s", attempt + 1, path, exc)
                 continue
+            epoch = resp.headers.get(EPOCH_HEADER)
+            if epoch is not None and epoch != self.epoch:
+                self._epoch_seen(epoch)
             if resp.status_code < 300:
                 return resp.json() if resp.content else None
             detail = _detail(resp)
@@ -106,6 +118,11 @@ class HttpTransport:
             raise error_for_status(resp.status_code, detail)
         assert last is not None
         raise last
+
+    def _epoch_seen(self, epoch: str) -> None:
+        old, self.epoch = self.epoch, epoch
+        if self.on_epoch_change is not None:
+            self.on_epoch_change(old, epoch)
 
     def close(self) -> None:
         self.session.close()

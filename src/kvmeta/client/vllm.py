@@ -15,6 +15,7 @@ from kvmeta._types import PoolId
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
 from kvmeta.client.http import DEFAULT_TIMEOUT
+from kvmeta.errors import KvmetaError
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -110,7 +111,7 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
         if role == "worker":
             self._initialize(PoolId("v", rank, ""), path, payload)
         else:
-            self._http.post(path, payload)
+            self._post(None, path, payload)
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         pairs = [[k, None] if isinstance(k, str) else list(k) for k in keys]
@@ -131,7 +132,7 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
         self._call(rank, "/keys/confirm_write", payload)
 
     def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
-        reply = self._http.post("/keys/batch_exists", {"keys": list(keys)})
+        reply = self._post(None, "/keys/batch_exists", {"keys": list(keys)})
         return list(reply["exists"])
 
     def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
@@ -139,18 +140,26 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
         return list(reply["locations"])
 
     def clear(self) -> None:
-        self._http.post("/clear", {})
+        self._post(None, "/clear", {})
 
     def remove_rank(self, rank: int) -> bool:
-        reply = self._http.post(f"/v1/vllm/ranks/{int(rank)}/remove", {})
-        self._known.pop(PoolId("v", rank, ""), None)  # auto_reinitialize must not bring it back
+        # Forgotten first: auto_reinitialize must not bring it back, not even when this very
+        # reply carries a new epoch.
+        pool = PoolId("v", rank, "")
+        init = self._known.pop(pool, None)
+        try:
+            reply = self._post(None, f"/v1/vllm/ranks/{int(rank)}/remove", {})
+        except KvmetaError:
+            if init is not None:
+                self._known[pool] = init
+            raise
         return bool(reply["removed"])
 
     def set_world_size(self, world_size: int | None) -> None:
-        self._http.post("/v1/vllm/world_size", {"world_size": world_size})
+        self._post(None, "/v1/vllm/world_size", {"world_size": world_size})
 
     def rank_registry(self) -> dict[str, Any]:
-        return dict(self._http.get("/v1/vllm"))
+        return dict(self._get("/v1/vllm"))
 
 
 class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):

@@ -36,6 +36,7 @@ from __future__ import annotations
 import asyncio
 import errno
 import logging
+import re
 import socket
 import sys
 import types
@@ -49,7 +50,17 @@ import msgspec
 
 from kvmeta.errors import CannotListen
 
-__all__ = ["HttpLimits", "HttpServer", "Request", "Response", "bind_sockets"]
+__all__ = [
+    "EPOCH_HEADER",
+    "NO_STAMP",
+    "HttpLimits",
+    "HttpServer",
+    "Request",
+    "Response",
+    "Stamp",
+    "bind_sockets",
+    "render",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -147,25 +158,51 @@ def _status_line(status: int) -> bytes:
     return line
 
 
-_OK_JSON = b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: %d\r\n\r\n%s"
-_NO_CONTENT = b"HTTP/1.1 204 No Content\r\n\r\n"
+EPOCH_HEADER = b"x-kvmeta-epoch"
+_EPOCH_UNSAFE = re.compile(rb"[^A-Za-z0-9._:-]")
 
 
-def render(response: Response, keep_alive: bool) -> bytes:
-    """The bytes of a response (no Date/Server headers: nobody needs them, they cost)."""
+class Stamp:
+    """The headers every reply carries (today: the backend epoch), pre-rendered once per value
+    together with the two common replies, so a reply pays no formatting for them."""
+
+    __slots__ = ("value", "extra", "ok_json", "no_content")
+
+    def __init__(self, value: str | None) -> None:
+        self.value = value
+        extra = b""
+        if value:
+            safe = _EPOCH_UNSAFE.sub(b"_", value.encode("utf-8", "replace"))[:128]
+            extra = EPOCH_HEADER + b": " + safe + b"\r\n"
+        self.extra = extra
+        self.ok_json = (
+            b"HTTP/1.1 200 OK\r\ncontent-type: application/json\r\n"
+            + extra.replace(b"%", b"%%")
+            + b"content-length: %d\r\n\r\n%s"
+        )
+        self.no_content = b"HTTP/1.1 204 No Content\r\n" + extra + b"\r\n"
+
+
+NO_STAMP = Stamp(None)
+
+
+def render(response: Response, keep_alive: bool, stamp: Stamp = NO_STAMP) -> bytes:
+    """The bytes of a response (no Date/Server headers: nobody needs them, they cost), with
+    the headers of ``stamp``."""
     if keep_alive and not response.headers:
         # The two replies of nearly every request, in one formatting step.
         status = response.status
         if status == 204:
-            return _NO_CONTENT
+            return stamp.no_content
         if status == 200 and response.content_type == b"application/json":
-            return _OK_JSON % (len(response.body), response.body)
+            return stamp.ok_json % (len(response.body), response.body)
     parts = [_status_line(response.status)]
     if response.status != 204 and response.status >= 200:
         parts.append(
             b"content-type: %s\r\ncontent-length: %d\r\n"
             % (response.content_type, len(response.body))
         )
+    parts.append(stamp.extra)
     for name, value in response.headers:
         parts.append(b"%s: %s\r\n" % (name, value))
     if not keep_alive:
@@ -232,15 +269,15 @@ def _resume(coro: Coroutine[Any, Any, Response], yielded: Any) -> Generator[Any,
                 return stop.value  # type: ignore[no-any-return]
 
 
-def _task_reply(task: asyncio.Task[Response], keep_alive: bool) -> tuple[bytes, bool]:
+def _task_reply(task: asyncio.Task[Response], keep_alive: bool, stamp: Stamp) -> tuple[bytes, bool]:
     """The bytes to send for a finished handler Task, and whether the connection stays."""
     if task.cancelled():
-        return render(Response(503, _error_body("Server shutting down")), False), False
+        return render(Response(503, _error_body("Server shutting down")), False, stamp), False
     exc = task.exception()
     if exc is not None:
         logger.error("Unhandled error in request handler", exc_info=exc)
-        return render(Response(500, _error_body("Internal server error")), False), False
-    return render(task.result(), keep_alive), keep_alive
+        return render(Response(500, _error_body("Internal server error")), False, stamp), False
+    return render(task.result(), keep_alive, stamp), keep_alive
 
 
 class HttpProtocol(asyncio.Protocol):
@@ -396,7 +433,7 @@ class HttpProtocol(asyncio.Protocol):
             if refusal is not None:
                 # Refused before the body: no 100 Continue, nothing more read or buffered (the
                 # reply may wait behind earlier pipelined ones; reading stops now).
-                self._respond(render(refusal, False), False)
+                self._respond(render(refusal, False, self.server.stamp()), False)
                 self._closing = True
                 raise _Refused
         if self._expect_continue and self.transport is not None:
@@ -432,21 +469,20 @@ class HttpProtocol(asyncio.Protocol):
             try:
                 yielded = coro.send(None)
             except StopIteration as stop:
-                self._respond(render(stop.value, keep_alive), keep_alive)
+                self._respond(render(stop.value, keep_alive, self.server.stamp()), keep_alive)
                 return
             except Exception:
                 logger.exception(
                     "Unhandled error in request handler for %s %s", request.method, path
                 )
-                self._respond(
-                    render(Response(500, _error_body("Internal server error")), False), False
-                )
+                error = Response(500, _error_body("Internal server error"))
+                self._respond(render(error, False, self.server.stamp()), False)
                 return
             task = self.loop.create_task(_finish(coro, yielded))
         else:
             task = self.server.start(coro)
             if task.done():  # finished in its eager first step
-                self._respond(*_task_reply(task, keep_alive))
+                self._respond(*_task_reply(task, keep_alive, self.server.stamp()))
                 return
         self.server.tasks.add(task)
         entry = [task, keep_alive]
@@ -505,7 +541,7 @@ class HttpProtocol(asyncio.Protocol):
             if isinstance(item, asyncio.Task):
                 if not item.done():
                     break
-                data, keep_alive = _task_reply(item, keep_alive)
+                data, keep_alive = _task_reply(item, keep_alive, self.server.stamp())
             else:
                 data = item
             pending.popleft()
@@ -515,7 +551,9 @@ class HttpProtocol(asyncio.Protocol):
         self._update_reading()
 
     def _reject(self, status: int, detail: str) -> None:
-        self._respond(render(Response(status, _error_body(detail)), False), False)
+        self._respond(
+            render(Response(status, _error_body(detail)), False, self.server.stamp()), False
+        )
         self._closing = True
 
     def _update_reading(self) -> None:
@@ -567,11 +605,17 @@ class HttpServer:
         loop: asyncio.AbstractEventLoop | None = None,
         head_check: HeadCheck | None = None,
         eager: bool = True,
+        epoch: Callable[[], str] | None = None,
     ) -> None:
         """``eager=False`` matters before Python 3.12 only: every request gets a Task at once
         (no bare first step), for handlers that need ``asyncio.current_task()`` from their
-        first step on. On 3.12+ the first step always runs in an eager Task."""
+        first step on. On 3.12+ the first step always runs in an eager Task.
+
+        ``epoch``: the backend's epoch, read on every reply (it may change while serving) and
+        sent as ``X-Kvmeta-Epoch``; the header bytes are rebuilt only when it changes."""
         self.handler = handler
+        self.epoch = epoch
+        self._stamp = NO_STAMP
         self.bare_first_step = eager and not EAGER_TASKS
         self.limits = limits or HttpLimits()
         self.loop = loop or asyncio.get_event_loop()
@@ -587,6 +631,17 @@ class HttpServer:
         self._tick = max(
             0.05, min(1.0, self.limits.header_timeout / 4, self.limits.idle_timeout / 4)
         )
+
+    def stamp(self) -> Stamp:
+        """The headers for a reply sent now."""
+        epoch = self.epoch
+        if epoch is None:
+            return NO_STAMP
+        stamp = self._stamp
+        value = epoch()
+        if value != stamp.value:
+            stamp = self._stamp = Stamp(value)
+        return stamp
 
     def start(self, coro: Coroutine[Any, Any, Response]) -> asyncio.Task[Response]:
         """A Task for a handler: eager (its first step already run) on Python 3.12+."""

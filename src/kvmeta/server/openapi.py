@@ -138,7 +138,10 @@ SCHEMAS: dict[str, Schema] = {
         closed=True,
     ),
     # operations
-    "Health": _obj({"status": {"const": "ok"}, "version": STR, "uptime_seconds": NUM}, ("status",)),
+    "Health": _obj(
+        {"status": {"const": "ok"}, "version": STR, "uptime_seconds": NUM, "epoch": STR},
+        ("status",),
+    ),
     "Ready": _obj({"ready": BOOL, "backend": STR}, ("ready",)),
     "NotReady": _obj({"detail": STR, "ready": BOOL}, ("detail",)),
     "Pool": _obj(
@@ -190,6 +193,15 @@ _WARNING = {
     "another num_pages: the pool keeps its size), unknown_field (a body field the route does not "
     "read, with the closest known name), confirm_refused (how many pairs were not committed: "
     "page not reserved for that key). Counted in kvmeta_caller_warnings_total{kind}",
+    "schema": STR,
+}
+
+
+_EPOCH = {
+    "description": "on every reply, errors included: the backend's epoch, an opaque id that "
+    "changes exactly when the server's state may have been lost or replaced (in-memory: each "
+    "restart; --data-dir: a new data directory; Redis: Redis lost its data). A client that sees "
+    "it change initialises its pools again (idempotent)",
     "schema": STR,
 }
 
@@ -316,6 +328,9 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
     },
 }
 CATALOGUE[("GET", "/ready")]["responses"]["503"] = _json(_ref("NotReady"), "not ready, and why")
+for _operation in CATALOGUE.values():  # every reply carries the epoch, errors included
+    for _response in _operation["responses"].values():
+        _response["headers"] = {**_response.get("headers", {}), "X-Kvmeta-Epoch": _EPOCH}
 
 _RANK_PARAM = {
     "name": "rank",
@@ -347,7 +362,8 @@ def build_document(routes: list[tuple[str, str]], version: str, auth: bool) -> d
             "description": (
                 "KV-cache page metadata server speaking SGLang HiCache's and vLLM HF3FS's "
                 "metadata protocols on one port, plus operator routes. Errors are "
-                '{"detail": "..."}; unknown paths 404, wrong methods 405.'
+                '{"detail": "..."}; unknown paths 404, wrong methods 405. Every reply carries '
+                "X-Kvmeta-Epoch (see the responses' headers)."
             ),
         },
         "paths": paths,

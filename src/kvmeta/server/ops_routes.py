@@ -110,6 +110,7 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
     return {
         "version": __version__,
         "backend": backend.describe,
+        "epoch": backend.epoch,  # changes when the backend's state may have been lost
         # A shared backend keeps all state itself: no local data directory or fsync applies.
         "durability": backend.name
         if settings.backend
@@ -144,7 +145,12 @@ async def check_pools(backend: Backend, lock: asyncio.Lock | None = None) -> dic
 
 async def health(state: OpsState, req: Request, rank: int) -> Response:
     uptime = round(time.monotonic() - state.started, 3)
-    body: dict[str, Any] = {"status": "ok", "version": __version__, "uptime_seconds": uptime}
+    body: dict[str, Any] = {
+        "status": "ok",
+        "version": __version__,
+        "uptime_seconds": uptime,
+        "epoch": state.backend.epoch,
+    }
     failure = state.failure()
     if failure is not None:
         # Still 200: the process is alive and recovers by itself; a liveness probe that

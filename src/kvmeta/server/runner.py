@@ -155,7 +155,12 @@ async def run(
     # A shared backend waits on the network in every request, and redis-py's timeouts need a
     # Task from the first step on: no bare first step (see server.http).
     server = HttpServer(
-        handler, _http_limits(settings), loop, head_check=app.head_check, eager=not settings.backend
+        handler,
+        _http_limits(settings),
+        loop,
+        head_check=app.head_check,
+        eager=not settings.backend,
+        epoch=lambda: backend.epoch,
     )
     app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)

@@ -121,6 +121,17 @@ class Backend(Protocol):
         ...
 
     @property
+    def epoch(self) -> str:
+        """Who holds the state: an opaque id that changes exactly when the backend's state may
+        have been lost or replaced, and never otherwise (memory: each process start; a data
+        directory: created with it and kept in it; Redis: re-created when Redis lost its data).
+
+        Servers send it on every reply (``X-Kvmeta-Epoch``), so a client that sees it change
+        knows its pools may be gone and initialises them again. Read on every reply: it must
+        be a cached value (no I/O), ASCII letters, digits and ``-`` only."""
+        ...
+
+    @property
     def failure(self) -> str | None:
         """Why changes are refused right now (a journal that cannot be written), or None;
         ``/health`` says "degraded" and ``/ready`` fails meanwhile."""

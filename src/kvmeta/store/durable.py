@@ -51,6 +51,7 @@ from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
 from kvmeta.store.codec import Commit
+from kvmeta.store.epoch import data_dir_epoch
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
@@ -119,6 +120,13 @@ class DurableBackend(MemoryBackend):
         self._retry_wake = asyncio.Event()
 
     @property
+    def epoch(self) -> str:
+        """With a data directory, the id kept in it (``store.epoch``); with only an SGLang
+        persistence file, a new one each start like plain memory: that file is rewritten only
+        every ``--save-interval``, so a restart may have lost pools created since."""
+        return self._epoch
+
+    @property
     def describe(self) -> str:
         opts = self.options
         if opts.data_dir is None:
@@ -136,6 +144,9 @@ class DurableBackend(MemoryBackend):
             listing = list_data_dir(directory)
             for tmp in listing.temporaries:
                 tmp.unlink()
+            # Before recovery: a directory that had no state gets a new epoch even when the
+            # legacy import below fills it (new state in a new place).
+            self._epoch = data_dir_epoch(directory, has_state=not listing.empty)
             state = recover(directory)
             install(self.store, state, directory)
             logger.info(

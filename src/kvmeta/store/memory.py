@@ -23,6 +23,7 @@ from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 from kvmeta.store.codec import Clear, Commit, Drop, NewPool, Record, Remove, WorldSize
+from kvmeta.store.epoch import new_epoch
 from kvmeta.store.writeahead import DurableSink, WriteAhead
 
 __all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
@@ -304,6 +305,12 @@ class MemoryBackend:
 
     def __init__(self, store: MemoryStore) -> None:
         self.store = store
+        # The state lives and dies with this process: a new one each start.
+        self._epoch = new_epoch()
+
+    @property
+    def epoch(self) -> str:
+        return self._epoch
 
     @property
     def describe(self) -> str:
