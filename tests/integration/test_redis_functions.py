@@ -79,7 +79,7 @@ class _LibraryBackend(RedisBackend):
     (``missing``), as the production call path does."""
 
     def __init__(self, url: str, library: ScriptLibrary) -> None:
-        super().__init__(url)
+        super().__init__(url, functions=library.functions)  # start() installs in its mode
         self.library = library
         self.conn: AbstractConnection | None = None
         self.installs = 0

@@ -298,7 +298,7 @@ class RedisBackend:
         try:
             await topo.start()
             for node in topo.primaries():
-                logger.info("Redis %s: %s", node.addr, await self._install(node))
+                logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
             await self._refresh_epoch()
         except BackendUnavailable:
@@ -376,7 +376,7 @@ class RedisBackend:
             await client.aclose()
             await pool.aclose()
 
-    async def _install(self, node: Node) -> str:
+    async def _install_on(self, node: Node) -> str:
         conn = node.take()
         try:
             text = await self._scripts.install(conn)
@@ -544,7 +544,7 @@ class RedisBackend:
                 if self._scripts.missing(exc) and not installed:
                     installed = True
                     logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
-                    await self._install(node)
+                    await self._install_on(node)
                     continue
                 if not (retriable(exc) or isinstance(exc, AskError)):
                     raise BackendUnavailable(
