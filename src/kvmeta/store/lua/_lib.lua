@@ -10,7 +10,7 @@
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key
 --   P.pk        hash  page -> 'S'..key or 'R'..key (state and key of every non-FREE page)
---   P.holders   hash  page -> writers holding a RESERVED page
+--   P.holders   hash  page -> writers holding a RESERVED page, when more than one (absent: one)
 --   P.free      list  freed pages (a stack: the last freed is handed out first); pages
 --                     next..n-1 are free too and never used, so creating a pool is O(1)
 --   P.lru       zset  STORED page -> tick of its last use (lowest = coldest)
@@ -138,16 +138,21 @@ local function free_page(k, page, now)
   end
 end
 
--- Lease expiry up to now: every operation that uses time runs this first.
+-- Lease expiry up to now: every operation that uses time runs this first. Pages are handled
+-- in the order of their deadlines, as core.pool, with a few batched calls per expiry.
 local function expire(k, now, c)
   local nows = fmt(now)
   local pages = redis.call('ZRANGEBYSCORE', k.resq, '-inf', nows)
   if #pages > 0 then
+    local held = hmget(k.pk, pages)
+    local keys = {}
+    for i = 1, #pages do
+      keys[i] = string.sub(held[i], 2)
+    end
+    call_many('HDEL', k.reserved, keys)
+    call_many('HDEL', k.holders, pages)
+    call_many('HDEL', k.pk, pages)
     for _, page in ipairs(pages) do
-      local v = redis.call('HGET', k.pk, page)
-      redis.call('HDEL', k.reserved, string.sub(v, 2))
-      redis.call('HDEL', k.holders, page)
-      redis.call('HDEL', k.pk, page)
       free_page(k, page, now)
     end
     redis.call('ZREMRANGEBYSCORE', k.resq, '-inf', nows)
@@ -156,9 +161,7 @@ local function expire(k, now, c)
   redis.call('ZREMRANGEBYSCORE', k.reads, '-inf', nows)
   local cool = redis.call('ZRANGEBYSCORE', k.cool, '-inf', nows)
   if #cool > 0 then
-    for _, page in ipairs(cool) do
-      redis.call('RPUSH', k.free, page)
-    end
+    call_many('RPUSH', k.free, cool)
     redis.call('ZREMRANGEBYSCORE', k.cool, '-inf', nows)
   end
 end

@@ -64,9 +64,13 @@ for i, pair in ipairs(pairs_) do
 end
 -- A committed page that other writers joined stays protected like a read page until their
 -- lease ends: they may still be writing (the same bytes).
-if #w_pages > 0 then
+local w_held = {} -- committed pages with an entry in holders (joined by other writers)
+if #w_pages > 0 and redis.call('HLEN', k.holders) > 0 then
   local held = hmget(k.holders, w_pages)
   for i, page in ipairs(w_pages) do
+    if held[i] then
+      w_held[#w_held + 1] = page
+    end
     if held[i] and tonumber(held[i]) > 1 then
       local deadline = tonumber(redis.call('ZSCORE', k.resq, page))
       local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
@@ -106,7 +110,7 @@ for _, p in ipairs(release) do
 end
 if #w_keys > 0 then
   call_many('HDEL', k.reserved, w_keys)
-  call_many('HDEL', k.holders, w_pages)
+  call_many('HDEL', k.holders, w_held)
   call_many('ZREM', k.resq, w_pages)
   call_many('HSET', k.pk, w_pk)
   call_many('HSET', k.stored, w_stored)
