@@ -11,12 +11,12 @@ disk), and one pool per side and variant driven over redis-py with the SGLang ba
 - ``get`` of the keys ``exists`` asked about (all stored by now).
 
 Two variants: ``evict`` (a full pool of ``--pages``: every reserve evicts the 64 coldest pages,
-as a real cache in steady state) and ``fresh`` (the same number of stored keys, and room for
-every measured batch: no eviction). Sides run in the SAME server, alternating round by round,
-so load from other processes hits both alike. CPU is redis-server's utime+stime from
-``/proc/PID/stat`` per round (the headline), split per operation with the main thread's
-``/proc/PID/task/PID/schedstat`` (nanoseconds); medians over ``--rounds``. ``INFO
-commandstats`` over the measured rounds says which commands the time goes to.
+as a real cache in steady state) and ``fresh`` (the same number of stored keys, and a free
+stack with a page for every measured key: no eviction). Sides run in the SAME server,
+alternating round by round, so load from other processes hits both alike. CPU is
+redis-server's utime+stime from ``/proc/PID/stat`` per round (the headline), split per
+operation with the main thread's ``/proc/PID/task/PID/schedstat`` (nanoseconds); medians over
+``--rounds``. ``INFO commandstats`` over the measured rounds says which commands the time goes to.
 
     python benchmarks/compare_lua.py                      # 58bc8dc against the working tree
     python benchmarks/compare_lua.py --old HEAD~1 --new WORKTREE --rounds 7
@@ -44,7 +44,7 @@ import redis
 ROOT = Path(__file__).resolve().parents[1]
 LUA = "src/kvmeta/store/lua"
 OPS = ("exists", "reserve", "confirm", "get")
-SCRIPTS = ("initialize", *OPS)
+SCRIPTS = ("initialize", "delete", *OPS)
 
 
 def server_binary() -> str:
@@ -130,6 +130,15 @@ class Pool:
             count -= len(keys)
             self.prev = keys[-64:]
 
+    def make_room(self, count: int, step: int = 4096) -> None:
+        """Store and delete ``count`` more keys: their pages go to the free stack, and the
+        hashes are sized for the pool's growth during the rounds (no rehash measured)."""
+        while count > 0:
+            keys = self.chain.batch(min(step, count))
+            self.store(keys)
+            self.call("delete", json.dumps(keys))
+            count -= len(keys)
+
     def store(self, keys: list[str]) -> None:
         got = self.call("reserve", json.dumps([300.0, keys]))
         pairs = [[k, got[2 + 2 * i]] for i, k in enumerate(keys) if not got[1 + 2 * i]]
@@ -175,6 +184,9 @@ def main() -> int:
         "--read-lease", type=float, default=0.0, help="get's read lease (0, as `kvmeta bench`)"
     )
     parser.add_argument("--server", default=server_binary())
+    parser.add_argument(
+        "--server-arg", action="append", default=[], help="extra valkey-server argument"
+    )
     parser.add_argument("--json", help="write the medians to this file")
     args = parser.parse_args()
 
@@ -183,8 +195,20 @@ def main() -> int:
         port = s.getsockname()[1]
     tmp = tempfile.mkdtemp(prefix="kvmeta-compare-lua-")
     proc = subprocess.Popen(
-        [args.server, "--port", str(port), "--bind", "127.0.0.1", "--save", "",
-         "--appendonly", "no", "--dir", tmp],
+        [
+            args.server,
+            "--port",
+            str(port),
+            "--bind",
+            "127.0.0.1",
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            tmp,
+            *args.server_arg,
+        ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
     )
@@ -211,10 +235,14 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
         for variant, pages in (("evict", args.pages), ("fresh", args.pages + extra)):
             pool = Pool(side, r, f"{side.label}:{variant}", pages, args.read_lease)
             pool.fill(args.pages)
+            if variant == "fresh":
+                pool.make_room(extra)
             pools[side.label, variant] = pool
-    print(f"server {args.server} pid {pid}; pools of {args.pages} stored keys, batch {args.batch},"
-          f" {args.cycles} cycles x {args.rounds} rounds, read lease {args.read_lease}s",
-          flush=True)
+    print(
+        f"server {args.server} pid {pid}; pools of {args.pages} stored keys, batch {args.batch},"
+        f" {args.cycles} cycles x {args.rounds} rounds, read lease {args.read_lease}s",
+        flush=True,
+    )
     tck = os.sysconf("SC_CLK_TCK")
     # (side, variant) -> per round: us per request (stat), and per op us (schedstat)
     per_req: dict[tuple[str, str], list[float]] = {k: [] for k in pools}
@@ -254,16 +282,25 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             mean = statistics.mean(ops.values())
             req = statistics.median(per_req[key])
             rounds = " ".join(f"{x:.0f}" for x in per_req[key])
-            print(f"{variant:8} {side.label:4} " + " ".join(f"{ops[op]:8.0f}" for op in OPS)
-                  + f" {mean:8.0f} {req:8.0f}  [{rounds}]  ({side.rev})")
-            result[f"{variant}:{side.label}"] = {"rev": side.rev, "per_op_us": ops,
-                                                 "us_per_request": req, "rounds": per_req[key]}
+            print(
+                f"{variant:8} {side.label:4} "
+                + " ".join(f"{ops[op]:8.0f}" for op in OPS)
+                + f" {mean:8.0f} {req:8.0f}  [{rounds}]  ({side.rev})"
+            )
+            result[f"{variant}:{side.label}"] = {
+                "rev": side.rev,
+                "per_op_us": ops,
+                "us_per_request": req,
+                "rounds": per_req[key],
+            }
             if pools[key].refused:
                 print(f"   !! {pools[key].refused} keys refused a page")
     print()
     print("INFO commandstats over the measured rounds, per request (calls, us)")
-    names = sorted({n for k in cstats for n in cstats[k]},
-                   key=lambda n: -max(cstats[k].get(n, [0, 0])[1] for k in cstats))
+    names = sorted(
+        {n for k in cstats for n in cstats[k]},
+        key=lambda n: -max(cstats[k].get(n, [0, 0])[1] for k in cstats),
+    )
     cols = [(s.label, v) for v in ("evict", "fresh") for s in sides]
     print(f"{'command':14} " + " ".join(f"{v + ':' + s:>18}" for s, v in cols))
     for name in names:

@@ -31,10 +31,7 @@ local c = {}
 expire(k, now, c)
 local deadline = fmt(now + req[1])
 local stored_p = hmget(k.stored, keys)
-local reserved_p = {}
-if redis.call('HLEN', k.reserved) > 0 then
-  reserved_p = hmget(k.reserved, keys)
-end
+local reserved_p = hmget(k.reserved, keys)
 -- Pages this call will need at most (a key evicted by an earlier one of the batch may need
 -- one more: every source below is read further on demand).
 local need = 0
@@ -85,7 +82,7 @@ local function read_cold(count)
   local until_ = has_reads and read_many('ZMSCORE', k.reads, pages) or {}
   for i, page in ipairs(pages) do
     cand[from + i] = page
-    cand_key[page] = string.sub(held[i], 2)
+    cand_key[page] = held[i]
     cand_leased[page] = (until_[i] and tonumber(until_[i]) > now) or false
   end
 end
@@ -134,7 +131,7 @@ local function leased(page)
   return l
 end
 
-local w_pk, w_res, w_resq = {}, {}, {}
+local w_pk, w_res, w_resq = {}, { KEEP, '' }, { '+inf', KEEP }
 local stored_n = nil -- STORED pages left (read when the slow scan first needs it)
 local gone, ev_keys, ev_pages = {}, {}, {}
 local function evict(page)
@@ -222,7 +219,7 @@ for i, key in ipairs(keys) do
       if page then
         bump(c, 'reservations', 1)
         w_pk[#w_pk + 1] = page
-        w_pk[#w_pk + 1] = 'R' .. key
+        w_pk[#w_pk + 1] = key
         w_res[#w_res + 1] = key
         w_res[#w_res + 1] = page
         w_resq[#w_resq + 1] = deadline
@@ -251,8 +248,10 @@ if #ev_pages > 0 then
 end
 call_many('ZADD', k.lru, lru_w) -- in order: a page moved twice keeps its last tick
 call_many('HSET', k.pk, w_pk)
-call_many('HSET', k.reserved, w_res)
-call_many('ZADD', k.resq, w_resq)
+if #w_pk > 0 then
+  call_many('HSET', k.reserved, w_res)
+  call_many('ZADD', k.resq, w_resq)
+end
 save_state(k, st)
 flush(k, c)
 if #out == 0 then
