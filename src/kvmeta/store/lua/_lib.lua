@@ -106,6 +106,9 @@ end
 -- A multi-field read (HMGET, ZMSCORE) over any number of fields: a list with false for each
 -- missing one.
 local function read_many(cmd, key, fields)
+  if #fields <= CHUNK then
+    return #fields > 0 and redis.call(cmd, key, unpack(fields)) or {}
+  end
   local out = {}
   for i = 1, #fields, CHUNK do
     local part = redis.call(cmd, key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))

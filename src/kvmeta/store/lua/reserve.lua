@@ -31,7 +31,11 @@ local c = {}
 expire(k, now, c)
 local deadline = fmt(now + req[1])
 local stored_p = hmget(k.stored, keys)
-local reserved_p = hmget(k.reserved, keys)
+-- Nothing is RESERVED (KEEP aside) in a pool no writer is filling right now: skip the read.
+local reserved_p = {}
+if reserved_count(k) > 0 then
+  reserved_p = hmget(k.reserved, keys)
+end
 -- Pages this call will need at most (a key evicted by an earlier one of the batch may need
 -- one more: every source below is read further on demand).
 local need = 0
