@@ -48,11 +48,19 @@ end
 -- The pages among ``pages`` whose key (``keys``, from pk) points back to them from stored (S)
 -- and from reserved (R): true/false lists.
 local function states(pages, keys)
-  local s_at, r_at = hmget(k.stored, keys), hmget(k.reserved, keys)
-  local s, r = {}, {}
+  local s_at = hmget(k.stored, keys)
+  local s, r, rest, at = {}, {}, {}, {}
   for i, page in ipairs(pages) do
     s[i] = s_at[i] == page
-    r[i] = r_at[i] == page
+    r[i] = false
+    if not s[i] then -- only these can be RESERVED: one more read for them alone
+      rest[#rest + 1] = keys[i]
+      at[#at + 1] = i
+    end
+  end
+  local r_at = hmget(k.reserved, rest)
+  for j, i in ipairs(at) do
+    r[i] = r_at[j] == pages[i]
   end
   return s, r
 end
