@@ -29,7 +29,7 @@ def _bulk_load(client: redis.Redis, pool: PoolId, n: int) -> None:
     for lo in range(0, n, step):
         pages = range(lo, min(n, lo + step))
         pipe = client.pipeline(transaction=False)
-        pipe.hset(prefix + "pk", mapping={str(p): f"Sk{p:08d}" for p in pages})
+        pipe.hset(prefix + "pk", mapping={str(p): f"k{p:08d}" for p in pages})
         pipe.hset(prefix + "stored", mapping={f"k{p:08d}": str(p) for p in pages})
         pipe.zadd(prefix + "lru", {str(p): p + 1 for p in pages})
         pipe.execute()
@@ -177,7 +177,7 @@ def _corrupt_lru(c: redis.Redis, p: str) -> None:
 
 
 def _corrupt_holders(c: redis.Redis, p: str) -> None:
-    c.hdel(p + "holders", "3")
+    c.hset(p + "holders", "3", "1")  # an entry means a page several writers joined
 
 
 def _corrupt_reserved_page(c: redis.Redis, p: str) -> None:
@@ -187,11 +187,11 @@ def _corrupt_reserved_page(c: redis.Redis, p: str) -> None:
 @pytest.mark.parametrize(
     ("corrupt", "message"),
     [
-        (_corrupt_stored_entry, "page 0 -> Sa has no matching key entry"),
+        (_corrupt_stored_entry, "page 0 -> a has no matching key entry"),
         (_corrupt_free_twice, "page 5 is free twice"),
         (_corrupt_used_and_free, "page 0 is both FREE and in use"),
         (_corrupt_lru, "STORED page 1 is not in the LRU"),
-        (_corrupt_holders, "RESERVED page 3 has no holder"),
+        (_corrupt_holders, "RESERVED page 3 has 1 holders listed (absent: one)"),
         (_corrupt_reserved_page, "reserved key r -> page 6 disagrees with page -> key"),
     ],
 )

@@ -8,19 +8,29 @@
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
 --                     conflicts (re-initialisations with another size), c:<counter> ...
 --   P.stored    hash  key -> page of a STORED key
---   P.reserved  hash  key -> page of a RESERVED key
---   P.pk        hash  page -> 'S'..key or 'R'..key (state and key of every non-FREE page)
---   P.holders   hash  page -> writers holding a RESERVED page
+--   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
+--   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
+--                     back to it (stored: STORED, reserved: RESERVED), so a commit writes
+--                     nothing here
+--   P.holders   hash  page -> writers holding a RESERVED page, when more than one (absent: one)
 --   P.free      list  freed pages (a stack: the last freed is handed out first); pages
 --                     next..n-1 are free too and never used, so creating a pool is O(1)
 --   P.lru       zset  STORED page -> tick of its last use (lowest = coldest)
---   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds)
+--   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds) (and KEEP -> +inf)
 --   P.reads     zset  page -> read lease end
 --   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
 -- Times come from Redis TIME, so every kvmeta server agrees on them (a test may pass its own
 -- clock instead: see now_s). Requests and replies are one JSON document each (ARGV[1] / the
 -- return value): one argument to pack and one string to parse instead of one per key, which
 -- is most of a request's client-side cost.
+
+-- reserved and resq hold a request's worth of entries between its reserve and its confirm:
+-- small enough for Redis to keep them as a listpack, where each of a request's 64 inserts and
+-- deletes is a linear search (for a sorted set, parsing every score it passes), ~200 us of a
+-- request's Redis CPU. One entry longer than the 64 bytes of hash/zset-max-listpack-value
+-- (the default) keeps them in hash-table encoding for good: KEEP, never a key (0xFF never occurs
+-- in UTF-8), written by every reserve that reserves, never removed (reserved_count skips it).
+local KEEP = '\255 keeps this set in hash-table encoding: longer than 64 bytes, never a key'
 
 -- Seconds a released page cools before reuse: core.pool.RELEASE_GRACE (a test keeps them equal).
 local RELEASE_GRACE = 10.0
@@ -96,6 +106,9 @@ end
 -- A multi-field read (HMGET, ZMSCORE) over any number of fields: a list with false for each
 -- missing one.
 local function read_many(cmd, key, fields)
+  if #fields <= CHUNK then
+    return #fields > 0 and redis.call(cmd, key, unpack(fields)) or {}
+  end
   local out = {}
   for i = 1, #fields, CHUNK do
     local part = redis.call(cmd, key, unpack(fields, i, math.min(i + CHUNK - 1, #fields)))
@@ -138,16 +151,21 @@ local function free_page(k, page, now)
   end
 end
 
--- Lease expiry up to now: every operation that uses time runs this first.
+-- Lease expiry up to now: every operation that uses time runs this first. Pages are handled
+-- in the order of their deadlines, as core.pool, with a few batched calls per expiry.
 local function expire(k, now, c)
   local nows = fmt(now)
   local pages = redis.call('ZRANGEBYSCORE', k.resq, '-inf', nows)
   if #pages > 0 then
+    local held = hmget(k.pk, pages)
+    local keys = {}
+    for i = 1, #pages do
+      keys[i] = held[i]
+    end
+    call_many('HDEL', k.reserved, keys)
+    call_many('HDEL', k.holders, pages)
+    call_many('HDEL', k.pk, pages)
     for _, page in ipairs(pages) do
-      local v = redis.call('HGET', k.pk, page)
-      redis.call('HDEL', k.reserved, string.sub(v, 2))
-      redis.call('HDEL', k.holders, page)
-      redis.call('HDEL', k.pk, page)
       free_page(k, page, now)
     end
     redis.call('ZREMRANGEBYSCORE', k.resq, '-inf', nows)
@@ -156,11 +174,14 @@ local function expire(k, now, c)
   redis.call('ZREMRANGEBYSCORE', k.reads, '-inf', nows)
   local cool = redis.call('ZRANGEBYSCORE', k.cool, '-inf', nows)
   if #cool > 0 then
-    for _, page in ipairs(cool) do
-      redis.call('RPUSH', k.free, page)
-    end
+    call_many('RPUSH', k.free, cool)
     redis.call('ZREMRANGEBYSCORE', k.cool, '-inf', nows)
   end
+end
+
+-- RESERVED keys of a pool (reserved without KEEP).
+local function reserved_count(k)
+  return redis.call('HLEN', k.reserved) - redis.call('HEXISTS', k.reserved, KEEP)
 end
 
 -- Create the pool or keep the existing one. Returns {0, created, n} or {3, requested}.

@@ -45,35 +45,51 @@ local function column(flat, from)
   end
   return out
 end
-if part == 'pk' then
-  local flat = hscan(k.pk)
-  local pages, values = column(flat, 1), column(flat, 2)
-  local s_pages, s_keys, r_pages, r_keys = {}, {}, {}, {}
-  for i, v in ipairs(values) do
-    in_range(pages[i], 'used')
-    if string.sub(v, 1, 1) == 'S' then
-      s_pages[#s_pages + 1], s_keys[#s_keys + 1] = pages[i], string.sub(v, 2)
-    else
-      r_pages[#r_pages + 1], r_keys[#r_keys + 1] = pages[i], string.sub(v, 2)
+-- The pages among ``pages`` whose key (``keys``, from pk) points back to them from stored (S)
+-- and from reserved (R): true/false lists.
+local function states(pages, keys)
+  local s_at = hmget(k.stored, keys)
+  local s, r, rest, at = {}, {}, {}, {}
+  for i, page in ipairs(pages) do
+    s[i] = s_at[i] == page
+    r[i] = false
+    if not s[i] then -- only these can be RESERVED: one more read for them alone
+      rest[#rest + 1] = keys[i]
+      at[#at + 1] = i
     end
   end
-  local s_at, s_lru = hmget(k.stored, s_keys), read_many('ZMSCORE', k.lru, s_pages)
-  for i, page in ipairs(s_pages) do
-    if s_at[i] ~= page then
-      bad('page ' .. page .. ' -> S' .. s_keys[i] .. ' has no matching key entry')
+  local r_at = hmget(k.reserved, rest)
+  for j, i in ipairs(at) do
+    r[i] = r_at[j] == pages[i]
+  end
+  return s, r
+end
+if part == 'pk' then
+  local flat = hscan(k.pk)
+  local pages, keys = column(flat, 1), column(flat, 2)
+  local is_s, is_r = states(pages, keys)
+  local s_pages, r_pages = {}, {}
+  for i, page in ipairs(pages) do
+    in_range(page, 'used')
+    if is_s[i] then
+      s_pages[#s_pages + 1] = page
+    elseif is_r[i] then
+      r_pages[#r_pages + 1] = page
+    else
+      bad('page ' .. page .. ' -> ' .. keys[i] .. ' has no matching key entry')
     end
+  end
+  local s_lru = read_many('ZMSCORE', k.lru, s_pages)
+  for i, page in ipairs(s_pages) do
     if not s_lru[i] then
       bad('STORED page ' .. page .. ' is not in the LRU')
     end
   end
-  local r_at, r_hold = hmget(k.reserved, r_keys), hmget(k.holders, r_pages)
+  local r_hold = hmget(k.holders, r_pages)
   local r_lease = read_many('ZMSCORE', k.resq, r_pages)
   for i, page in ipairs(r_pages) do
-    if r_at[i] ~= page then
-      bad('page ' .. page .. ' -> R' .. r_keys[i] .. ' has no matching key entry')
-    end
-    if not r_hold[i] or tonumber(r_hold[i]) < 1 then
-      bad('RESERVED page ' .. page .. ' has no holder')
+    if r_hold[i] and tonumber(r_hold[i]) < 2 then
+      bad('RESERVED page ' .. page .. ' has ' .. r_hold[i] .. ' holders listed (absent: one)')
     end
     if not r_lease[i] then
       bad('RESERVED page ' .. page .. ' has no lease')
@@ -87,12 +103,16 @@ if part == 'pk' then
   end
 elseif part == 'stored' or part == 'reserved' then
   local flat = hscan(k[part])
-  local keys, pages = column(flat, 1), column(flat, 2)
-  local tag = (part == 'stored') and 'S' or 'R'
+  local keys, pages = {}, {}
+  for i = 1, #flat, 2 do
+    if flat[i] ~= KEEP then
+      keys[#keys + 1], pages[#pages + 1] = flat[i], flat[i + 1]
+    end
+  end
   local at = hmget(k.pk, pages)
-  local both = (tag == 'S') and hmget(k.reserved, keys) or {}
+  local both = (part == 'stored') and hmget(k.reserved, keys) or {}
   for i, key in ipairs(keys) do
-    if at[i] ~= tag .. key then
+    if at[i] ~= key then
       bad(part .. ' key ' .. key .. ' -> page ' .. pages[i] .. ' disagrees with page -> key')
     end
     if both[i] then
@@ -116,21 +136,35 @@ elseif part == 'free' then
     end
   end
 elseif part == 'cool' or part == 'lru' or part == 'resq' then
-  local want = ({ cool = false, lru = 'S', resq = 'R' })[part]
   local pages = by_index(redis.call('ZRANGE', k[part], first, first + count - 1))
+  if pages[#pages] == KEEP then
+    pages[#pages] = nil -- the last (score +inf); by_index has set the cursor already
+  end
   local used = hmget(k.pk, pages)
-  for i, page in ipairs(pages) do
-    local v = used[i]
-    if want == false and v then
-      bad('cooling page ' .. page .. ' is in use')
-    elseif want and (not v or string.sub(v, 1, 1) ~= want) then
-      bad(part .. ' page ' .. page .. ' is not ' .. (want == 'S' and 'STORED' or 'RESERVED'))
+  if part == 'cool' then
+    for i, page in ipairs(pages) do
+      if used[i] then
+        bad('cooling page ' .. page .. ' is in use')
+      end
+    end
+  else
+    local keys = {}
+    for i = 1, #pages do
+      keys[i] = used[i] or ''
+    end
+    local is_s, is_r = states(pages, keys)
+    local want = (part == 'lru') and is_s or is_r
+    for i, page in ipairs(pages) do
+      if not want[i] then
+        bad(part .. ' page ' .. page .. ' is not ' .. (part == 'lru' and 'STORED' or 'RESERVED'))
+      end
     end
   end
 elseif part == 'totals' then
-  local n_stored, n_reserved = redis.call('HLEN', k.stored), redis.call('HLEN', k.reserved)
+  local n_stored, n_reserved = redis.call('HLEN', k.stored), reserved_count(k)
   local n_pk, n_lru = redis.call('HLEN', k.pk), redis.call('ZCARD', k.lru)
-  local n_holders, n_resq = redis.call('HLEN', k.holders), redis.call('ZCARD', k.resq)
+  local n_holders = redis.call('HLEN', k.holders)
+  local n_resq = redis.call('ZCARD', k.resq) - (redis.call('ZSCORE', k.resq, KEEP) and 1 or 0)
   local n_free, n_cool = redis.call('LLEN', k.free), redis.call('ZCARD', k.cool)
   if n_pk ~= n_stored + n_reserved then
     bad('page -> key has ' .. n_pk .. ' entries for ' .. (n_stored + n_reserved) .. ' keys')
@@ -138,7 +172,7 @@ elseif part == 'totals' then
   if n_lru ~= n_stored then
     bad('LRU holds ' .. n_lru .. ' pages for ' .. n_stored .. ' STORED keys')
   end
-  if n_holders ~= n_reserved or n_resq ~= n_reserved then
+  if n_holders > n_reserved or n_resq ~= n_reserved then
     bad('holders/leases do not match RESERVED keys')
   end
   local free = n_free + n_cool + st.n - st.next

@@ -28,45 +28,60 @@ end
 local now = now_s(ARGV[2])
 local c = {}
 expire(k, now, c)
--- page -> key is read in one batch; pk holds what this call changed (false: now FREE).
--- Commits are written in batches at the end: releases below see them through pk.
-local pages = {}
+-- A pair commits when reserved says its key is RESERVED at its page; stored is read (once) only
+-- for the pairs that do not, to tell an idempotent repeat from a refusal. Commits are written
+-- in batches at the end (pk already names the key: nothing to write there); committed says
+-- what this call changed.
+local keys, pages = {}, {}
 for i, pair in ipairs(pairs_) do
+  keys[i] = pair[1]
   pages[i] = string.format('%d', pair[2])
 end
-local before = hmget(k.pk, pages)
-local pk = {}
-local refused, first_key, first_page = 0, '', -1
-local w_pk, w_stored, w_lru, w_pages, w_keys = {}, {}, {}, {}, {}
-for i, pair in ipairs(pairs_) do
-  local key, page = pair[1], pages[i]
-  local v = pk[page]
-  if v == nil then
-    v = before[i]
-  end
-  if v == 'R' .. key then
-    pk[page] = 'S' .. key
+local res_at = hmget(k.reserved, keys)
+local committed = {} -- key -> page this call committed
+local other = {} -- indexes of pairs not RESERVED as named
+local w_stored, w_lru, w_pages, w_keys = {}, {}, {}, {}
+for i, key in ipairs(keys) do
+  local page = pages[i]
+  if committed[key] == nil and res_at[i] == page then
+    committed[key] = page
     st.tick = st.tick + 1
-    w_pk[#w_pk + 1] = page
-    w_pk[#w_pk + 1] = 'S' .. key
     w_stored[#w_stored + 1] = key
     w_stored[#w_stored + 1] = page
     w_lru[#w_lru + 1] = string.format('%d', st.tick)
     w_lru[#w_lru + 1] = page
     w_pages[#w_pages + 1] = page
     w_keys[#w_keys + 1] = key
-  elseif v ~= 'S' .. key then
-    if refused == 0 then
-      first_key, first_page = key, pair[2]
+  elseif committed[key] ~= page then
+    other[#other + 1] = i
+  end
+end
+local refused, first_key, first_page = 0, '', -1
+if #other > 0 then
+  local other_keys = {}
+  for j, i in ipairs(other) do
+    other_keys[j] = keys[i]
+  end
+  local st_at = hmget(k.stored, other_keys)
+  for j, i in ipairs(other) do
+    -- Already STORED at this page before this call: an idempotent success.
+    if st_at[j] ~= pages[i] or committed[keys[i]] ~= nil then
+      if refused == 0 then
+        first_key, first_page = keys[i], pairs_[i][2]
+      end
+      refused = refused + 1
     end
-    refused = refused + 1
   end
 end
 -- A committed page that other writers joined stays protected like a read page until their
 -- lease ends: they may still be writing (the same bytes).
-if #w_pages > 0 then
+local w_held = {} -- committed pages with an entry in holders (joined by other writers)
+if #w_pages > 0 and redis.call('HLEN', k.holders) > 0 then
   local held = hmget(k.holders, w_pages)
   for i, page in ipairs(w_pages) do
+    if held[i] then
+      w_held[#w_held + 1] = page
+    end
     if held[i] and tonumber(held[i]) > 1 then
       local deadline = tonumber(redis.call('ZSCORE', k.resq, page))
       local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
@@ -83,17 +98,14 @@ local released = 0
 local seen = {}
 for _, p in ipairs(release) do
   local page = string.format('%d', p)
-  local v = pk[page]
-  if v == nil then
-    v = redis.call('HGET', k.pk, page)
-  end
-  if not seen[page] and v and string.sub(v, 1, 1) == 'R'
+  local key = (not seen[page]) and redis.call('HGET', k.pk, page)
+  -- RESERVED: its key's reservation is this page (and this call did not just commit it).
+  if key and committed[key] == nil and redis.call('HGET', k.reserved, key) == page
       and tonumber(redis.call('HGET', k.holders, page) or '1') <= 1 then
-    redis.call('HDEL', k.reserved, string.sub(v, 2))
+    redis.call('HDEL', k.reserved, key)
     redis.call('HDEL', k.holders, page)
     redis.call('ZREM', k.resq, page)
     redis.call('HDEL', k.pk, page)
-    pk[page] = false
     local until_ = now + RELEASE_GRACE
     local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
     if reading > until_ then
@@ -106,9 +118,8 @@ for _, p in ipairs(release) do
 end
 if #w_keys > 0 then
   call_many('HDEL', k.reserved, w_keys)
-  call_many('HDEL', k.holders, w_pages)
+  call_many('HDEL', k.holders, w_held)
   call_many('ZREM', k.resq, w_pages)
-  call_many('HSET', k.pk, w_pk)
   call_many('HSET', k.stored, w_stored)
   call_many('ZADD', k.lru, w_lru)
 end

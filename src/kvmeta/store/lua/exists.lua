@@ -6,15 +6,18 @@ if redis.call('HEXISTS', k.meta, 'n') == 0 then
 end
 local keys = cjson.decode(ARGV[1])
 local pages = hmget(k.stored, keys)
-local out = { 0 }
+local out = {}
 local hits = 0
 for i = 1, #keys do
   if pages[i] then
     hits = hits + 1
-    out[i + 1] = 1
+    out[i] = '1'
   else
-    out[i + 1] = 0
+    out[i] = '0'
   end
 end
 flush(k, { exists_hits = hits, exists_misses = #keys - hits })
-return cjson.encode(out)
+if #out == 0 then
+  return '[0]'
+end
+return '[0,' .. table.concat(out, ',') .. ']'

@@ -14,7 +14,7 @@ local c = {}
 expire(k, now, c)
 local until_ = fmt(now + lease)
 local pages = hmget(k.stored, keys)
-local out = { 0 }
+local out = {}
 local lru, reads = {}, {}
 local hits = 0
 for i = 1, #keys do
@@ -26,9 +26,9 @@ for i = 1, #keys do
     lru[#lru + 1] = page
     reads[#reads + 1] = until_
     reads[#reads + 1] = page
-    out[i + 1] = tonumber(page)
+    out[i] = page
   else
-    out[i + 1] = -1
+    out[i] = '-1'
   end
 end
 -- ZADD applies pairs in order, so a key asked twice keeps its last (warmest) tick.
@@ -40,4 +40,7 @@ bump(c, 'get_hits', hits)
 bump(c, 'get_misses', #keys - hits)
 save_state(k, st)
 flush(k, c)
-return cjson.encode(out)
+if #out == 0 then
+  return '[0]'
+end
+return '[0,' .. table.concat(out, ',') .. ']'

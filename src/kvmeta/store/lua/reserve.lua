@@ -4,62 +4,19 @@
 -- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
 -- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
 -- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
+--
+-- Pages come as in core.pool: the free stack (last freed first), then never-used pages, then
+-- the coldest STORED page that is not read-leased and not reported as stored by this call.
+-- Every read is batched: the LRU's cold end is read once (ZRANGE by rank, with the candidates'
+-- read leases and keys), and every change to the LRU (hits touched, leased pages stepped over,
+-- evictions) is written once at the end. Until then the sorted set is unchanged, so the LRU as
+-- core.pool sees it at any point of the loop is: the pages read from the cold end that this
+-- call has not moved or evicted, in order, then (the cold end used up) the pages it moved, in
+-- the order of their last move. A request costs a dozen calls however many pages it evicts.
 
 -- Read-leased pages one call may step over (moving them warm): a fixed allowance plus two per
 -- key, as core.pool, so a pool whose pages are all being read costs O(request), not O(pool).
 local SCAN_ALLOWANCE = 64
-
--- A free page (popped ahead into free), else the coldest STORED page without a read lease
--- that this call has not reported as stored (keep); nil if none. Evicted keys go in gone.
-local function leased(k, now, page)
-  local until_ = redis.call('ZSCORE', k.reads, page)
-  return until_ and tonumber(until_) > now
-end
-
--- Evict the STORED page (its key goes in gone); returns the page.
-local function evict(k, c, gone, page)
-  local v = redis.call('HGET', k.pk, page)
-  gone[string.sub(v, 2)] = true
-  redis.call('HDEL', k.stored, string.sub(v, 2))
-  redis.call('ZREM', k.lru, page)
-  redis.call('HDEL', k.pk, page)
-  bump(c, 'evictions', 1)
-  return page
-end
-
-local function take_page(k, st, now, keep, c, free, gone)
-  local page
-  if free.i <= #free then
-    free.i = free.i + 1
-    return free[free.i - 1]
-  end
-  if st.next < st.n then
-    page = string.format('%d', st.next)
-    st.next = st.next + 1
-    return page
-  end
-  -- The coldest page, when nobody reads it, is evicted without using the scan allowance (as
-  -- core.pool's inlined common case); stepping over leased pages starts again from it.
-  page = redis.call('ZRANGE', k.lru, 0, 0)[1]
-  if page ~= nil and not keep[page] and not leased(k, now, page) then
-    return evict(k, c, gone, page)
-  end
-  local limit = math.min(redis.call('HLEN', k.stored), st.scan_left)
-  for _ = 1, limit do
-    st.scan_left = st.scan_left - 1
-    page = redis.call('ZRANGE', k.lru, 0, 0)[1]
-    if page == nil or keep[page] then
-      -- Pages reported as stored by this call are the warmest: nothing else is left.
-      return nil
-    end
-    if leased(k, now, page) then
-      touch(k, st, page)
-    else
-      return evict(k, c, gone, page)
-    end
-  end
-  return nil
-end
 
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
@@ -69,68 +26,239 @@ end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
 local now = now_s(ARGV[2])
-st.scan_left = SCAN_ALLOWANCE + 2 * #keys
+local scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c)
 local deadline = fmt(now + req[1])
--- Reads are batched up front; what this call changes is tracked in local tables: keys it
--- evicted (gone) and keys it reserved (new_res). Writes for new reservations are batched at
--- the end: nothing later in the call reads them (eviction only looks at STORED pages).
 local stored_p = hmget(k.stored, keys)
-local reserved_p = hmget(k.reserved, keys)
-local free = redis.call('RPOP', k.free, #keys) or {}  -- last freed first, as core.pool
-free.i = 1
-local gone, new_res, seen, hits = {}, {}, {}, {}
-local w_pk, w_res, w_hold, w_resq = {}, {}, {}, {}
-local out = { 0 }
+-- Nothing is RESERVED (KEEP aside) in a pool no writer is filling right now: skip the read.
+local reserved_p = {}
+if reserved_count(k) > 0 then
+  reserved_p = hmget(k.reserved, keys)
+end
+-- Pages this call will need at most (a key evicted by an earlier one of the batch may need
+-- one more: every source below is read further on demand).
+local need = 0
+do
+  local counted = {}
+  for i, key in ipairs(keys) do
+    if not stored_p[i] and not reserved_p[i] and not counted[key] then
+      counted[key] = true
+      need = need + 1
+    end
+  end
+end
+
+-- The free stack, popped ahead (last freed first); pages not used go back at the end.
+local free, free_i, free_more = {}, 1, false
+local function pop_free(count)
+  local got = redis.call('RPOP', k.free, count)
+  if got then
+    for _, page in ipairs(got) do
+      free[#free + 1] = page
+    end
+    free_more = #got == count
+  else
+    free_more = false
+  end
+end
+if need > 0 then
+  pop_free(need)
+end
+
+-- The LRU's cold end, read by rank in chunks: cand (pages), cand_key (their keys),
+-- cand_leased; cand_i the next one not yet passed; cand_done when the set has no more.
+local cand, cand_key, cand_leased, cand_i, cand_done = {}, {}, {}, 1, false
+local has_reads = nil
+local function read_cold(count)
+  local from = #cand
+  local pages = redis.call('ZRANGE', k.lru, from, from + count - 1)
+  if #pages < count then
+    cand_done = true
+  end
+  if #pages == 0 then
+    return
+  end
+  if has_reads == nil then
+    has_reads = redis.call('ZCARD', k.reads) > 0
+  end
+  local held = hmget(k.pk, pages)
+  local until_ = has_reads and read_many('ZMSCORE', k.reads, pages) or {}
+  for i, page in ipairs(pages) do
+    cand[from + i] = page
+    cand_key[page] = held[i]
+    cand_leased[page] = (until_[i] and tonumber(until_[i]) > now) or false
+  end
+end
+
+local moved, moved_at, evicted, keep = {}, {}, {}, {}
+local lru_w = {}
+local function move(page) -- to the warm end (a use)
+  st.tick = st.tick + 1
+  moved[#moved + 1] = page
+  moved_at[page] = #moved
+  lru_w[#lru_w + 1] = string.format('%d', st.tick)
+  lru_w[#lru_w + 1] = page
+end
+local moved_i = 1
+-- The coldest STORED page right now, nil if none.
+local function head()
+  while true do
+    while cand_i <= #cand do
+      local page = cand[cand_i]
+      if not moved_at[page] and not evicted[page] then
+        return page
+      end
+      cand_i = cand_i + 1
+    end
+    if cand_done then
+      break
+    end
+    read_cold(math.max(need, 16))
+  end
+  while moved_i <= #moved do
+    local page = moved[moved_i]
+    if moved_at[page] == moved_i then
+      return page
+    end
+    moved_i = moved_i + 1
+  end
+  return nil
+end
+local function leased(page)
+  local l = cand_leased[page]
+  if l == nil then -- a page moved as a hit and never read as a candidate (only keep pages)
+    local until_ = redis.call('ZSCORE', k.reads, page)
+    l = (until_ and tonumber(until_) > now) or false
+    cand_leased[page] = l
+  end
+  return l
+end
+
+local w_pk, w_res, w_resq = {}, { KEEP, '' }, { '+inf', KEEP }
+local stored_n = nil -- STORED pages left (read when the slow scan first needs it)
+local gone, ev_keys, ev_pages = {}, {}, {}
+local function evict(page)
+  local key = cand_key[page]
+  gone[key] = true
+  evicted[page] = true
+  ev_keys[#ev_keys + 1] = key
+  ev_pages[#ev_pages + 1] = page
+  bump(c, 'evictions', 1)
+  return page
+end
+
+-- A free page, else a never-used one, else an evicted one (see core.pool); nil if none.
+local function take_page()
+  if free_i > #free and free_more then
+    pop_free(#keys)
+  end
+  if free_i <= #free then
+    free_i = free_i + 1
+    return free[free_i - 1]
+  end
+  if st.next < st.n then
+    local page = string.format('%d', st.next)
+    st.next = st.next + 1
+    return page
+  end
+  if #cand == 0 and not cand_done then
+    -- As many as the keys still to place (#w_pk / 2 placed so far), a few more if pages are
+    -- being read (those are stepped over).
+    has_reads = redis.call('ZCARD', k.reads) > 0
+    read_cold(math.max(need - #w_pk / 2, 1) + (has_reads and 8 or 0))
+  end
+  -- The coldest page, when nobody reads it, is evicted without using the scan allowance (as
+  -- core.pool's inlined common case); stepping over leased pages starts again from it.
+  local page = head()
+  if page ~= nil and not keep[page] and not leased(page) then
+    return evict(page)
+  end
+  if stored_n == nil then
+    stored_n = redis.call('HLEN', k.stored)
+  end
+  local steps = math.min(stored_n - #ev_pages, scan_left)
+  local taken = 0
+  while taken < steps do
+    taken = taken + 1
+    page = head()
+    if page == nil or keep[page] then
+      -- Pages reported as stored by this call are the warmest: nothing else is left.
+      break
+    end
+    if leased(page) then
+      move(page) -- being read: hot, so the read counts as a use
+    else
+      scan_left = scan_left - taken
+      return evict(page)
+    end
+  end
+  scan_left = scan_left - taken
+  return nil
+end
+
+local new_res, seen = {}, {}
+local out = {}
 for i, key in ipairs(keys) do
   local page = (not gone[key]) and stored_p[i]
-  local hit = 0
   if page then
-    hit = 1
-    hits[page] = true
+    keep[page] = true
     bump(c, 'reserve_hits', 1)
-    touch(k, st, page) -- now: eviction below must see it warm
+    move(page) -- now: eviction below must see it warm
+    out[i] = '1,' .. page
   else
     page = new_res[key] or reserved_p[i]
     if page then
       if not seen[key] then
         -- Another writer (or a retry) joins: one more holder, lease renewed.
         seen[key] = true
-        redis.call('HINCRBY', k.holders, page, 1)
+        if redis.call('HINCRBY', k.holders, page, 1) == 1 then
+          redis.call('HINCRBY', k.holders, page, 1) -- absent meant one writer
+        end
         redis.call('ZADD', k.resq, deadline, page)
       end
+      out[i] = '0,' .. page
     else
-      page = take_page(k, st, now, hits, c, free, gone)
+      page = take_page()
       if page then
-        local v = page
         bump(c, 'reservations', 1)
-        w_pk[#w_pk + 1] = v
-        w_pk[#w_pk + 1] = 'R' .. key
+        w_pk[#w_pk + 1] = page
+        w_pk[#w_pk + 1] = key
         w_res[#w_res + 1] = key
-        w_res[#w_res + 1] = v
-        w_hold[#w_hold + 1] = v
-        w_hold[#w_hold + 1] = 1
+        w_res[#w_res + 1] = page
         w_resq[#w_resq + 1] = deadline
-        w_resq[#w_resq + 1] = v
-        new_res[key] = v
+        w_resq[#w_resq + 1] = page
+        new_res[key] = page
         seen[key] = true
+        out[i] = '0,' .. page
       else
         bump(c, 'reservations_refused', 1)
-        page = -1
+        out[i] = '0,-1'
       end
     end
   end
-  out[#out + 1] = hit
-  out[#out + 1] = tonumber(page)
 end
-for j = #free, free.i, -1 do -- give back popped pages not used, in their order
-  redis.call('RPUSH', k.free, free[j])
+if free_i <= #free then -- give back popped pages not used, in their order
+  local back = {}
+  for j = #free, free_i, -1 do
+    back[#back + 1] = free[j]
+  end
+  call_many('RPUSH', k.free, back)
 end
+-- Evicted pages are all reserved again below (HSET pk overwrites their entry).
+if #ev_pages > 0 then
+  call_many('HDEL', k.stored, ev_keys)
+  call_many('ZREM', k.lru, ev_pages)
+end
+call_many('ZADD', k.lru, lru_w) -- in order: a page moved twice keeps its last tick
 call_many('HSET', k.pk, w_pk)
-call_many('HSET', k.reserved, w_res)
-call_many('HSET', k.holders, w_hold)
-call_many('ZADD', k.resq, w_resq)
+if #w_pk > 0 then
+  call_many('HSET', k.reserved, w_res)
+  call_many('ZADD', k.resq, w_resq)
+end
 save_state(k, st)
 flush(k, c)
-return cjson.encode(out)
+if #out == 0 then
+  return '[0]'
+end
+return '[0,' .. table.concat(out, ',') .. ']'

@@ -9,5 +9,5 @@ end
 local c = {}
 expire(k, now_s(ARGV[1]), c)
 flush(k, c)
-return cjson.encode({ 0, st.n, redis.call('HLEN', k.reserved), redis.call('HLEN', k.stored),
+return cjson.encode({ 0, st.n, reserved_count(k), redis.call('HLEN', k.stored),
          redis.call('HGETALL', k.meta) })
