@@ -71,6 +71,7 @@ from kvmeta.store.redis_nodes import (
 )
 from kvmeta.store.redis_scripts import ScriptLibrary
 from kvmeta.store.redis_url import DB_HINT, RedisTarget, check_url, parse_target, redact_url
+from kvmeta.store.resp import pack, pack_many
 
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]  # check_url,
 # redact_url: from store.redis_url, kept importable here
@@ -80,6 +81,8 @@ logger = logging.getLogger(__name__)
 _PREFIX = "kvmeta"
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
+# Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
+_SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
 _SCRIPTS = (
     "initialize",
@@ -600,8 +603,8 @@ class RedisBackend:
     ) -> tuple[Any, Any]:
         """One send and its replies on a connection of our own.
 
-        Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and the
-        protocol): ``register_script`` through the client's pool costs well over twice the CPU
+        Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and reading
+        replies), the request packed by ``store.resp``: ``register_script`` through the client's pool costs well over twice the CPU
         per call, enough to decide whether a kvmeta worker stays within 2x of the embedded
         server's CPU per request (benchmarks/README.md, "Implementation costs"). An error reply
         is read whole (and the WAIT after it), so the connection is reused; anything else may
@@ -611,12 +614,15 @@ class RedisBackend:
         error: ResponseError | None = None
         acks = None
         try:
+            head = 3 + int(command[2]) if command[0] in _SCRIPT_CALLS else 0
             if wait is None and not asking:
-                await conn.send_packed_command(conn.pack_command(*command), check_health=False)
+                await conn.send_packed_command(pack(command, head), check_health=False)
             else:
-                parts = [("ASKING",)] if asking else []
-                parts += [command] + ([wait] if wait is not None else [])
-                await conn.send_packed_command(conn.pack_commands(parts), check_health=False)
+                parts: list[tuple[tuple[Any, ...], int]] = [(("ASKING",), 1)] if asking else []
+                parts.append((command, head))
+                if wait is not None:
+                    parts.append((wait, len(wait)))
+                await conn.send_packed_command(pack_many(parts), check_health=False)
                 if asking:
                     await conn.read_response()
             try:
