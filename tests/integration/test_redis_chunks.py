@@ -33,7 +33,7 @@ def _bulk_load(client: redis.Redis, pool: PoolId, n: int) -> None:
         pipe.hset(prefix + "stored", mapping={f"k{p:08d}": str(p) for p in pages})
         pipe.zadd(prefix + "lru", {str(p): p + 1 for p in pages})
         pipe.execute()
-    client.sadd("kvmeta:pools", f"{pool.rank}:{pool.namespace}")
+    client.sadd("kvmeta:2:pools", f"{pool.rank}:{pool.namespace}")
     client.hset(prefix + "meta", mapping={"n": n, "next": n, "tick": n})
 
 

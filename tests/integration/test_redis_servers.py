@@ -237,7 +237,7 @@ def test_password_url_and_env_fallback(make_server: Make) -> None:
         assert "s3cret" not in server.log
         assert requests.post(server.url + "/0/initialize", json={"num_pages": 4}, timeout=10).ok
         with own.client(db=2) as client:
-            assert client.exists("kvmeta:{s:0:kv}:meta") == 1
+            assert client.exists("kvmeta:2:{s:0:kv}:meta") == 1
     finally:
         own.close()
 

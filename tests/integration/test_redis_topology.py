@@ -184,7 +184,7 @@ def test_ask_on_a_single_key_command_is_followed(redis_cluster: RedisCluster) ->
         await backend.start()
         try:
             await backend.initialize(pools[0], 8)
-            registry = "kvmeta:pools"
+            registry = "kvmeta:2:pools"
             slot = key_slot(registry.encode())
             src = cluster.primary_for(registry)
             dst = next(n for n in _primaries(cluster) if n.port != src.port)
@@ -288,7 +288,7 @@ def test_a_killed_primary_is_replaced_within_the_failover_timeout(
 
 def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
     """FLUSHALL then every connection dropped (what a restart without persistence looks
-    like to kvmeta): the next call finds kvmeta:epoch gone and makes a new one."""
+    like to kvmeta): the next call finds kvmeta:2:epoch gone and makes a new one."""
 
     async def go() -> None:
         redis_server.flush()

@@ -46,9 +46,9 @@ def test_passwords_never_reach_logs() -> None:
 
 
 def test_each_pool_has_its_own_hash_tag_and_vllm_shares_one() -> None:
-    assert pool_prefix(PoolId("s", 0, "kv")) == "kvmeta:{s:0:kv}:"
-    assert pool_prefix(PoolId("s", 1, "a}b{c:d")) == "kvmeta:{s:1:a%7Db%7Bc%3Ad}:"
-    assert pool_prefix(PoolId("v", 3, "")) == "kvmeta:{v}:r3:"
+    assert pool_prefix(PoolId("s", 0, "kv")) == "kvmeta:2:{s:0:kv}:"
+    assert pool_prefix(PoolId("s", 1, "a}b{c:d")) == "kvmeta:2:{s:1:a%7Db%7Bc%3Ad}:"
+    assert pool_prefix(PoolId("v", 3, "")) == "kvmeta:2:{v}:r3:"
 
 
 @pytest.mark.parametrize(

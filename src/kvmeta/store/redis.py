@@ -1,18 +1,19 @@
 """State in Redis/Valkey, shared by any number of stateless kvmeta servers.
 
-Every operation on a pool is ONE Lua script (``store/lua/<op>.lua``, with ``_lib.lua``
-prepended), so servers never race on a read-modify-write: Redis runs each script atomically.
-Scripts run by EVALSHA (loaded on NOSCRIPT) on redis-py connections and keep exactly the
-semantics of ``core.pool`` + ``store.memory``; the contract suite runs against both.
+Every operation on a pool is ONE Lua function (``store/lua/<op>.lua``, loaded as one Functions
+library by ``store.redis_scripts``; EVALSHA where a server lacks FUNCTION), so servers never
+race on a read-modify-write: Redis runs each atomically. The functions keep exactly the
+semantics of ``core.pool`` + ``store.memory``; the contract suite runs against both. Where the
+keys live (one node, a Cluster's slots, a Sentinel group's primary) is ``store.redis_nodes``.
 
 Key layout (see ``_lib.lua`` for the per-pool structures): each SGLang pool lives under its own
-hash tag ``kvmeta:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one pool's
-keys stay in one slot. The vLLM index (per-rank pools, the rank registry and the world size) is
-one unit under ``kvmeta:{v}:``, because completeness spans every rank atomically.
+hash tag ``kvmeta:2:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one
+pool's keys stay in one slot. The vLLM index (per-rank pools, the rank registry and the world
+size) is one unit under ``kvmeta:2:{v}:``, because completeness spans every rank atomically.
 Every script gets every key it touches in ``KEYS`` (``pool_keys``), as Redis Cluster requires;
 a vLLM index script that spans ranks gets the keys of the ranks the registry listed when read
 just before, and refuses (nothing changed, read again) if the registry changed in between.
-``kvmeta:pools`` lists the SGLang pools, for stats only.
+``kvmeta:2:pools`` lists the SGLang pools, for stats only.
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
 skewed clocks still agree (tests that compare this backend with the memory one step by step give
@@ -78,7 +79,12 @@ __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
-_PREFIX = "kvmeta"
+# Every key kvmeta keeps in Redis starts with this prefix, which names the data layout the
+# scripts expect: a release that changes the layout changes it, so its scripts never read
+# pools written in another layout (they are not found: engines re-initialise, empty, never
+# wrong). ``_OLD_LAYOUTS`` names the earlier ones, to tell the operator at start-up.
+_PREFIX = "kvmeta:2"
+_OLD_LAYOUTS = {"kvmeta": "kvmeta:pools"}
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
@@ -271,7 +277,7 @@ class RedisBackend:
 
     @property
     def epoch(self) -> str:
-        """The ``kvmeta:epoch`` key's value: created when absent (a new or emptied Redis), read
+        """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
         again after every reconnect or failover, so it changes exactly when Redis lost data."""
         return self._epoch
 
@@ -304,6 +310,7 @@ class RedisBackend:
                 logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
             await self._refresh_epoch()
+            await self._warn_old_layouts()
         except BackendUnavailable:
             await self.close()
             raise
@@ -506,6 +513,20 @@ class RedisBackend:
         reply: list[Any] = _decode(await self._call(names[0], command, script, wait))
         return reply
 
+    async def _warn_old_layouts(self) -> None:
+        """Log pools left by a kvmeta with another data layout: this one does not use them."""
+        for prefix, registry in _OLD_LAYOUTS.items():
+            if await self._command(registry, "EXISTS", registry):
+                logger.warning(
+                    "%s holds pools in an earlier kvmeta data layout (keys %s:*), which this "
+                    "version does not read: engines re-initialise their pools here (empty). "
+                    "Delete the old keys when no older kvmeta uses them (SCAN MATCH '%s:*' "
+                    "then UNLINK, on every primary)",
+                    self.describe,
+                    prefix,
+                    prefix,
+                )
+
     async def _command(self, key: str, *args: Any) -> Any:
         """One plain command (registry, epoch) routed by ``key``, with the same retries."""
         return await self._call(key, args, str(args[0]), None)
@@ -604,11 +625,11 @@ class RedisBackend:
         """One send and its replies on a connection of our own.
 
         Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and reading
-        replies), the request packed by ``store.resp``: ``register_script`` through the client's pool costs well over twice the CPU
-        per call, enough to decide whether a kvmeta worker stays within 2x of the embedded
-        server's CPU per request (benchmarks/README.md, "Implementation costs"). An error reply
-        is read whole (and the WAIT after it), so the connection is reused; anything else may
-        leave a reply in flight and the socket is closed.
+        replies), the request packed by ``store.resp``: ``register_script`` through the
+        client's pool costs well over twice the CPU per call (benchmarks/README.md,
+        "Implementation costs"). An error reply is read whole (and the WAIT after it), so the
+        connection is reused; anything else may leave a reply in flight and the socket is
+        closed.
         """
         conn: AbstractConnection = node.take()
         error: ResponseError | None = None
