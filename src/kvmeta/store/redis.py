@@ -68,6 +68,7 @@ from kvmeta.store.redis_nodes import (
     Node,
     SentinelTopology,
     Topology,
+    deadline,
     retriable,
 )
 from kvmeta.store.redis_scripts import ScriptLibrary
@@ -389,7 +390,8 @@ class RedisBackend:
     async def _install_on(self, node: Node) -> str:
         conn = node.take()
         try:
-            text = await self._scripts.install(conn)
+            async with deadline(node.read_timeout * 5):  # FUNCTION LOAD compiles the library
+                text = await self._scripts.install(conn)
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
@@ -634,24 +636,27 @@ class RedisBackend:
         conn: AbstractConnection = node.take()
         error: ResponseError | None = None
         acks = None
+        head = 3 + int(command[2]) if command[0] in _SCRIPT_CALLS else 0
         try:
-            head = 3 + int(command[2]) if command[0] in _SCRIPT_CALLS else 0
-            if wait is None and not asking:
-                await conn.send_packed_command(pack(command, head), check_health=False)
-            else:
-                parts: list[tuple[tuple[Any, ...], int]] = [(("ASKING",), 1)] if asking else []
-                parts.append((command, head))
+            async with deadline(node.read_timeout):
+                if wait is None and not asking:
+                    await conn.send_packed_command(pack(command, head), check_health=False)
+                else:
+                    parts: list[tuple[tuple[Any, ...], int]] = []
+                    if asking:
+                        parts.append((("ASKING",), 1))
+                    parts.append((command, head))
+                    if wait is not None:
+                        parts.append((wait, len(wait)))
+                    await conn.send_packed_command(pack_many(parts), check_health=False)
+                    if asking:
+                        await conn.read_response()
+                try:
+                    reply = await conn.read_response()
+                except ResponseError as exc:
+                    error, reply = exc, None
                 if wait is not None:
-                    parts.append((wait, len(wait)))
-                await conn.send_packed_command(pack_many(parts), check_health=False)
-                if asking:
-                    await conn.read_response()
-            try:
-                reply = await conn.read_response()
-            except ResponseError as exc:
-                error, reply = exc, None
-            if wait is not None:
-                acks = await conn.read_response()
+                    acks = await conn.read_response()
         except BaseException:
             await conn.disconnect(nowait=True)
             raise

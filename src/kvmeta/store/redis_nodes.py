@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import sys
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -32,7 +33,15 @@ from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis_sentinel import resolve_primary
 from kvmeta.store.redis_url import RedisTarget
 
-__all__ = ["ClusterTopology", "Node", "SentinelTopology", "SingleTopology", "Topology", "retriable"]
+__all__ = [
+    "ClusterTopology",
+    "Node",
+    "SentinelTopology",
+    "SingleTopology",
+    "Topology",
+    "deadline",
+    "retriable",
+]
 
 logger = logging.getLogger("kvmeta.store.redis")
 
@@ -41,6 +50,11 @@ MAX_IDLE = 64  # connections kept open per node and server process for concurren
 # answering (partitioned, frozen) must fail a call so it can be retried elsewhere, not hang it.
 CONNECT_TIMEOUT = 1.0
 READ_TIMEOUT = 2.0
+
+if sys.version_info >= (3, 11):
+    from asyncio import timeout as deadline
+else:  # redis-py depends on async-timeout before Python 3.11
+    from async_timeout import timeout as deadline
 
 
 def retriable(exc: BaseException) -> bool:
@@ -62,10 +76,15 @@ class Node:
     def __init__(self, target: RedisTarget, host: str, port: int, *, read_timeout: float) -> None:
         self.host, self.port = host, port
         self.addr = f"{host}:{port}" if target.mode != "single" else target.shown
+        # No socket_timeout on the connections themselves: redis-py then wraps every send in
+        # ``asyncio.wait_for`` (a new task per request, a large share of a worker's CPU per
+        # request); each call is bounded by one ``deadline(read_timeout)`` around its send and
+        # reads instead. A ?socket_timeout= in the URL still applies, and bounds the call.
         self._pool = aioredis.ConnectionPool.from_url(
-            target.node_url(host, port),
-            socket_connect_timeout=CONNECT_TIMEOUT,
-            socket_timeout=read_timeout,
+            target.node_url(host, port), socket_connect_timeout=CONNECT_TIMEOUT
+        )
+        self.read_timeout: float = (
+            self._pool.connection_kwargs.get("socket_timeout") or read_timeout
         )
         self.idle: list[AbstractConnection] = []
 
@@ -91,8 +110,9 @@ class Node:
         """One plain command on a connection of this node (errors propagate)."""
         conn = self.take()
         try:
-            await conn.send_command(*args, check_health=False)
-            reply = await conn.read_response()
+            async with deadline(self.read_timeout):
+                await conn.send_command(*args, check_health=False)
+                reply = await conn.read_response()
         except BaseException:
             await conn.disconnect(nowait=True)
             raise

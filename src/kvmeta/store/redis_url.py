@@ -14,6 +14,7 @@ redis-py would read ``/abc`` as database 0 and open TLS files only inside a conn
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
@@ -67,8 +68,9 @@ class RedisTarget:
     db: int = 0
     sentinel_password: str | None = None
 
-    @property
+    @functools.cached_property
     def shown(self) -> str:
+        """The URL with any password hidden (every log line and error names it)."""
         return redact_url(self.url)
 
     def node_url(self, host: str, port: int) -> str:
