@@ -171,6 +171,7 @@ SCHEMAS: dict[str, Schema] = {
             "backend": {"type": "object"},
             "uptime_seconds": NUM,
             "time": NUM,
+            "pools_at": {"type": ["number", "null"]},
             "pools": _list(_ref("Pool")),
             "history": {"type": "object"},
         },
