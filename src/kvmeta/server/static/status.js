@@ -3,6 +3,7 @@
 // by fetch on the same origin.
 "use strict";
 const COLORS = ["#3b6fd8", "#e0562b", "#2e8540", "#9c27b0", "#f0a830", "#00838f", "#777"];
+const WINDOW_SECONDS = 300;
 let updates = 0;
 
 function el(tag, text, cls) {
@@ -12,6 +13,7 @@ function el(tag, text, cls) {
   return e;
 }
 const pct = (v) => (v === null || v === undefined ? "-" : (v * 100).toFixed(1) + "%");
+const rate = (v) => (v === null || v === undefined ? "-" : v.toFixed(1));
 const num = (v) => (v === null || v === undefined ? "-" : String(v));
 function age(s) {
   if (s === null || s === undefined) return "-";
@@ -25,7 +27,8 @@ function chart(id, legendId, t, series, fixedMax) {
   let max = fixedMax || 0;
   if (!fixedMax) for (const n of names) for (const v of series[n]) if (v !== null && v > max) max = v;
   if (max <= 0) max = 1;
-  const t0 = t.length ? t[0] : 0, t1 = t.length ? t[t.length - 1] : 1, span = Math.max(t1 - t0, 1);
+  // A fixed window ending at the newest sample, so the lines grow in from the right.
+  const t1 = t.length ? t[t.length - 1] : 0, span = WINDOW_SECONDS, t0 = t1 - span;
   const x = (tv) => L + ((tv - t0) / span) * (W - L - 4);
   const y = (v) => T + (1 - v / max) * (H - T - B);
   let out = `<line class="axis" x1="${L}" y1="${H - B}" x2="${W}" y2="${H - B}"/>` +
@@ -95,7 +98,7 @@ function renderPools(pools) {
     }
     tr.append(occ);
     for (const [f, v] of [["hit_rate", pct(p.hit_rate)], ["exists_hit_rate", pct(p.exists_hit_rate)],
-      ["evictions_per_s", num(p.evictions_per_s)], ["refused_per_s", num(p.refused_per_s)]]) {
+      ["evictions_per_s", rate(p.evictions_per_s)], ["refused_per_s", rate(p.refused_per_s)]]) {
       const td = el("td", v, "n");
       td.dataset.field = f;
       tr.append(td);
@@ -107,7 +110,11 @@ function renderPools(pools) {
 async function poll() {
   const error = document.getElementById("error");
   try {
-    const r = await fetch("/v1/status", { cache: "no-store", credentials: "same-origin" });
+    // An absolute URL without user:password: a page opened as http://user:token@host/ui
+    // would otherwise resolve "/v1/status" with the credentials in it, which fetch refuses;
+    // the browser still sends the Basic credentials it signed in with.
+    const url = location.protocol + "//" + location.host + "/v1/status";
+    const r = await fetch(url, { cache: "no-store", credentials: "same-origin" });
     if (!r.ok) throw new Error("/v1/status answered " + r.status + ": " + (await r.text()));
     const s = await r.json();
     const srv = s.server;
