@@ -287,6 +287,7 @@ class StatusState:
         self._history = msgspec.Raw(msgspec.json.encode(self.ring.history()))
         self._pools = msgspec.Raw(b"[]")
         self.pools_at: tuple[float, float] | None = None  # (monotonic, wall) of the pool rows
+        self._pools_lock = asyncio.Lock()
         settings = ops.settings
         local_dir = not settings.backend and not settings.in_memory
         self.data_dir = Path(settings.data_dir) if local_dir else None
@@ -314,12 +315,13 @@ class StatusState:
         """Read every pool once (on the loop: the in-process store is not thread-safe) and
         turn the copies into rates and the encoded pool rows in a thread (tens of ms of pure
         Python with thousands of pools). None when the backend could not be read."""
-        try:
-            pools = await self.ops.service.stats()
-        except Exception as exc:  # noqa: BLE001 - a backend outage must not stop sampling
-            logger.debug("status sample could not read pool stats: %s", exc)
-            return None
-        lookups, rows = await asyncio.to_thread(self._digest, now, pools)
+        async with self._pools_lock:  # one digest at a time: it moves the rates' baseline
+            try:
+                pools = await self.ops.service.stats()
+            except Exception as exc:  # noqa: BLE001 - a backend outage must not stop sampling
+                logger.debug("status sample could not read pool stats: %s", exc)
+                return None
+            lookups, rows = await asyncio.to_thread(self._digest, now, pools)
         self._pools = rows
         self.pools_at = (now, round(wall, 3))
         return lookups
