@@ -75,6 +75,12 @@ def _cmd_status(args: argparse.Namespace) -> int:
     from kvmeta.status import status
 
     token = args.token or env_setting("auth_token")
+    if args.watch is not None:
+        from kvmeta.status import watch
+
+        if args.watch <= 0:
+            raise KvmetaError("`--watch` takes a positive number of seconds, e.g. --watch 2")
+        return watch(args.url, token, args.watch, sys.stdout, as_json=args.json)
     code, text = status(args.url, token, args.json)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
@@ -94,6 +100,15 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="auth token (default: env KVMETA_AUTH_TOKEN; or put it in the URL as the password)",
     )
     cmd.add_argument("--json", action="store_true", help="print the raw JSON instead")
+    cmd.add_argument(
+        "--watch",
+        nargs="?",
+        type=float,
+        const=2.0,
+        default=None,
+        metavar="SECONDS",
+        help="redraw every SECONDS (default 2) until Ctrl-C, like top",
+    )
     cmd.set_defaults(func=_cmd_status)
 
 

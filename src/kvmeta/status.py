@@ -1,24 +1,36 @@
 """``kvmeta status``: a server's readiness and pools as a table a person reads at a glance.
 
 Returns text and an exit code instead of printing (``cli`` prints): 0 ready, 1 reachable but
-not ready, 2 unreachable or refused (wrong token). Scripts may use ``--json``.
+not ready, 2 unreachable or refused (wrong token). Scripts may use ``--json``. ``watch``
+(``--watch``) redraws the table in place, like ``top``, until Ctrl-C.
 """
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import time
+from collections.abc import Callable
+from typing import Any, TextIO
 
 from kvmeta.client.http import HttpTransport
 from kvmeta.errors import KvmetaError, ServerError, ServerUnavailable, Unauthorized
 
-__all__ = ["EXIT_NOT_READY", "EXIT_OK", "EXIT_UNREACHABLE", "format_table", "status"]
+__all__ = [
+    "EXIT_NOT_READY",
+    "EXIT_OK",
+    "EXIT_UNREACHABLE",
+    "format_table",
+    "status",
+    "watch",
+]
 
 EXIT_OK = 0
 EXIT_NOT_READY = 1
 EXIT_UNREACHABLE = 2
 
 _BAR = 20
+# Cursor home, then clear the screen: each frame replaces the last one on a terminal.
+CLEAR = "\x1b[H\x1b[2J"
 
 
 def status(
@@ -95,3 +107,40 @@ def format_table(url: str, doc: dict[str, Any]) -> str:
             "one pool?); see the server log"
         )
     return "\n".join(lines)
+
+
+def watch(
+    url: str,
+    token: str | None,
+    interval: float,
+    out: TextIO,
+    *,
+    as_json: bool = False,
+    tty: bool | None = None,
+    frames: int | None = None,
+    sleep: Callable[[float], None] = time.sleep,
+) -> int:
+    """Print the status every ``interval`` seconds until Ctrl-C (then exit 0) or ``frames``
+    frames. On a terminal each frame replaces the last; otherwise (a pipe, a log file) frames
+    follow each other, separated by a blank line. A server that stops answering shows its
+    error in the frame and is asked again at the next one."""
+    tty = out.isatty() if tty is None else tty
+    shown = 0
+    try:
+        while frames is None or shown < frames:
+            _, text = status(url, token, as_json, timeout=max(1.0, min(5.0, interval * 5)))
+            stamp = time.strftime("%H:%M:%S")
+            footer = f"{stamp}  every {interval:g} s; Ctrl-C to quit"
+            if tty:
+                out.write(f"{CLEAR}{text}\n\n{footer}\n")
+            else:
+                out.write(f"{text}\n{footer}\n\n")
+            out.flush()
+            shown += 1
+            if frames is None or shown < frames:
+                sleep(interval)
+    except KeyboardInterrupt:
+        if tty:
+            out.write("\n")
+            out.flush()
+    return EXIT_OK

@@ -166,8 +166,8 @@ class Schema:
         if "application/json" in content:
             assert content_type.startswith("application/json"), where
             self._validate(content["application/json"]["schema"], body, where)
-        else:
-            assert content_type.startswith("text/plain"), where
+        else:  # text: /metrics, and the status page's HTML, script and style
+            assert content_type.startswith(tuple(content)), where
 
     def _path_matches(self, call: Call) -> bool:
         assert call.op is not None

@@ -14,7 +14,7 @@ import pytest
 
 from kvmeta.config import Settings
 from kvmeta.errors import InvalidRequest, NotInitialized
-from kvmeta.server import ops_routes, sglang, vllm
+from kvmeta.server import ops_routes, sglang, status_page, vllm
 from kvmeta.server.app import App, Route
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
@@ -100,7 +100,7 @@ def test_ops_handlers_alone() -> None:
     assert [r.pattern for r in o if r.public] == ["/health"]
 
 
-ALL_ROUTES = sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES
+ALL_ROUTES = sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES + status_page.ROUTES
 
 
 @pytest.mark.parametrize("r", [r for r in ALL_ROUTES if r.body is not None], ids=str)
@@ -114,6 +114,16 @@ def test_every_body_is_refused_by_its_route_decoder(r: Route) -> None:
     with pytest.raises(InvalidRequest) as from_decoder:
         r.body.decode(bad)
     assert str(from_route.value) == str(from_decoder.value)
+
+
+def test_status_handlers_alone() -> None:
+    svc = new_service()
+    ops = ops_routes.OpsState(App(), svc, Settings(in_memory=True))
+    state = status_page.StatusState(ops)
+    t = status_page.ROUTES
+    doc = json_of(call(route(t, "/v1/status"), state))
+    assert doc["pools"] == [] and doc["backend"]["ready"] is True
+    assert call(route(t, "/ui"), state).content_type.startswith(b"text/html")
 
 
 def test_route_tables_are_what_the_app_serves() -> None:

@@ -65,8 +65,13 @@ def error_response(status: int, detail: str) -> Response:
     return Response(status, _encode({"detail": detail}))
 
 
-# RFC 9110: a 401 names the schemes it accepts; both work with the same token.
-_CHALLENGE = ((b"www-authenticate", b'Bearer realm="kvmeta", Basic realm="kvmeta"'),)
+# RFC 9110: a 401 names the schemes it accepts; both work with the same token. One header line
+# per scheme: browsers read one challenge per line, and a browser must see Basic to ask for
+# the token (the status page, ``GET /ui``).
+_CHALLENGE = (
+    (b"www-authenticate", b'Basic realm="kvmeta"'),
+    (b"www-authenticate", b'Bearer realm="kvmeta"'),
+)
 
 
 def nested_error(usage: str, prefix: str = "") -> InvalidRequest:
@@ -267,6 +272,8 @@ class App:
         self.auth_in_head = False
         # path -> match, for ranked paths: engines send the same few paths all day.
         self._matched: dict[str, tuple[_Route, int, str]] = {}
+        # Coroutine functions the server runs as tasks while it serves (cancelled at shutdown).
+        self.background: list[Callable[[], Coroutine[Any, Any, None]]] = []
 
     def add(self, method: str, pattern: str, handler: RouteHandler, public: bool = False) -> None:
         segments = tuple(pattern.strip("/").split("/"))

@@ -165,6 +165,18 @@ SCHEMAS: dict[str, Schema] = {
         {"server": {"type": "object"}, "pools": _list(_ref("Pool")), "vllm": _ref("VIndex")},
         ("pools",),
     ),
+    "Status": _obj(
+        {
+            "server": {"type": "object"},
+            "backend": {"type": "object"},
+            "uptime_seconds": NUM,
+            "time": NUM,
+            "pools_at": {"type": ["number", "null"]},
+            "pools": _list(_ref("Pool")),
+            "history": {"type": "object"},
+        },
+        ("server", "backend", "pools", "history"),
+    ),
     "Check": _obj(
         {"ok": BOOL, "checked": INT, "problems": _list(STR), "supported": BOOL},
         ("ok", "problems"),
@@ -319,6 +331,28 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         ("200", "Check"),
         _AUTH,
     ),
+    ("GET", "/v1/status"): _op(
+        "what the status page shows: pools with per-pool rates, backend and journal state, and "
+        "the last ~5 minutes of samples (requests/s by route, p50/p99 latency, hit ratio)",
+        None,
+        ("200", "Status"),
+        _AUTH,
+    ),
+    **{
+        ("GET", path): {
+            "summary": summary,
+            "responses": {
+                "200": {"description": summary, "content": {ctype: {"schema": STR}}},
+                "401": _json(_ref("Error"), _ERRORS["401"]),
+            },
+        }
+        for path, ctype, summary in (
+            ("/", "text/html", "the status page (same as /ui)"),
+            ("/ui", "text/html", "the status page: pools, backend state and live charts"),
+            ("/ui/status.js", "text/javascript", "the status page's script"),
+            ("/ui/status.css", "text/css", "the status page's style"),
+        )
+    },
     ("GET", "/openapi.json"): {
         "summary": "this document",
         "responses": {

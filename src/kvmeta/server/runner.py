@@ -189,11 +189,15 @@ async def run(
 
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
+    tasks = [loop.create_task(job()) for job in app.background]
     if ready is not None:
         ready.set()
     try:
         await stop.wait()
     finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
         await server.shutdown()
         await backend.close()
         logger.info("kvmeta stopped")
