@@ -167,9 +167,11 @@ def test_status_page_in_a_browser(server: ServerProcess, browser: Any) -> None:
         samples = _body(browser, "samples")
         _wait(
             "the charts to update",
-            lambda: _body(browser, "samples") >= samples + 2
-            and _points(browser, "chart-rps") > first["chart-rps"]
-            and _points(browser, "chart-latency") > first["chart-latency"],
+            lambda: (
+                _body(browser, "samples") >= samples + 2
+                and _points(browser, "chart-rps") > first["chart-rps"]
+                and _points(browser, "chart-latency") > first["chart-latency"]
+            ),
         )
         _wait("hit ratio points", lambda: _points(browser, "chart-hits") > 0)
         assert browser.find_element("id", "error").get_attribute("hidden") is not None

@@ -371,10 +371,17 @@ class StatusState:
             "journal_segment_bytes": self.disk.segment_bytes,
             "snapshot_age_seconds": None if mtime is None else round(time.time() - mtime, 1),
             "durability": durability,
-            # Not known without asking the backend more than it reports today.
-            "role": None,
-            "replicas": None,
+            # Redis: primaries and the fewest replicas of any, from the last readiness probe.
+            "role": _role(durability),
+            "replicas": durability.get("redis_replicas_min"),
         }
+
+
+def _role(durability: dict[str, float]) -> str | None:
+    primaries = durability.get("redis_primaries")
+    if primaries is None:
+        return None
+    return "primary" if primaries == 1 else f"{int(primaries)} primaries"
 
 
 def status_pool(view: dict[str, Any], rates: tuple[float, float] | None) -> dict[str, Any]:

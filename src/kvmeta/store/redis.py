@@ -265,6 +265,7 @@ class RedisBackend:
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
         self._epoch = ""
         self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
+        self._replication: dict[str, float] = {}  # see durability_stats
 
     @property
     def describe(self) -> str:
@@ -283,7 +284,10 @@ class RedisBackend:
         return self._epoch
 
     def durability_stats(self) -> dict[str, float]:
-        return {}  # Redis keeps its own persistence (RDB/AOF); nothing on this machine's disk
+        """How many primaries hold the state and the fewest replicas any of them has, as the
+        last readiness probe saw them (Redis keeps its own persistence; nothing is on this
+        machine's disk). A replica count below ``--min-replicas-ack`` means writes answer 503."""
+        return dict(self._replication)
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -475,7 +479,8 @@ class RedisBackend:
             self._client = None
 
     async def ready(self) -> bool:
-        """Every slot has a primary and every primary answers PING."""
+        """Every slot has a primary and every primary answers (``INFO replication``, whose
+        replica counts ``durability_stats`` reports)."""
         topo = self._topo
         if topo is None:
             return False
@@ -485,11 +490,17 @@ class RedisBackend:
                 return False
         for attempt in range(2):
             try:
+                primaries = topo.primaries()
                 replies = await asyncio.wait_for(
-                    asyncio.gather(*(node.call("PING") for node in topo.primaries())),
+                    asyncio.gather(*(node.call("INFO", "replication") for node in primaries)),
                     self.failover_timeout,
                 )
                 if replies and all(replies):
+                    counts = [int(_info(r).get("connected_slaves", "0")) for r in replies]
+                    self._replication = {
+                        "redis_primaries": float(len(counts)),
+                        "redis_replicas_min": float(min(counts)),
+                    }
                     return True
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
