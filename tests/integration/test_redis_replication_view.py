@@ -1,7 +1,7 @@
 """What an operator sees of the Redis side: how many primaries hold the state and the fewest
-replicas any of them has, refreshed by every readiness probe (shown on the status page and as
-``kvmeta_durability_redis_*`` gauges). Fewer replicas than ``--min-replicas-ack`` means every
-write answers 503, so this number is what an alert should watch."""
+replicas any of them has, refreshed by every readiness probe (on the status page, and as the
+``kvmeta_redis_primaries`` and ``kvmeta_redis_replicas_min`` gauges). Fewer replicas than
+``--min-replicas-ack`` means every write answers 503: that is what an alert should watch."""
 
 from __future__ import annotations
 

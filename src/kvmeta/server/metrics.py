@@ -115,6 +115,16 @@ _DURABILITY: dict[str, tuple[str, str, bool]] = {
         "1 while the journal cannot be written (changes answer 503; see /health)",
         False,
     ),
+    "redis_primaries": (
+        "kvmeta_redis_primaries",
+        "Redis/Valkey primaries holding the state, at the last readiness probe",
+        False,
+    ),
+    "redis_replicas_min": (
+        "kvmeta_redis_replicas_min",
+        "the fewest connected replicas of any primary (below --min-replicas-ack: writes 503)",
+        False,
+    ),
 }
 
 
