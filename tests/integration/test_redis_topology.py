@@ -324,6 +324,7 @@ def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisC
     cluster.flush()
     pids = _pools_on_each_primary(cluster)
     ports = {node.port for node in cluster.nodes}
+    before = _sockets_to(ports)
 
     async def go() -> list[str]:
         backend = RedisBackend(cluster.url, failover_timeout=30.0)
@@ -354,6 +355,7 @@ def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisC
         warnings.simplefilter("always")
         left = _run(go())
         gc.collect()
+    assert before == []
     assert left == []
     unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
     assert unclosed == []
