@@ -3,8 +3,8 @@
 Leases use real time: TTLs and sleeps, so Redis-side expiry (Redis TIME) is exercised for real.
 A test that a lease still holds uses ``LEASE`` (seconds), long enough that a loaded machine
 cannot outrun it between two calls; a test that one has run out may use short ones (a sleep
-is never shorter than asked). Every test ends with the full page invariant checked in the store itself
-(by the ``make_backend`` fixture).
+is never shorter than asked). Every test ends with the full page invariant checked in the
+store itself (by the ``make_backend`` fixture).
 """
 
 from __future__ import annotations

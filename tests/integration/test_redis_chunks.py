@@ -48,9 +48,7 @@ def _script_calls(client: redis.Redis) -> int:
     return sum(int(stats.get(f"cmdstat_{name}", {}).get("calls", 0)) for name in _SCRIPT_COMMANDS)
 
 
-def _scripts_run(
-    client: redis.Redis, run: Callable[[], Awaitable[Any]]
-) -> tuple[Any, int, float]:
+def _scripts_run(client: redis.Redis, run: Callable[[], Awaitable[Any]]) -> tuple[Any, int, float]:
     """Run ``run`` and return its result, the number of script calls it made (from INFO
     commandstats) and the longest script call by Redis's SLOWLOG (ms, for the log)."""
     client.config_set("slowlog-log-slower-than", 1000)  # us; inner commands stay out
