@@ -196,7 +196,8 @@ def test_sigterm_writes_a_final_snapshot_and_exits_quickly(tmp_path: Path) -> No
         assert server.post("/0/confirm_write", {"written_keys_to_confirm": pairs}).ok
     started = time.monotonic()
     assert server.stop(signal.SIGTERM) == 0
-    assert time.monotonic() - started < 5
+    # Quickly: well inside stop()'s own 15 s, with room for a loaded machine's snapshot fsync.
+    assert time.monotonic() - started < 12
     listing = list_data_dir(data)
     assert listing.snapshots and all(s >= listing.snapshots[-1] for s in listing.segments)
     server = _start(data, tmp_path)

@@ -4,8 +4,11 @@ and ASK while a slot migrates, a primary failing over to its replica, the epoch.
 from __future__ import annotations
 
 import asyncio
+import gc
+import os
 import signal
 import time
+import warnings
 from collections.abc import Iterator
 from typing import Any
 
@@ -284,6 +287,78 @@ def test_a_killed_primary_is_replaced_within_the_failover_timeout(
 
     took = _run(go())
     print(f"cluster primary kill -9: answered again after {took:.2f}s")
+
+
+def _sockets_to(ports: set[int]) -> list[str]:
+    """This process's open TCP sockets whose peer is one of ``ports`` (from /proc: each fd's
+    socket inode, looked up in /proc/net/tcp), so a test sees what ``close()`` left open."""
+    inodes = set()
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            link = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if link.startswith("socket:["):
+            inodes.add(link[8:-1])
+    found = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            with open(table) as f:
+                lines = f.read().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            local, remote, inode = fields[1], fields[2], fields[9]
+            if inode in inodes and int(remote.rsplit(":", 1)[1], 16) in ports:
+                found.append(f"{local}->{remote} state {fields[3]}")
+    return found
+
+
+def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisCluster) -> None:
+    """A failover under concurrent calls (MOVED starts a background slot-map refresh), some
+    calls cancelled, then ``close()``: no socket to the cluster stays open and nothing is left
+    for the garbage collector to warn about (no ResourceWarning: unclosed Connection)."""
+    cluster = doomed_cluster
+    cluster.wait_ok()
+    cluster.flush()
+    pids = _pools_on_each_primary(cluster)
+    ports = {node.port for node in cluster.nodes}
+    before = _sockets_to(ports)
+
+    async def go() -> list[str]:
+        backend = RedisBackend(cluster.url, failover_timeout=30.0)
+        await backend.start()
+        calls: list[asyncio.Future[Any]] = []
+        try:
+            for pid in pids:
+                await _cycle(backend, pid, "a")
+            old = cluster.primary_for(pool_keys(pids[0])[0])
+            replica = _replica_of(cluster, old)
+            cluster._wait_replicated(old)
+            replica.call("CLUSTER", "FAILOVER")
+            _wait(lambda: replica.call("ROLE")[0] == "master", "the replica to take over")
+            # The pool's first call gets MOVED and starts a background refresh of the slot
+            # map; close while it, and calls on every shard, are in flight.
+            await backend.get(pids[0], ["a"])
+            calls = [asyncio.ensure_future(backend.get(pid, ["a"])) for pid in pids * 8]
+            await asyncio.wait(calls, return_when=asyncio.FIRST_COMPLETED)
+            for call in calls[1::2]:
+                call.cancel()
+        finally:
+            await backend.close()
+        await asyncio.gather(*calls, return_exceptions=True)
+        await asyncio.sleep(0.5)  # closed transports release their sockets on the next turns
+        return _sockets_to(ports)
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        left = _run(go())
+        gc.collect()
+    assert before == []
+    assert left == []
+    unclosed = [str(w.message) for w in caught if issubclass(w.category, ResourceWarning)]
+    assert unclosed == []
 
 
 def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:

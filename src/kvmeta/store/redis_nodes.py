@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import sys
+import weakref
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -71,7 +72,12 @@ def retriable(exc: BaseException) -> bool:
 
 
 class Node:
-    """One Redis node and the idle connections this process keeps to it."""
+    """One Redis node and the idle connections this process keeps to it.
+
+    Every connection it made is also kept in a weak set, so ``close()`` reaches the ones a
+    call has taken (in flight, or held by a cancelled task) as well as the idle ones; a
+    connection given back after ``close()`` is disconnected, not kept.
+    """
 
     def __init__(self, target: RedisTarget, host: str, port: int, *, read_timeout: float) -> None:
         self.host, self.port = host, port
@@ -87,23 +93,37 @@ class Node:
             self._pool.connection_kwargs.get("socket_timeout") or read_timeout
         )
         self.idle: list[AbstractConnection] = []
+        self._made: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
+        self.closed = False
 
     def take(self) -> AbstractConnection:
         return self.idle.pop() if self.idle else self.connect()
 
     def connect(self) -> AbstractConnection:
-        return self._pool.connection_class(**self._pool.connection_kwargs)
+        if self.closed:
+            raise BackendUnavailable(f"the Redis backend's connections to {self.addr} are closed")
+        conn = self._pool.connection_class(**self._pool.connection_kwargs)
+        self._made.add(conn)
+        return conn
 
     async def give(self, conn: AbstractConnection) -> None:
-        if len(self.idle) < MAX_IDLE:
+        if len(self.idle) < MAX_IDLE and not self.closed:
             self.idle.append(conn)
         else:
-            await conn.disconnect()
+            await conn.disconnect(nowait=True)
 
     async def drop(self) -> None:
         """Close every idle connection (the node failed, or it is no longer a primary)."""
         idle, self.idle = self.idle, []
         for conn in idle:
+            await conn.disconnect(nowait=True)
+
+    async def close(self) -> None:
+        """Disconnect every connection of this node, idle or taken, and make no new ones: a
+        call still in flight fails (its socket is closed) instead of leaving a socket open."""
+        self.closed = True
+        await self.drop()
+        for conn in list(self._made):
             await conn.disconnect(nowait=True)
 
     async def call(self, *args: Any) -> Any:
@@ -130,10 +150,13 @@ class Topology:
         self.read_timeout = read_timeout
         self._nodes: dict[tuple[str, int], Node] = {}
         self.last_error = ""  # why the last refresh found no primary, for the 503 message
+        self.closed = False
 
     def node(self, host: str, port: int) -> Node:
         found = self._nodes.get((host, port))
         if found is None:
+            if self.closed:
+                raise BackendUnavailable(f"the Redis backend for {self.target.shown} is closed")
             found = self._nodes[(host, port)] = Node(
                 self.target, host, port, read_timeout=self.read_timeout
             )
@@ -166,8 +189,11 @@ class Topology:
         return None
 
     async def close(self) -> None:
-        for node in self._nodes.values():
-            await node.drop()
+        """Close every node's connections; afterwards no node, refresh or connection is made
+        (a call still running gets BackendUnavailable)."""
+        self.closed = True
+        for node in list(self._nodes.values()):
+            await node.close()
         self._nodes.clear()
         self._single = None
 
@@ -210,6 +236,8 @@ class ClusterTopology(Topology):
     async def refresh(self, raise_errors: bool = False) -> None:
         """Read the slot map from the first node that answers, asking every known node and
         seed at once: a frozen or partitioned node must not make the others wait."""
+        if self.closed:
+            return
         candidates = [*self.primaries(), *(self.node(h, p) for h, p in self.target.hosts)]
         candidates += [n for n in self._nodes.values() if n not in candidates]
 
@@ -229,6 +257,8 @@ class ClusterTopology(Topology):
                 except ConnectionError as exc:
                     errors.append(str(exc))
                     continue
+                if self.closed:
+                    return
                 self._apply(node, reply)
                 self.last_error = ""
                 return
@@ -265,9 +295,13 @@ class ClusterTopology(Topology):
         return f"{missing} of 16384 slots have no primary" if missing else None
 
     async def close(self) -> None:
-        if self._refreshing is not None:
-            self._refreshing.cancel()
-            self._refreshing = None
+        """Stop a background map refresh and wait for it to end before closing the nodes: its
+        CLUSTER SLOTS calls hold connections, which it would otherwise hand back afterwards."""
+        self.closed = True
+        refreshing, self._refreshing = self._refreshing, None
+        if refreshing is not None:
+            refreshing.cancel()
+            await asyncio.gather(refreshing, return_exceptions=True)
         await super().close()
 
 
@@ -293,9 +327,13 @@ class SentinelTopology(Topology):
         await self.refresh(raise_errors=True)
 
     async def refresh(self, raise_errors: bool = False) -> None:
+        if self.closed:
+            return
         old = self._primary
         try:
             host, port = await resolve_primary(self.target, timeout=CONNECT_TIMEOUT)
+            if self.closed:
+                return
             node = self.node(host, port)
             role = await asyncio.wait_for(node.call("ROLE"), CONNECT_TIMEOUT * 2)
         except (RedisError, OSError, asyncio.TimeoutError, BackendUnavailable) as exc:
