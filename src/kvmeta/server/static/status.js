@@ -64,6 +64,9 @@ function renderBackend(s) {
     rows.push(["fsync mode", b.fsync], ["last fsync", b.last_fsync_seconds_ago === null ? "- (none seen yet)" : "within " + age(b.last_fsync_seconds_ago)],
       ["journal segment", b.journal_segment_bytes === null ? "-" : (b.journal_segment_bytes / 1024).toFixed(1) + " KiB"],
       ["snapshot age", age(b.snapshot_age_seconds)], ["journal failed", b.journal_failed ? "YES" : "no"]);
+    if (b.durability && b.durability.reserve_waits !== undefined) {
+      rows.push(["reserves that waited for the disk", b.durability.reserve_waits]);
+    }
   }
   if (b.role !== null) rows.push(["role", b.role]);
   if (b.replicas !== null) rows.push(["replicas", num(b.replicas)]);
