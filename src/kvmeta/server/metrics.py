@@ -110,6 +110,11 @@ _DURABILITY: dict[str, tuple[str, str, bool]] = {
         "reserves that waited for a removal to be durable",
         True,
     ),
+    "reserve_wait_seconds": (
+        "kvmeta_reserve_disk_wait_seconds_total",
+        "seconds reserves spent waiting for a removal to be durable",
+        True,
+    ),
     "journal_failed": (
         "kvmeta_journal_failed",
         "1 while the journal cannot be written (changes answer 503; see /health)",

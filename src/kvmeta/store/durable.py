@@ -111,6 +111,7 @@ class DurableBackend(MemoryBackend):
         self.snapshots = 0
         self.snapshot_stall_max = 0.0
         self.reserve_waits = 0  # reserves that waited for the disk (write-ahead rule)
+        self.reserve_wait_seconds = 0.0  # and how long, in all
         self._drop_seq = 0  # journal position of the last vLLM rank removal
         self._snapshot_records = 0
         self._snapshot_lock = asyncio.Lock()
@@ -459,13 +460,20 @@ class DurableBackend(MemoryBackend):
         if seq:
             self.reserve_waits += 1
             rule.spare_too_small(self.store.pool(pool))
-            await journal.wait(seq)
+            await self._wait_for_disk(journal, seq)
         out = self.store.reserve(pool, keys)
         seq = rule.wait_after(self.store.pool(pool), out)
         if seq:
             self.reserve_waits += 1
-            await journal.wait(seq)
+            await self._wait_for_disk(journal, seq)
         return out
+
+    async def _wait_for_disk(self, journal: Journal, seq: int) -> None:
+        started = time.monotonic()
+        try:
+            await journal.wait(seq)
+        finally:
+            self.reserve_wait_seconds += time.monotonic() - started
 
     @_refused_while_failed
     async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
@@ -495,6 +503,7 @@ class DurableBackend(MemoryBackend):
             "snapshots": float(self.snapshots),
             "snapshot_stall_seconds_max": self.snapshot_stall_max,
             "reserve_waits": float(self.reserve_waits),
+            "reserve_wait_seconds": self.reserve_wait_seconds,
             "journal_failed": 1.0 if self.failure is not None else 0.0,
         }
 

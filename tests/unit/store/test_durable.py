@@ -191,8 +191,11 @@ def test_reserve_waits_only_when_it_hands_out_a_page_after_a_pending_removal(
             assert j.durable_seq < j.removal_seq
             assert await b.reserve(S0, ["b"]) == [(True, 1)]  # pure hit: no wait
             assert j.durable_seq < j.removal_seq
+            assert b.durability_stats()["reserve_waits"] == 0
             assert await b.reserve(S0, ["c"]) == [(False, 0)]  # page 0 held "a"
             assert j.durable_seq >= j.removal_seq
+            stats = b.durability_stats()  # the status page and metrics show the wait
+            assert stats["reserve_waits"] == 1 and stats["reserve_wait_seconds"] > 0
         finally:
             await b.close()
 

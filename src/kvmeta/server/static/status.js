@@ -65,7 +65,9 @@ function renderBackend(s) {
       ["journal segment", b.journal_segment_bytes === null ? "-" : (b.journal_segment_bytes / 1024).toFixed(1) + " KiB"],
       ["snapshot age", age(b.snapshot_age_seconds)], ["journal failed", b.journal_failed ? "YES" : "no"]);
     if (b.durability && b.durability.reserve_waits !== undefined) {
-      rows.push(["reserves that waited for the disk", b.durability.reserve_waits]);
+      const waits = b.durability.reserve_waits, secs = b.durability.reserve_wait_seconds || 0;
+      rows.push(["reserves that waited for the disk", waits]);
+      rows.push(["mean reserve wait for the disk", waits ? (1000 * secs / waits).toFixed(2) + " ms" : "-"]);
     }
   }
   if (b.role !== null) rows.push(["role", b.role]);
