@@ -33,7 +33,6 @@ import dataclasses
 import functools
 import logging
 import time
-import uuid
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
@@ -62,6 +61,7 @@ from kvmeta.errors import (
     NotReplicated,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.epoch import new_epoch
 from kvmeta.store.redis_nodes import (
     READ_TIMEOUT,
     ClusterTopology,
@@ -75,8 +75,8 @@ from kvmeta.store.redis_scripts import ScriptLibrary
 from kvmeta.store.redis_url import DB_HINT, RedisTarget, check_url, parse_target, redact_url
 from kvmeta.store.resp import pack, pack_many
 
-__all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]  # check_url,
-# redact_url: from store.redis_url, kept importable here
+# check_url and redact_url live in store.redis_url; importable here too, where callers expect them.
+__all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
 logger = logging.getLogger(__name__)
 
@@ -88,6 +88,7 @@ _PREFIX = "kvmeta:2"
 _OLD_LAYOUTS = {"kvmeta": "kvmeta:pools"}
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
+_EPOCH_COMMANDS = ("SET", "GET")  # how _refresh_epoch reads it (no epoch refresh after those)
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
@@ -457,7 +458,7 @@ class RedisBackend:
             )
 
     async def _refresh_epoch(self) -> None:
-        await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, uuid.uuid4().hex, "NX")
+        await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, new_epoch(), "NX")
         value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
         epoch = _text(value)
         if self._epoch and epoch != self._epoch:
@@ -510,20 +511,18 @@ class RedisBackend:
 
     # ------------------------------------------------------------------ calls
 
-    async def _run(self, script: str, keys: str | tuple[str, ...], args: list[Any]) -> list[Any]:
+    async def _run(self, script: str, keys: tuple[str, ...], args: list[Any]) -> list[Any]:
         """Run one script on the primary of ``keys[0]``'s slot; errors -> 503.
 
-        ``keys`` is every key the script touches (a pool's ``pool_keys``), or one prefix for
-        the vLLM index scripts that still name keys inside Lua. A state-changing script gets
-        the WAIT of ``--min-replicas-ack`` in the same send.
+        ``keys`` is every key the script touches (all in one hash slot). A state-changing
+        script gets the WAIT of ``--min-replicas-ack`` in the same send.
         """
         if self._clock is not None and script in _TIMED:
             assert len(args) + 1 == _TIMED[script], f"{script}: the time goes after its arguments"
             args = [*args, repr(float(self._clock()))]
-        names = (keys,) if isinstance(keys, str) else keys
-        command = self._scripts.command(script, names, args)
+        command = self._scripts.command(script, keys, args)
         wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
-        reply: list[Any] = _decode(await self._call(names[0], command, script, wait))
+        reply: list[Any] = _decode(await self._call(keys[0], command, script, wait))
         return reply
 
     async def _warn_old_layouts(self) -> None:
@@ -564,6 +563,7 @@ class RedisBackend:
         installed = False
         hops = 0
         where = self.target.shown
+        node: Node | None = None
         while True:
             try:
                 node = asking or topo.route(key)
@@ -578,7 +578,7 @@ class RedisBackend:
                     else:
                         asking = topo.node(exc.host, exc.port)
                     continue
-                if self._scripts.missing(exc) and not installed:
+                if self._scripts.missing(exc) and not installed and node is not None:
                     installed = True
                     logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
                     await self._install_on(node)
@@ -597,8 +597,9 @@ class RedisBackend:
                         f"within --failover-timeout {self.failover_timeout:g}s: {exc}{why}"
                     ) from exc
                 self._stale_epoch = True
-                if not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError):
-                    await self._forget(where)  # lost connection, or no longer a primary
+                lost = not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError)
+                if lost and node is not None:  # its idle connections may be half-closed
+                    await node.drop()
                 await asyncio.sleep(min(delay, max(0.0, deadline - now)))
                 delay = min(delay * 2, _MAX_DELAY)
                 await topo.refresh()
@@ -606,17 +607,10 @@ class RedisBackend:
                 continue
             if wait is not None:
                 self._check_acks(where, what, acks)
-            if self._stale_epoch and what != "SET" and what != "GET":
+            if self._stale_epoch and what not in _EPOCH_COMMANDS:
                 self._stale_epoch = False
                 await self._refresh_epoch()
             return reply
-
-    async def _forget(self, where: str) -> None:
-        """Drop the idle connections of a node that failed: they may be half-closed."""
-        assert self._topo is not None
-        for node in list(self._topo._nodes.values()):
-            if node.addr == where:
-                await node.drop()
 
     def _check_acks(self, where: str, what: str, acks: Any) -> None:
         assert self._ack is not None
