@@ -23,13 +23,18 @@ def normalize_namespace(namespace: str) -> str:
 
 class PoolId(NamedTuple):
     """Names one pool. ``dialect`` keeps SGLang pools (``"s"``) and vLLM per-rank pools
-    (``"v"``, namespace ``""``) apart, so the same rank numbers never collide."""
+    (``"v"``, namespace ``""``) apart, so the same rank numbers never collide. ``tenant`` is the
+    tenant that owns it (``""``: the default tenant, which a server without a tokens file and
+    the all-access ``--auth-token`` use): two tenants' pools never share a page or a key even
+    with the same rank and namespace."""
 
     dialect: str
     rank: int
     namespace: str
+    tenant: str = ""
 
     def __str__(self) -> str:
+        owner = f"tenant '{self.tenant}' " if self.tenant else ""
         if self.dialect == "v":
-            return f"vllm rank {self.rank}"
-        return f"rank {self.rank} namespace '{self.namespace}'"
+            return f"{owner}vllm rank {self.rank}"
+        return f"{owner}rank {self.rank} namespace '{self.namespace}'"

@@ -9,6 +9,8 @@
     +-- NotFound (LookupError)             unknown route: 404
     +-- MethodNotAllowed                   405
     +-- Unauthorized                       missing or wrong auth token: 401
+    +-- Forbidden                          the token's scope does not cover the request: 403
+    +-- QuotaExceeded                      a tenant's page or request-rate quota: 429
     +-- ServerUnavailable                  client side: the server could not be reached
     +-- ServerError                        client side: the server answered 5xx
     +-- StorageError (OSError)             data directory / journal trouble
@@ -30,6 +32,7 @@ __all__ = [
     "BackendUnavailable",
     "CannotListen",
     "ConfigError",
+    "Forbidden",
     "InvalidPathParameter",
     "InvalidRequest",
     "JournalCorrupt",
@@ -40,6 +43,7 @@ __all__ = [
     "NotInitialized",
     "NotReplicated",
     "PayloadTooLarge",
+    "QuotaExceeded",
     "ServerError",
     "ServerUnavailable",
     "StorageError",
@@ -189,13 +193,33 @@ class ConfigError(InvalidRequest):
     so that code catching that class before keeps catching it)."""
 
 
+class Forbidden(KvmetaError):
+    """Raised when a valid token's scope (tenant, pools, rights) does not cover the request.
+    The message names the scope, never whether the target exists (no existence oracle)."""
+
+    status = 403
+
+
+class QuotaExceeded(KvmetaError):
+    """Raised when a tenant is over its page quota or request rate; ``retry_after`` (seconds)
+    is sent as ``Retry-After``. Nothing was changed."""
+
+    status = 429
+
+    def __init__(self, message: str, retry_after: float = 1.0) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+
+
 _BY_STATUS: dict[int, type[KvmetaError]] = {
     400: InvalidRequest,
     401: Unauthorized,
+    403: Forbidden,
     404: NotFound,
     405: MethodNotAllowed,
     413: PayloadTooLarge,
     422: InvalidRequest,
+    429: QuotaExceeded,
 }
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmeta._types import PoolId
+from kvmeta.store.changes import ChangeListener
 
 __all__ = ["Backend", "CheckReport", "InitResult", "PoolStats", "VIndex", "required_ranks"]
 
@@ -185,6 +186,18 @@ class Backend(Protocol):
     async def check(self) -> CheckReport:
         """The full page-invariant check of every pool: O(state), for diagnostics. It must not
         stall the other calls for long (check copies or chunks, not the whole state at once)."""
+        ...
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        """Report every durable change of stored keys to ``listener`` (``store.changes``), or
+        stop reporting (None). Off by default: reporting costs nothing until it is set."""
+        ...
+
+    async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
+        """Up to about ``limit`` stored keys of ``pool`` from ``cursor`` (``""``: the start), and
+        the cursor to continue from (``""``: done). Like Redis SCAN: a key stored for the
+        whole walk is returned at least once; one changed meanwhile may or may not be.
+        Raises ``NotInitialized`` for a pool that does not exist."""
         ...
 
     def durability_stats(self) -> dict[str, float]:

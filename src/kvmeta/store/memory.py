@@ -22,6 +22,7 @@ from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, cop
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.changes import ChangeListener
 from kvmeta.store.codec import Clear, Commit, Drop, NewPool, Record, Remove, WorldSize
 from kvmeta.store.epoch import new_epoch
 from kvmeta.store.writeahead import DurableSink, WriteAhead
@@ -319,6 +320,12 @@ class MemoryBackend:
     @property
     def failure(self) -> str | None:
         return None  # nothing to fail: the state is only in memory
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        raise NotImplementedError("change feed: not built yet")
+
+    async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
+        raise NotImplementedError("dump: not built yet")
 
     def durability_stats(self) -> dict[str, float]:
         return {}

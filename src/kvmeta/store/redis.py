@@ -61,6 +61,7 @@ from kvmeta.errors import (
     NotReplicated,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.changes import ChangeListener
 from kvmeta.store.epoch import new_epoch
 from kvmeta.store.redis_nodes import (
     READ_TIMEOUT,
@@ -283,6 +284,12 @@ class RedisBackend:
         """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
         again after every reconnect or failover, so it changes exactly when Redis lost data."""
         return self._epoch
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        raise NotImplementedError("change feed: not built yet")
+
+    async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
+        raise NotImplementedError("dump: not built yet")
 
     def durability_stats(self) -> dict[str, float]:
         """How many primaries hold the state and the fewest replicas any of them has, as the

@@ -1,0 +1,53 @@
+"""The change feed: what a backend reports after a pool's stored keys changed durably.
+
+Subscribers outside the store (the KV event publisher) must never announce what a crash can
+undo, and must see every store and removal, evictions included, which only the backend knows.
+So each backend calls its listener (``Backend.set_change_listener``) with the changes of each
+operation once they are durable by its own rule: memory at once; a data directory once the
+journal records holding them are fsynced; Redis once the script (and the replica wait, when
+``--min-replicas-ack`` is set) answered. Calls come on the event loop, in the order the changes
+were made, and the listener must not block or raise.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from kvmeta._types import PoolId
+
+__all__ = [
+    "CLEARED",
+    "REASON_CAPACITY",
+    "REASON_CLEAR",
+    "REASON_DELETE",
+    "REASON_DROP",
+    "REASON_RESTART",
+    "REMOVED",
+    "STORED",
+    "Change",
+    "ChangeListener",
+]
+
+STORED = "stored"  # keys confirmed: readable from now on
+REMOVED = "removed"  # keys no longer stored (their pages may be written again)
+CLEARED = "cleared"  # every key of the pool removed at once (``keys`` is empty)
+
+REASON_CAPACITY = "capacity"  # evicted (LRU) to make room
+REASON_DELETE = "delete"  # an explicit delete
+REASON_CLEAR = "clear"  # a clear of the pool
+REASON_DROP = "drop"  # the pool itself went away (a vLLM rank deregistered)
+REASON_RESTART = "restart-recovery"  # a subscriber's resync after a restart (publisher only)
+
+
+@dataclass(frozen=True, slots=True)
+class Change:
+    """One durable change of one pool."""
+
+    pool: PoolId
+    kind: str  # STORED | REMOVED | CLEARED
+    keys: tuple[str, ...]  # STORED/REMOVED: the keys, in the order they changed; CLEARED: ()
+    reason: str = ""  # REMOVED/CLEARED: one of the REASON_* values; STORED: ""
+
+
+ChangeListener = Callable[[list[Change]], None]
