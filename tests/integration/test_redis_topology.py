@@ -351,9 +351,17 @@ def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisC
             nodes = dict(nodes)
             await backend.close()
         await asyncio.gather(*calls, return_exceptions=True)
-        await asyncio.sleep(0.5)  # closed transports release their sockets on the next turns
-        # For the message if a socket is left: connections the nodes made that are still open.
+        # Closed transports release their sockets on later loop turns: on a loaded machine that
+        # can take a while, so wait up to 5 s for them rather than a fixed pause.
+        for _ in range(50):
+            await asyncio.sleep(0.1)
+            if not _sockets_to(ports):
+                break
+        # For the message if a socket is left: connections the nodes made that are still open,
+        # and any task still running (which would hold them).
         still = [f"{n.addr} {c!r}" for n in nodes.values() for c in n._made if c.is_connected]
+        me = asyncio.current_task()
+        still += [repr(t) for t in asyncio.all_tasks() if t is not me]
         return _sockets_to(ports), still
 
     with warnings.catch_warnings(record=True) as caught:
