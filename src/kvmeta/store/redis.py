@@ -293,8 +293,6 @@ class RedisBackend:
         self._epoch = ""
         self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
         self._replication: dict[str, float] = {}  # see durability_stats
-        # Tenants this process listed in ``kvmeta:2:tenants`` (an SADD per new pool otherwise).
-        self._tenants_listed: set[str] = set()
         # What v_exists needs from each tenant's registry as this process last read it (see
         # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
         # servers share the registry, so this is a guess, never an answer.
@@ -732,10 +730,11 @@ class RedisBackend:
         await self._command(registry, "SADD", registry, member)
 
     async def _list_tenant(self, tenant: str) -> None:
-        """Before a tenant's first pool exists: list the tenant, so ``pools`` finds it."""
-        if tenant and tenant not in self._tenants_listed:
+        """Before a tenant's pool is created: list the tenant, so ``pools`` finds it. Every
+        time (one SADD per pool creation, which is rare): a remembered "already listed" would
+        be wrong after Redis lost its data."""
+        if tenant:
             await self._command(_TENANTS, "SADD", _TENANTS, quote(tenant, safe=""))
-            self._tenants_listed.add(tenant)
 
     def _init_result(self, pool: PoolId, reply: list[Any], requested: int) -> InitResult:
         result = InitResult(created=bool(reply[1]), num_pages=int(reply[2]), requested=requested)
