@@ -157,14 +157,36 @@ def has_tenant(record: Record) -> bool:
     return record.pool.tenant != ""
 
 
+# The default tenant's payloads are [tag, [dialect, rank, namespace], *fields]: the head up to
+# the pool id is cached per (kind, pool) and the fields are encoded alone (msgpack is a plain
+# concatenation), which costs no more than encoding the record whole. Cleared when it grows
+# past a bound (pools come and go).
+_HEADS: dict[tuple[type, PoolId], bytes] = {}
+_MAX_HEADS = 4096
+
+
 def _encode(record: Record) -> bytes:
     """The payload; the default tenant's pool id keeps its three elements of format 2."""
-    if isinstance(record, (WorldSize, TenantWorldSize)):
+    cls = type(record)
+    if cls is Commit or cls is Remove:
+        tail = _encode_any(record.entries)  # type: ignore[union-attr]
+    elif cls is NewPool:
+        tail = _encode_any(record.num_pages)  # type: ignore[union-attr]
+    elif cls is Clear or cls is Drop:
+        tail = b""
+    else:  # WorldSize, TenantWorldSize: no pool id
         return _encode_any(record)
-    pool = record.pool
+    pool: PoolId = record.pool  # type: ignore[union-attr]
     if pool.tenant:
         return _encode_any(record)
-    return _encode_any(_replace(record, pool=pool[:3]))
+    head = _HEADS.get((cls, pool))
+    if head is None:
+        whole = _encode_any(_replace(record, pool=pool[:3]))
+        head = whole[: len(whole) - len(tail)]
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[(cls, pool)] = head
+    return head + tail
 
 
 _decode = msgspec.msgpack.Decoder(Record).decode

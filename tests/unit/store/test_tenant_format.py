@@ -223,3 +223,18 @@ def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> Non
     install(restored, state, tmp_path)
     assert restored.v_index("team-a").ranks == (0,) and restored.v_index().ranks == (1,)
     assert restored.get(T0, ["a", "b"]) == [out[0][1], None]
+
+
+def test_default_tenant_payloads_stay_exact_across_many_pools() -> None:
+    """The cached heads of default-tenant payloads (``codec._encode``) never mix pools up,
+    also once the cache has been cleared for growing past its bound."""
+    records: list[Record] = []
+    for rank in range(3000):
+        pool = PoolId("s", rank, f"ns{rank % 7}")
+        records += [NewPool(pool, rank + 1), Commit(pool, [(f"k{rank}", rank)]), Clear(pool)]
+    frames = [encode_record(r) for r in records]
+    assert decode_frames(HEADER + b"".join(frames)).records == records
+    for record, frame in zip(records, frames, strict=True):
+        pool, *fields = (getattr(record, f) for f in record.__struct_fields__)
+        tag = record.__struct_config__.tag
+        assert frame[8:] == msgspec.msgpack.encode([tag, list(pool)[:3], *fields])
