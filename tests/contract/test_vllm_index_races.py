@@ -53,8 +53,8 @@ def _between_read_and_op(
     other = make_backend().backend  # its own connections to the same Redis
     real = b.backend._v_registry
 
-    async def racing() -> VIndex:
-        got = await real()
+    async def racing(tenant: str = "") -> VIndex:
+        got = await real(tenant)
         reads.append(got)
         if len(reads) == 1:
             await change(other)
@@ -147,7 +147,7 @@ def test_a_registry_that_keeps_changing_gives_up_with_a_clear_message(redis_url:
                 await b.v_register(rank, 4, None)
             reads = 0
 
-            async def outdated() -> VIndex:
+            async def outdated(tenant: str = "") -> VIndex:
                 nonlocal reads
                 reads += 1
                 return VIndex(None, (0, 1))  # rank 2 is never seen

@@ -25,12 +25,12 @@ caller holds one lock over the whole operation; ``Service`` holds its initialize
 from __future__ import annotations
 
 import logging
-from collections.abc import Generator
+from collections.abc import Callable, Generator
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest
+from kvmeta.errors import InvalidRequest, QuotaExceeded
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.vllm import (
     INIT_ERROR,
@@ -43,7 +43,17 @@ from kvmeta.service.vllm import (
 from kvmeta.service.warnings import CallerWarning, confirm_refused, size_conflict
 from kvmeta.store.base import InitResult, PoolStats, VIndex
 
-__all__ = ["Op", "Operations", "Outcome", "StoreCall", "run_async", "run_sync"]
+__all__ = [
+    "QUOTA_RETRY_AFTER",
+    "Op",
+    "Operations",
+    "Outcome",
+    "StoreCall",
+    "no_tenant_cap",
+    "quota_exceeded",
+    "run_async",
+    "run_sync",
+]
 
 logger = logging.getLogger("kvmeta.service.ops")
 
@@ -52,6 +62,27 @@ T = TypeVar("T")
 # Fields the store's own page-range check names (``core.pool``, in dialect S's words).
 _PAGE_FIELDS = frozenset(("written_keys_to_confirm", "pages_to_release"))
 _MISSING: Any = object()
+# Retry-After of a page-quota refusal: waiting alone does not free pages (an operator or the
+# tenant must act), so clients are told not to hammer.
+QUOTA_RETRY_AFTER = 60.0
+
+
+def no_tenant_cap(tenant: str) -> int | None:
+    """The default page quota: none, for every tenant."""
+    return None
+
+
+def quota_exceeded(tenant: str, cap: int, used: int, requested: int) -> QuotaExceeded:
+    """The 429 of a new pool over its tenant's page quota (``Operations._budget``)."""
+    return QuotaExceeded(
+        f"tenant '{tenant}' page quota exceeded: a new pool of {requested} pages would bring "
+        f"its pools to {used + requested} pages, more than its max_pages {cap} ({used} pages "
+        "in use; a pool's pages count whether they hold keys or not, so clearing keys does "
+        "not free them). Remove pools it no longer uses (a vLLM rank: POST "
+        "/v1/vllm/ranks/{rank}/remove), create smaller ones, or raise max_pages for this "
+        "tenant in the tokens file (--auth-file) and reload it (SIGHUP); nothing was created",
+        retry_after=QUOTA_RETRY_AFTER,
+    )
 
 
 # One call on the store, ``(method, args)``: ``getattr(store, method)(*args)``, awaited on an
@@ -106,17 +137,27 @@ class Operations:
     """Every operation of both dialects as an ``Op``. Stateless apart from the limits, so one
     instance serves any number of drivers."""
 
-    def __init__(self, limits: RequestLimits | None = None) -> None:
+    def __init__(
+        self,
+        limits: RequestLimits | None = None,
+        tenant_max_pages: Callable[[str], int | None] = no_tenant_cap,
+    ) -> None:
         self.limits = limits or RequestLimits()
+        # Each tenant's page quota (None: no cap), checked when a pool is created.
+        self.tenant_max_pages = tenant_max_pages
 
     # ------------------------------------------------------------------ pools (both dialects)
 
     def _budget(self, pool: PoolId, num_pages: int) -> Op[None]:
-        """A new pool must fit --max-total-pages; re-initialising an existing one allocates
-        nothing and always passes."""
-        exists, total = yield ("budget", (pool,))
-        if not exists:
-            self.limits.check_total_pages(total, num_pages)
+        """A new pool must fit its tenant's page quota (429) and --max-total-pages (400);
+        re-initialising an existing one allocates nothing and always passes."""
+        exists, total, tenant_pages = yield ("budget", (pool,))
+        if exists:
+            return
+        cap = self.tenant_max_pages(pool.tenant)
+        if cap is not None and tenant_pages + num_pages > cap:
+            raise quota_exceeded(pool.tenant, cap, tenant_pages, num_pages)
+        self.limits.check_total_pages(total, num_pages)
 
     def initialize(self, pool: PoolId, num_pages: int) -> Op[Outcome[InitResult]]:
         """Create a pool whole or not at all: rank, size and budget are checked first."""
@@ -187,6 +228,7 @@ class Operations:
         role: Any = "worker",
         num_pages: Any = _MISSING,
         world_size: Any = None,
+        tenant: str = "",
     ) -> Op[Outcome[str]]:
         """vLLM's ``initialize`` whole: role and fields (``service.vllm.check_initialize``),
         then the limits, every error in the reference server's ``Invalid initialization
@@ -199,55 +241,59 @@ class Operations:
         if worker is None:
             return Outcome(SCHEDULER_MESSAGE)
         try:
-            done = yield from self.v_register(rank, worker.num_pages, worker.world_size)
+            done = yield from self.v_register(rank, worker.num_pages, worker.world_size, tenant)
         except InvalidRequest as exc:  # a limit such as --max-pages, in vLLM's framing
             raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
         result = done.value
         return Outcome(worker_message(rank, result.num_pages, result.requested), done.warnings)
 
     def v_register(
-        self, rank: int, num_pages: int, world_size: int | None
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
     ) -> Op[Outcome[InitResult]]:
         """A worker rank's pool (a validated registration: ``v_initialize`` checks the body)."""
         limits = self.limits
         limits.check_rank(rank)
         limits.check_num_pages(num_pages)
         limits.check_world_size(world_size)
-        pool = PoolId("v", rank, "")
+        pool = PoolId("v", rank, "", tenant)
         yield from self._budget(pool, num_pages)
-        result: InitResult = yield ("v_register", (rank, num_pages, world_size))
+        result: InitResult = yield ("v_register", (rank, num_pages, world_size, tenant))
         if result.created:
-            logger.info("Registered vLLM worker rank %d with %d pages", rank, num_pages)
-        index: VIndex = yield ("v_index", ())
+            logger.info("Registered %s with %d pages", pool, num_pages)
+        index: VIndex = yield ("v_index", (tenant,))
         warning = ignored_rank_warning(rank, index)
         if warning:
             logger.warning("%s", warning)
         return Outcome(result, [size_conflict(pool, result)] if result.conflict else [])
 
-    def v_exists(self, keys: list[str]) -> Op[list[bool]]:
+    def v_exists(self, keys: list[str], tenant: str = "") -> Op[list[bool]]:
         self.limits.check_keys(keys)
-        return (yield ("v_exists", (keys,)))  # type: ignore[no-any-return]
+        return (yield ("v_exists", (keys, tenant)))  # type: ignore[no-any-return]
 
-    def v_clear(self) -> Op[int]:
-        return (yield ("v_clear", ()))  # type: ignore[no-any-return]
+    def v_clear(self, tenant: str = "") -> Op[int]:
+        return (yield ("v_clear", (tenant,)))  # type: ignore[no-any-return]
 
-    def v_remove(self, rank: int) -> Op[int | None]:
+    def v_remove(self, rank: int, tenant: str = "") -> Op[int | None]:
         """The number of keys dropped, or None when the rank was not registered."""
         self.limits.check_rank(rank)
-        dropped: int | None = yield ("v_remove", (rank,))
+        dropped: int | None = yield ("v_remove", (rank, tenant))
         if dropped is not None:
-            logger.warning("Removed vLLM worker rank %d and its %d stored keys", rank, dropped)
+            pool = PoolId("v", rank, "", tenant)
+            logger.warning("Removed %s and its %d stored keys", pool, dropped)
         return dropped
 
-    def v_set_world_size(self, world_size: Any) -> Op[None]:
+    def v_set_world_size(self, world_size: Any, tenant: str = "") -> Op[None]:
         """Pin (a positive int) or unpin (None) the ranks that make a key complete."""
         size = check_world_size_body({"world_size": world_size})
         self.limits.check_world_size(size)
-        yield ("v_set_world_size", (size,))
+        yield ("v_set_world_size", (size, tenant))
+        owner = f" of tenant '{tenant}'" if tenant else ""
         if size is None:
-            logger.info("vLLM world_size unset: the contiguous registered ranks from 0 count")
+            logger.info(
+                "vLLM world_size%s unset: the contiguous registered ranks from 0 count", owner
+            )
         else:
-            logger.info("vLLM world_size set to %d", size)
+            logger.info("vLLM world_size%s set to %d", owner, size)
 
-    def v_index(self) -> Op[VIndex]:
-        return (yield ("v_index", ()))  # type: ignore[no-any-return]
+    def v_index(self, tenant: str = "") -> Op[VIndex]:
+        return (yield ("v_index", (tenant,)))  # type: ignore[no-any-return]

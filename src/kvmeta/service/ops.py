@@ -14,6 +14,7 @@ warnings themselves.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from kvmeta._types import PoolId
@@ -35,6 +36,16 @@ class Service:
         self.limits = self.ops.limits
         # Budget check and creation must not interleave with another initialize.
         self._init_lock = asyncio.Lock()
+
+    @property
+    def tenant_max_pages(self) -> Callable[[str], int | None]:
+        """Each tenant's cap on the pages of all its pools (None: no cap), checked when a pool
+        is created (``QuotaExceeded``, 429); by default no tenant has a cap."""
+        return self.ops.tenant_max_pages
+
+    @tenant_max_pages.setter
+    def tenant_max_pages(self, caps: Callable[[str], int | None]) -> None:
+        self.ops.tenant_max_pages = caps
 
     async def _creating(self, op: Op[Outcome[Any]]) -> Outcome[Any]:
         """Run an op that creates a pool: its budget check and creation under one lock."""
@@ -79,35 +90,42 @@ class Service:
     # ------------------------------------------------------------------ vLLM's key-centric index
 
     async def v_initialize(
-        self, rank: int, role: Any = "worker", num_pages: Any = _MISSING, world_size: Any = None
+        self,
+        rank: int,
+        role: Any = "worker",
+        num_pages: Any = _MISSING,
+        world_size: Any = None,
+        tenant: str = "",
     ) -> Outcome[str]:
         """vLLM's initialize whole (role, fields, limits, all in its reference wording); the
         value is the reply message."""
         if num_pages is _MISSING:
-            op = self.ops.v_initialize(rank, role, world_size=world_size)
+            op = self.ops.v_initialize(rank, role, world_size=world_size, tenant=tenant)
         else:
-            op = self.ops.v_initialize(rank, role, num_pages, world_size)
+            op = self.ops.v_initialize(rank, role, num_pages, world_size, tenant)
         return await self._creating(op)
 
     async def v_register_outcome(
-        self, rank: int, num_pages: int, world_size: int | None
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
     ) -> Outcome[InitResult]:
-        return await self._creating(self.ops.v_register(rank, num_pages, world_size))
+        return await self._creating(self.ops.v_register(rank, num_pages, world_size, tenant))
 
-    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        return (await self.v_register_outcome(rank, num_pages, world_size)).value
+    async def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
+        return (await self.v_register_outcome(rank, num_pages, world_size, tenant)).value
 
-    async def v_exists(self, keys: list[str]) -> list[bool]:
-        return await run_async(self.ops.v_exists(keys), self.backend)
+    async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
+        return await run_async(self.ops.v_exists(keys, tenant), self.backend)
 
-    async def v_clear(self) -> int:
-        return await run_async(self.ops.v_clear(), self.backend)
+    async def v_clear(self, tenant: str = "") -> int:
+        return await run_async(self.ops.v_clear(tenant), self.backend)
 
-    async def v_remove(self, rank: int) -> int | None:
-        return await run_async(self.ops.v_remove(rank), self.backend)
+    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+        return await run_async(self.ops.v_remove(rank, tenant), self.backend)
 
-    async def v_set_world_size(self, world_size: int | None) -> None:
-        await run_async(self.ops.v_set_world_size(world_size), self.backend)
+    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
+        await run_async(self.ops.v_set_world_size(world_size, tenant), self.backend)
 
-    async def v_index(self) -> VIndex:
-        return await run_async(self.ops.v_index(), self.backend)
+    async def v_index(self, tenant: str = "") -> VIndex:
+        return await run_async(self.ops.v_index(tenant), self.backend)

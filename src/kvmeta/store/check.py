@@ -115,5 +115,7 @@ def check_data_dir(directory: Path) -> CheckReport:
         report.lines.append(f"{pid}: {num_pages} pages, {len(entries)} stored keys: ok")
     if state.vworld is not None:
         report.lines.append(f"vLLM world size {state.vworld}")
+    for tenant, world_size in sorted(state.tworld.items()):
+        report.lines.append(f"tenant '{tenant}' vLLM world size {world_size}")
     report.lines.append(f"total: {len(state.pools)} pools, {state.keys} stored keys")
     return report

@@ -2,9 +2,11 @@
 
 A journal segment file is a 8-byte header followed by framed records::
 
-    header  = b"KVMJ" + u8 version (=2) + 3 zero bytes
+    header  = b"KVMJ" + u8 version (2, or 3 once the segment holds a tenant's record) + 3 zero
+              bytes
     frame   = u32 little-endian payload length + u32 crc32(payload) + payload
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
+                                                   or [dialect, rank, namespace, tenant] (format 3)
 
     ["pool",   pool_id, num_pages]                 NewPool
     ["commit", pool_id, [[key, page], ...]]        Commit
@@ -12,6 +14,7 @@ A journal segment file is a 8-byte header followed by framed records::
     ["clear",  pool_id]                            Clear
     ["vworld", world_size_or_nil]                  WorldSize
     ["drop",   pool_id]                            Drop: a vLLM rank removed (format 2)
+    ["tworld", tenant, world_size_or_nil]          TenantWorldSize (format 3)
 
 Each kind is a tagged, array-like msgspec ``Struct`` (``Record`` is their union), so the bytes
 are exactly the tagged arrays above and the reader decodes and type-checks a payload in one
@@ -26,6 +29,16 @@ refuses a record that cannot be split (a single key or namespace that large) bef
 Evolution rules: a tag's fields are only ever appended (old readers ignore extra trailing
 fields), a field's type never changes, and a new kind of record gets a new tag plus a version
 bump.
+
+Tenants (format 3): the default tenant ``""`` is written exactly as in format 2 (a pool id of
+three elements, ``vworld``), so a data directory that never had another tenant is byte for byte
+what an older kvmeta writes and reads. A pool of another tenant has a fourth pool-id element,
+and another tenant's world size its own tag, ``tworld``: an older reader cannot take either for
+the default tenant's (a three-field pool id refuses four elements, an unknown tag is no record).
+The first tenant record written into a segment makes its header say 3 (``HEADER_TENANTS``), so
+an older kvmeta refuses such a data directory at start-up with "journal format 3 is newer than
+this kvmeta's (2)" instead of serving a wrong page; should the header byte not have reached
+the disk before a crash, the record itself is still refused by that reader's decoder.
 
 Torn tail or corruption? A crash can only tear the end of the last segment, past its last
 fsync (earlier segments are fsynced when they are closed). That offset is not on disk, so the
@@ -58,16 +71,22 @@ __all__ = [
     "FrameError",
     "NewPool",
     "Record",
+    "HEADER_TENANTS",
     "RecordTooLarge",
     "Remove",
+    "TenantWorldSize",
     "WorldSize",
     "decode_frames",
     "encode_record",
     "encode_records",
+    "has_tenant",
 ]
 
-VERSION = 2  # 2: the drop record
-HEADER = b"KVMJ" + bytes([VERSION, 0, 0, 0])
+VERSION = 3  # 2: the drop record; 3: tenants' records
+# What a segment without any tenant's record starts with (older kvmeta reads it), and what one
+# holding a tenant's record does (older kvmeta refuses it by its version).
+HEADER = b"KVMJ" + bytes([2, 0, 0, 0])
+HEADER_TENANTS = b"KVMJ" + bytes([VERSION, 0, 0, 0])
 _FRAME = struct.Struct("<II")
 # The largest payload the reader accepts; anything larger is garbage (a damaged length). The
 # writer splits records to stay within it (``encode_records``).
@@ -116,9 +135,60 @@ class Drop(msgspec.Struct, tag="drop", array_like=True, frozen=True, gc=False):
     pool: PoolId
 
 
-Record: TypeAlias = NewPool | Commit | Remove | Clear | WorldSize | Drop
+class TenantWorldSize(msgspec.Struct, tag="tworld", array_like=True, frozen=True, gc=False):
+    """A tenant's vLLM world size (``WorldSize`` is the default tenant's), format 3."""
 
-_encode = msgspec.msgpack.Encoder().encode
+    tenant: str
+    world_size: int | None
+
+
+Record: TypeAlias = NewPool | Commit | Remove | Clear | WorldSize | Drop | TenantWorldSize
+
+_encode_any = msgspec.msgpack.Encoder().encode
+_replace = msgspec.structs.replace
+
+
+def has_tenant(record: Record) -> bool:
+    """Whether ``record`` belongs to a tenant other than the default one (format 3)."""
+    if isinstance(record, TenantWorldSize):
+        return True
+    if isinstance(record, WorldSize):
+        return False
+    return record.pool.tenant != ""
+
+
+# The default tenant's payloads are [tag, [dialect, rank, namespace], *fields]: the head up to
+# the pool id is cached per (kind, pool) and the fields are encoded alone (msgpack is a plain
+# concatenation), which costs no more than encoding the record whole. Cleared when it grows
+# past a bound (pools come and go).
+_HEADS: dict[tuple[type, PoolId], bytes] = {}
+_MAX_HEADS = 4096
+
+
+def _encode(record: Record) -> bytes:
+    """The payload; the default tenant's pool id keeps its three elements of format 2."""
+    cls = type(record)
+    if cls is Commit or cls is Remove:
+        tail = _encode_any(record.entries)  # type: ignore[union-attr]
+    elif cls is NewPool:
+        tail = _encode_any(record.num_pages)  # type: ignore[union-attr]
+    elif cls is Clear or cls is Drop:
+        tail = b""
+    else:  # WorldSize, TenantWorldSize: no pool id
+        return _encode_any(record)
+    pool: PoolId = record.pool  # type: ignore[union-attr]
+    if pool.tenant:
+        return _encode_any(record)
+    head = _HEADS.get((cls, pool))
+    if head is None:
+        whole = _encode_any(_replace(record, pool=pool[:3]))
+        head = whole[: len(whole) - len(tail)]
+        if len(_HEADS) >= _MAX_HEADS:
+            _HEADS.clear()
+        _HEADS[(cls, pool)] = head
+    return head + tail
+
+
 _decode = msgspec.msgpack.Decoder(Record).decode
 _crc32 = zlib.crc32
 _pack = _FRAME.pack

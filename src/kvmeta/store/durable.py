@@ -426,28 +426,30 @@ class DurableBackend(MemoryBackend):
         return result
 
     @_refused_while_failed
-    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
+    async def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
         # A removed rank registered again reuses its page file: not before the removal is on
         # disk, or a crash could bring back its old ``key -> page`` over new bytes.
         journal = self.journal
         if journal is not None and journal.durable_seq < self._drop_seq:
             await journal.wait(self._drop_seq)
-        result = self.store.v_register(rank, num_pages, world_size)
+        result = self.store.v_register(rank, num_pages, world_size, tenant)
         await self._created()
         return result
 
     @_refused_while_failed
-    async def v_remove(self, rank: int) -> int | None:
+    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
         """Replies once the removal is durable (operators expect it to stick)."""
-        dropped = self.store.v_remove(rank)
+        dropped = self.store.v_remove(rank, tenant)
         if dropped is not None and self.journal is not None:
             self._drop_seq = self.journal.seq
             await self._created()
         return dropped
 
     @_refused_while_failed
-    async def v_set_world_size(self, world_size: int | None) -> None:
-        self.store.v_set_world_size(world_size)
+    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
+        self.store.v_set_world_size(world_size, tenant)
         await self._created()
 
     @_refused_while_failed
@@ -488,8 +490,8 @@ class DurableBackend(MemoryBackend):
         return await super().clear(pool)
 
     @_refused_while_failed
-    async def v_clear(self) -> int:
-        return await super().v_clear()
+    async def v_clear(self, tenant: str = "") -> int:
+        return await super().v_clear(tenant)
 
     def durability_stats(self) -> dict[str, float]:
         """Counters for metrics (another module exports them)."""

@@ -51,7 +51,16 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvmeta.errors import JournalFailed
-from kvmeta.store.codec import HEADER, Clear, Record, RecordTooLarge, Remove, encode_records
+from kvmeta.store.codec import (
+    HEADER,
+    HEADER_TENANTS,
+    Clear,
+    Record,
+    RecordTooLarge,
+    Remove,
+    encode_records,
+    has_tenant,
+)
 
 __all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
 
@@ -132,6 +141,8 @@ class Journal:
         self.fsync_seconds_max = 0.0
         self.bytes_written = 0
         self.records = 0
+        # A tenant's record was appended: segments say format 3 from then on (store.codec).
+        self._tenants = False
 
     # ------------------------------------------------------------------ records
 
@@ -155,6 +166,8 @@ class Journal:
             # snapshot (which has no per-record limit) makes it durable.
             frames = []
             self._fail(str(exc), "Lower the limit named above")
+        if not self._tenants and has_tenant(record):
+            self._mark_tenants()
         self.seq += len(frames) or 1
         if isinstance(record, _REMOVALS):
             self.removal_seq = self.seq
@@ -168,6 +181,24 @@ class Journal:
                 self._timer = self.loop.call_soon(self.flush)
             else:
                 self._timer = self.loop.call_later(self.interval, self.flush)
+
+    def _mark_tenants(self) -> None:
+        """From the first tenant's record on, segment headers say format 3, the open segment's
+        too (its header byte is rewritten in place: one pwrite, once per process), so an older
+        kvmeta refuses the directory by its version. The byte reaches the disk with the next
+        fsync of the segment."""
+        self._tenants = True
+        if self._fd < 0 or self._fd_segment != self.segment:
+            return  # the segment file is not created yet: ``_write`` writes the new header
+        path = segment_path(self.directory, self.segment)
+        try:
+            fd = os.open(path, os.O_WRONLY)  # not O_APPEND: pwrite must go to byte 4
+            try:
+                os.pwrite(fd, HEADER_TENANTS[4:5], 4)
+            finally:
+                os.close(fd)
+        except OSError as exc:
+            self._fail(f"cannot write {path}: {exc}")
 
     def flush(self) -> None:
         """Close the open group: write it to the segment file and ask for its fsync."""
@@ -281,7 +312,7 @@ class Journal:
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             self._fd, self._fd_segment = fd, self.segment
             if os.fstat(fd).st_size == 0:
-                data[:0] = HEADER
+                data[:0] = HEADER_TENANTS if self._tenants else HEADER
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)

@@ -7,7 +7,8 @@ Format (one object; pool names ``"<rank>"`` mean namespace ``kv``)::
 
 ``key_to_index`` is in LRU order, oldest first (an object mapping key -> page is accepted too).
 ``free_pages`` is ignored on import: every page not mapped is free, which is what it must say.
-Only SGLang pools (dialect S) have a place in this format; vLLM pools are not written.
+Only the default tenant's SGLang pools (dialect S) have a place in this format; vLLM pools and
+other tenants' pools are not written (they are in the data directory).
 """
 
 from __future__ import annotations
@@ -85,8 +86,8 @@ def write_legacy(path: Path, pools: list[LegacyPool]) -> None:
     """Write the file atomically (temp file, fsync, rename), SGLang pools only."""
     doc: dict[str, Any] = {}
     for pid, num_pages, entries in sorted(pools, key=lambda p: p[0]):
-        if pid.dialect != "s":
-            continue
+        if pid.dialect != "s" or pid.tenant:
+            continue  # the format has no place for vLLM pools or tenants
         name = f"{pid.rank}:{pid.namespace}"
         if pid.namespace == DEFAULT_NAMESPACE:
             name = str(pid.rank)

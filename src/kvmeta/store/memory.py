@@ -6,7 +6,13 @@ durable (docs/durability.md, the write-ahead rule: a page that held a removed ke
 new writer only after the removal is on disk).
 
 Journal records are the typed records of ``store.codec`` (``NewPool``, ``Commit``, ``Remove``
-for deletes and evictions, ``Clear``, ``WorldSize``, ``Drop`` for a vLLM rank removed).
+for deletes and evictions, ``Clear``, ``WorldSize``/``TenantWorldSize``, ``Drop`` for a vLLM
+rank removed).
+
+Tenants: every pool is named by a ``PoolId`` that includes its tenant, so two tenants' pools are
+different pools even with the same rank and namespace (no shared page, key or eviction). The
+vLLM index is per tenant too: each tenant has its own registered ranks (its pools
+``PoolId("v", rank, "", tenant)``) and its own world size.
 """
 
 from __future__ import annotations
@@ -23,7 +29,16 @@ from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
 from kvmeta.store.changes import ChangeListener
-from kvmeta.store.codec import Clear, Commit, Drop, NewPool, Record, Remove, WorldSize
+from kvmeta.store.codec import (
+    Clear,
+    Commit,
+    Drop,
+    NewPool,
+    Record,
+    Remove,
+    TenantWorldSize,
+    WorldSize,
+)
 from kvmeta.store.epoch import new_epoch
 from kvmeta.store.writeahead import DurableSink, WriteAhead
 
@@ -60,10 +75,27 @@ class MemoryStore:
         self.sink = sink
         self.pools: dict[PoolId, Pool] = {}  # changed only through add_pool and v_remove
         self.total_pages = 0  # pages of all pools, for --max-total-pages in O(1)
+        self.tenant_pages: dict[str, int] = {}  # pages per tenant, for its quota in O(1)
         self.size_conflicts: dict[PoolId, int] = {}
-        self.vllm_world_size: int | None = None
+        # Each tenant's pinned vLLM world size (absent: not pinned).
+        self.vllm_world_sizes: dict[str, int] = {}
         # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
         self.write_ahead: WriteAhead | None = None
+
+    @property
+    def vllm_world_size(self) -> int | None:
+        """The default tenant's pinned vLLM world size."""
+        return self.vllm_world_sizes.get("")
+
+    @vllm_world_size.setter
+    def vllm_world_size(self, world_size: int | None) -> None:
+        self._set_world(world_size, "")
+
+    def _set_world(self, world_size: int | None, tenant: str) -> None:
+        if world_size is None:
+            self.vllm_world_sizes.pop(tenant, None)
+        else:
+            self.vllm_world_sizes[tenant] = world_size
 
     # ------------------------------------------------------------------ pools
 
@@ -114,10 +146,18 @@ class MemoryStore:
         """Install ``pool`` as ``pid`` (not journaled: callers journal what needs it)."""
         old = self.pools.get(pid)
         if old is not None:
-            self.total_pages -= old.num_pages
+            self._count_pages(pid, -old.num_pages)
         pool.withhold = self.write_ahead is not None
         self.pools[pid] = pool
-        self.total_pages += pool.num_pages
+        self._count_pages(pid, pool.num_pages)
+
+    def _count_pages(self, pid: PoolId, pages: int) -> None:
+        self.total_pages += pages
+        left = self.tenant_pages.get(pid.tenant, 0) + pages
+        if left:
+            self.tenant_pages[pid.tenant] = left
+        else:
+            self.tenant_pages.pop(pid.tenant, None)
 
     def set_withhold(self, sink: DurableSink | None) -> None:
         """Keep the write-ahead rule for ``sink`` (``store.writeahead``); None: stop.
@@ -203,30 +243,33 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ vLLM index
 
-    def vllm_ranks(self) -> list[int]:
-        """Registered vLLM worker ranks, ascending."""
-        return sorted(pid.rank for pid in self.pools if pid.dialect == "v")
+    def vllm_ranks(self, tenant: str = "") -> list[int]:
+        """``tenant``'s registered vLLM worker ranks, ascending."""
+        return sorted(pid.rank for pid in self.pools if pid.dialect == "v" and pid.tenant == tenant)
 
-    def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        result = self.initialize(PoolId("v", rank, ""), num_pages)
-        if world_size is not None and world_size != self.vllm_world_size:
-            self.vllm_world_size = world_size
-            self._record(WorldSize(world_size))
+    def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
+        result = self.initialize(PoolId("v", rank, "", tenant), num_pages)
+        if world_size is not None and world_size != self.vllm_world_sizes.get(tenant):
+            self._set_world(world_size, tenant)
+            self._record_world(world_size, tenant)
         return result
 
-    def v_required(self) -> list[Pool | None]:
+    def v_required(self, tenant: str = "") -> list[Pool | None]:
         """The pools a key must be stored in to be complete (None: rank not registered yet);
         which ranks is ``store.base.required_ranks``."""
-        if self.vllm_world_size is not None:
-            return [self.pools.get(PoolId("v", r, "")) for r in range(self.vllm_world_size)]
+        world_size = self.vllm_world_sizes.get(tenant)
+        if world_size is not None:
+            return [self.pools.get(PoolId("v", r, "", tenant)) for r in range(world_size)]
         out: list[Pool | None] = []
-        while (pool := self.pools.get(PoolId("v", len(out), ""))) is not None:
+        while (pool := self.pools.get(PoolId("v", len(out), "", tenant))) is not None:
             out.append(pool)
         return out
 
-    def v_exists(self, keys: list[str]) -> list[bool]:
+    def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
         """A key exists when every required rank has confirmed its shard."""
-        required = self.v_required()
+        required = self.v_required(tenant)
         if not required or any(p is None for p in required):
             return [False] * len(keys)
         # One C-speed membership pass per rank, then AND: ~4x faster than a per-key all().
@@ -236,40 +279,46 @@ class MemoryStore:
             out = here if i == 0 else [a and b for a, b in zip(out, here, strict=True)]
         return out
 
-    def v_clear(self) -> int:
-        """Drop every vLLM key; rank registrations stay so running workers keep working."""
-        return sum(self.clear(pid) for pid in list(self.pools) if pid.dialect == "v")
+    def v_clear(self, tenant: str = "") -> int:
+        """Drop every vLLM key of ``tenant``; rank registrations stay so running workers keep
+        working."""
+        pids = [pid for pid in self.pools if pid.dialect == "v" and pid.tenant == tenant]
+        return sum(self.clear(pid) for pid in pids)
 
-    def v_remove(self, rank: int) -> int | None:
+    def v_remove(self, rank: int, tenant: str = "") -> int | None:
         """Deregister ``rank``: its pool, keys and reservations go; None if not registered.
 
         Journaled as one ``drop`` record (a snapshot simply no longer holds the pool). A
         journaled caller must not let the rank's page file be written again before that record
         is durable (``DurableBackend.v_register`` waits for it).
         """
-        pid = PoolId("v", rank, "")
+        pid = PoolId("v", rank, "", tenant)
         pool = self.pools.pop(pid, None)
         if pool is None:
             return None
-        self.total_pages -= pool.num_pages
+        self._count_pages(pid, -pool.num_pages)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
         return pool.stored_count
 
-    def v_set_world_size(self, world_size: int | None) -> None:
+    def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
         """Pin the required ranks to ``0..world_size-1``, or unpin them (None)."""
-        if world_size != self.vllm_world_size:
-            self.vllm_world_size = world_size
-            self._record(WorldSize(world_size))
+        if world_size != self.vllm_world_sizes.get(tenant):
+            self._set_world(world_size, tenant)
+            self._record_world(world_size, tenant)
 
-    def v_index(self) -> VIndex:
-        return VIndex(self.vllm_world_size, tuple(self.vllm_ranks()))
+    def v_index(self, tenant: str = "") -> VIndex:
+        return VIndex(self.vllm_world_sizes.get(tenant), tuple(self.vllm_ranks(tenant)))
+
+    def _record_world(self, world_size: int | None, tenant: str) -> None:
+        self._record(TenantWorldSize(tenant, world_size) if tenant else WorldSize(world_size))
 
     # ------------------------------------------------------------------ stats
 
-    def budget(self, pid: PoolId) -> tuple[bool, int]:
-        """Whether ``pid`` exists, and the pages of all pools (--max-total-pages), in O(1)."""
-        return pid in self.pools, self.total_pages
+    def budget(self, pid: PoolId) -> tuple[bool, int, int]:
+        """Whether ``pid`` exists, the pages of all pools (--max-total-pages) and those of
+        ``pid``'s tenant (its quota), in O(1)."""
+        return pid in self.pools, self.total_pages, self.tenant_pages.get(pid.tenant, 0)
 
     def stats(self) -> list[PoolStats]:
         now = self.clock()
@@ -374,32 +423,34 @@ class MemoryBackend:
         await self._durable()
         return count
 
-    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        result = self.store.v_register(rank, num_pages, world_size)
+    async def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
+        result = self.store.v_register(rank, num_pages, world_size, tenant)
         await self._durable()
         return result
 
-    async def v_exists(self, keys: list[str]) -> list[bool]:
-        return self.store.v_exists(keys)
+    async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
+        return self.store.v_exists(keys, tenant)
 
-    async def v_clear(self) -> int:
-        count = self.store.v_clear()
+    async def v_clear(self, tenant: str = "") -> int:
+        count = self.store.v_clear(tenant)
         await self._durable()
         return count
 
-    async def v_remove(self, rank: int) -> int | None:
-        return self.store.v_remove(rank)
+    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+        return self.store.v_remove(rank, tenant)
 
-    async def v_set_world_size(self, world_size: int | None) -> None:
-        self.store.v_set_world_size(world_size)
+    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
+        self.store.v_set_world_size(world_size, tenant)
 
-    async def v_index(self) -> VIndex:
-        return self.store.v_index()
+    async def v_index(self, tenant: str = "") -> VIndex:
+        return self.store.v_index(tenant)
 
     async def stats(self) -> list[PoolStats]:
         return self.store.stats()
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int]:
+    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
         return self.store.budget(pool)
 
     async def check(self) -> CheckReport:

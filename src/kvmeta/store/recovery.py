@@ -34,6 +34,7 @@ from kvmeta.store.codec import (
     NewPool,
     Record,
     Remove,
+    TenantWorldSize,
     WorldSize,
     decode_frames,
 )
@@ -66,7 +67,8 @@ class Recovered:
     """The state rebuilt from disk, plus what it took to rebuild it."""
 
     pools: dict[PoolId, tuple[int, dict[str, int]]] = field(default_factory=dict)
-    vworld: int | None = None
+    vworld: int | None = None  # the default tenant's vLLM world size
+    tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
     snapshot: int | None = None
     next_segment: int = 1
     records: int = 0
@@ -142,6 +144,7 @@ def _recover(directory: Path, repair: bool) -> Recovered:
         except (SnapshotError, OSError) as exc:
             raise corrupt(directory, path, str(exc), in_check=not repair) from None
         out.vworld = snap.vworld
+        out.tworld = dict(snap.tworld)
         for pid, num_pages, keys, pages in snap.pools:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
     first = out.snapshot if out.snapshot is not None else 0
@@ -227,6 +230,11 @@ def _apply(out: Recovered, record: Record) -> None:
         out.pools.pop(record.pool, None)
     elif isinstance(record, WorldSize):
         out.vworld = record.world_size
+    elif isinstance(record, TenantWorldSize):
+        if record.world_size is None:
+            out.tworld.pop(record.tenant, None)
+        else:
+            out.tworld[record.tenant] = record.world_size
     else:
         raise ValueError(f"unknown record type {type(record).__name__}")
 
@@ -250,5 +258,7 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
                 raise corrupt(directory, directory, f"{pid}: {exc}") from None
             store.add_pool(pid, pool)
         store.vllm_world_size = state.vworld
+        for tenant, world_size in state.tworld.items():
+            store.vllm_world_sizes[tenant] = world_size
     # The recovered keys live until evicted: keep the collector from rescanning them.
     gc.freeze()

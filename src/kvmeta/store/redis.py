@@ -15,6 +15,14 @@ a vLLM index script that spans ranks gets the keys of the ranks the registry lis
 just before, and refuses (nothing changed, read again) if the registry changed in between.
 ``kvmeta:2:pools`` lists the SGLang pools, for stats only.
 
+Tenants: the default tenant ``""`` has the names above. Another tenant T has its own hash tags,
+``kvmeta:2:{T|s:RANK:NS}:`` per SGLang pool and ``kvmeta:2:{T|v}:`` for its vLLM index (T
+%-quoted, so no ``|`` inside: no tenant/namespace pair can spell another pair's tag, and the
+default tenant's tags have no ``|`` at all). Its SGLang pools are listed in
+``kvmeta:2:pools:T``, and ``kvmeta:2:tenants`` lists every tenant that ever created a pool, so
+stats, check and the pool list see every tenant's pools (an older kvmeta reads neither set: it
+sees only the default tenant's pools, never a tenant's pool as its own).
+
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
 skewed clocks still agree (tests that compare this backend with the memory one step by step give
 both one clock instead: ``RedisBackend(clock=...)``, see ``_TIMED``). A request's keys travel as
@@ -93,6 +101,7 @@ _EPOCH_COMMANDS = ("SET", "GET")  # how _refresh_epoch reads it (no epoch refres
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
+_TENANTS = f"{_PREFIX}:tenants"
 _SCRIPTS = (
     "initialize",
     "exists",
@@ -208,11 +217,27 @@ def _set_up_refused(url: str, exc: RedisError) -> str:
     return text
 
 
+def _owner(tenant: str) -> str:
+    """What starts a tenant's hash tags: nothing for the default tenant (today's names)."""
+    return f"{quote(tenant, safe='')}|" if tenant else ""
+
+
+def v_prefix(tenant: str) -> str:
+    """The hash-tagged key prefix of ``tenant``'s vLLM index (registry and rank pools)."""
+    return f"{_PREFIX}:{{{_owner(tenant)}v}}:" if tenant else _V_PREFIX
+
+
+def s_registry(tenant: str) -> str:
+    """The set listing ``tenant``'s SGLang pools (``RANK:NS`` members)."""
+    return f"{_S_REGISTRY}:{quote(tenant, safe='')}" if tenant else _S_REGISTRY
+
+
 def pool_prefix(pid: PoolId) -> str:
-    """The hash-tagged key prefix of one pool (namespaces are %-quoted: no braces inside)."""
+    """The hash-tagged key prefix of one pool (namespaces and tenants are %-quoted: no braces
+    or ``|`` inside)."""
     if pid.dialect == "v":
-        return f"{_V_PREFIX}r{pid.rank}:"
-    return f"{_PREFIX}:{{s:{pid.rank}:{quote(pid.namespace, safe='')}}}:"
+        return f"{v_prefix(pid.tenant)}r{pid.rank}:"
+    return f"{_PREFIX}:{{{_owner(pid.tenant)}s:{pid.rank}:{quote(pid.namespace, safe='')}}}:"
 
 
 @functools.lru_cache(maxsize=4096)
@@ -268,6 +293,10 @@ class RedisBackend:
         self._epoch = ""
         self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
         self._replication: dict[str, float] = {}  # see durability_stats
+        # What v_exists needs from each tenant's registry as this process last read it (see
+        # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
+        # servers share the registry, so this is a guess, never an answer.
+        self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
 
     @property
     def describe(self) -> str:
@@ -686,7 +715,7 @@ class RedisBackend:
 
     async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
         if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
-            return await self.v_register(pool.rank, num_pages, None)
+            return await self.v_register(pool.rank, num_pages, None, pool.tenant)
         await self._sadd_pool(pool)
         reply = await self._run("initialize", pool_keys(pool), [num_pages])
         _checked(pool, reply, None)
@@ -696,7 +725,16 @@ class RedisBackend:
         # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats
         # skips it), never an unlisted one.
         member = f"{pool.rank}:{quote(pool.namespace, safe='')}"
-        await self._command(_S_REGISTRY, "SADD", _S_REGISTRY, member)
+        await self._list_tenant(pool.tenant)
+        registry = s_registry(pool.tenant)
+        await self._command(registry, "SADD", registry, member)
+
+    async def _list_tenant(self, tenant: str) -> None:
+        """Before a tenant's pool is created: list the tenant, so ``pools`` finds it. Every
+        time (one SADD per pool creation, which is rare): a remembered "already listed" would
+        be wrong after Redis lost its data."""
+        if tenant:
+            await self._command(_TENANTS, "SADD", _TENANTS, quote(tenant, safe=""))
 
     def _init_result(self, pool: PoolId, reply: list[Any], requested: int) -> InitResult:
         result = InitResult(created=bool(reply[1]), num_pages=int(reply[2]), requested=requested)
@@ -756,37 +794,40 @@ class RedisBackend:
     # operation needs are known only from the registry, so it passes the keys of the ranks a
     # registry read (``_v_registry``) found, and a script that finds the registry changed since
     # answers ``_V_STALE`` having changed nothing: the registry is read again and the op retried.
-    _V_RANKS = _V_PREFIX + "ranks"
-    _V_WORLD = _V_PREFIX + "world"
     _V_STALE = 9
     # Registry changes come from engines starting or an operator, seconds apart: a handful of
     # consecutive ones inside the microseconds between a read and a script means something is
     # rewriting the registry in a loop, and the caller gets a 503 rather than a hung request.
     _V_TRIES = 20
-    # What v_exists needs from the registry as this process last read it (its KEYS and ranks
-    # argument, see ``_v_exists_plan``): where it starts, checked by the script to be current.
-    # Several servers share the registry, so this is a guess, never an answer.
-    _v_known: tuple[tuple[str, ...], bytes] | None = None
 
-    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        pool = PoolId("v", rank, "")
-        keys = (self._V_RANKS, self._V_WORLD, *pool_keys(pool))
+    @staticmethod
+    def _v_keys(tenant: str) -> tuple[str, str]:
+        """``tenant``'s rank registry and world size keys."""
+        prefix = v_prefix(tenant)
+        return prefix + "ranks", prefix + "world"
+
+    async def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
+        pool = PoolId("v", rank, "", tenant)
+        await self._list_tenant(tenant)
+        keys = (*self._v_keys(tenant), *pool_keys(pool))
         args = [rank, num_pages, "" if world_size is None else world_size]
         reply = _checked(pool, await self._run("v_register", keys, args), None)
-        self._v_known = None  # changed it: the next v_exists reads it afresh
+        self._v_known.pop(tenant, None)  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)
 
-    async def v_exists(self, keys: list[str]) -> list[bool]:
+    async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
         """One consistent answer: the required ranks as the registry has them when the script
         runs. It starts from the last registry read this process made (``_v_known``), so the
         common case is one script; ``v_exists.lua`` refuses, changing nothing, when other ranks
         are required by then, and the registry is read again. "Nothing is complete" (a required
         rank not registered) is answered only from a fresh read, never from a remembered one."""
         request = _encode(keys)
-        plan, fresh = self._v_known, False
+        plan, fresh = self._v_known.get(tenant), False
         for _ in range(self._V_TRIES):
             if plan is None or not (fresh or plan[1]):
-                plan, fresh = self._v_exists_plan(await self._v_registry()), True
+                plan, fresh = self._v_exists_plan(await self._v_registry(tenant), tenant), True
             names, ranks = plan
             if not ranks:
                 return [False] * len(keys)  # a required rank is not registered (yet)
@@ -796,14 +837,14 @@ class RedisBackend:
             plan = None
         raise self._v_unsettled("exists")
 
-    def _v_exists_plan(self, index: VIndex) -> tuple[tuple[str, ...], bytes]:
+    def _v_exists_plan(self, index: VIndex, tenant: str) -> tuple[tuple[str, ...], bytes]:
         """v_exists's KEYS and ranks argument for ``index`` (ranks ``b""``: nothing is complete,
         a required rank is not registered)."""
         if index.missing or not index.required:
             return (), b""
-        names = [self._V_RANKS, self._V_WORLD]
+        names = list(self._v_keys(tenant))
         for rank in index.required:
-            names += pool_keys(PoolId("v", rank, ""))
+            names += pool_keys(PoolId("v", rank, "", tenant))
         return tuple(names), _encode(index.required)
 
     def _v_unsettled(self, op: str) -> BackendUnavailable:
@@ -814,58 +855,66 @@ class RedisBackend:
             "the world size, in a loop: stop it (GET /v1/vllm shows the registry) and retry"
         )
 
-    async def v_clear(self) -> int:
+    async def v_clear(self, tenant: str = "") -> int:
         """Each registered rank's pool is cleared like an SGLang pool (``clear``): in chunks of
         ``CLEAR_CHUNK`` keys, one short script each, so a big index never holds Redis for the
         whole clear. Registrations, world size and reservations stay. Not atomic across ranks
         (nor is ``clear`` within a pool): a key stored while the clear runs may survive it, and a
         rank registered meanwhile is new and empty anyway."""
         total = 0
-        for rank in (await self._v_registry()).ranks:
+        for rank in (await self._v_registry(tenant)).ranks:
             try:
-                total += await self.clear(PoolId("v", rank, ""))
+                total += await self.clear(PoolId("v", rank, "", tenant))
             except NotInitialized:
                 continue  # removed since the registry was read: nothing left to clear
         return total
 
-    async def v_remove(self, rank: int) -> int | None:
-        keys = (self._V_RANKS, *pool_keys(PoolId("v", rank, "")))
+    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+        keys = (self._v_keys(tenant)[0], *pool_keys(PoolId("v", rank, "", tenant)))
         dropped = int((await self._run("v_remove", keys, [rank]))[1])
-        self._v_known = None
+        self._v_known.pop(tenant, None)
         return None if dropped < 0 else dropped
 
-    async def v_set_world_size(self, world_size: int | None) -> None:
-        await self._run("v_world", (self._V_WORLD,), ["" if world_size is None else world_size])
-        self._v_known = None
+    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
+        world = self._v_keys(tenant)[1]
+        await self._run("v_world", (world,), ["" if world_size is None else world_size])
+        self._v_known.pop(tenant, None)
 
-    async def v_index(self) -> VIndex:
-        return await self._v_registry()
+    async def v_index(self, tenant: str = "") -> VIndex:
+        return await self._v_registry(tenant)
 
-    async def _v_registry(self) -> VIndex:
+    async def _v_registry(self, tenant: str = "") -> VIndex:
         """The rank registry and world size, read in one script (``v_index.lua``)."""
-        reply = await self._run("v_index", (self._V_RANKS, self._V_WORLD), [])
+        reply = await self._run("v_index", self._v_keys(tenant), [])
         world = _text(reply[1])
         ranks = tuple(sorted(int(r) for r in reply[2:]))
         index = VIndex(int(world) if world else None, ranks)
-        self._v_known = self._v_exists_plan(index)
+        self._v_known[tenant] = self._v_exists_plan(index, tenant)
         return index
 
     # ------------------------------------------------------------------ stats and check
 
     async def pools(self) -> list[PoolId]:
-        """Every pool known to this Redis, sorted like ``MemoryStore.stats``."""
-        s_members = await self._command(_S_REGISTRY, "SMEMBERS", _S_REGISTRY)
-        v_members = await self._command(_V_PREFIX, "SMEMBERS", _V_PREFIX + "ranks")
-        out = [PoolId("v", int(r), "") for r in v_members]
-        for member in s_members:
-            rank, ns = _text(member).split(":", 1)
-            out.append(PoolId("s", int(rank), unquote(ns)))
+        """Every pool known to this Redis, every tenant's, sorted like ``MemoryStore.stats``."""
+        listed = await self._command(_TENANTS, "SMEMBERS", _TENANTS)
+        tenants = ["", *sorted(unquote(_text(t)) for t in listed)]
+        out = []
+        for tenant in tenants:
+            registry = s_registry(tenant)
+            ranks = self._v_keys(tenant)[0]
+            s_members = await self._command(registry, "SMEMBERS", registry)
+            v_members = await self._command(ranks, "SMEMBERS", ranks)
+            out += [PoolId("v", int(r), "", tenant) for r in v_members]
+            for member in s_members:
+                rank, ns = _text(member).split(":", 1)
+                out.append(PoolId("s", int(rank), unquote(ns), tenant))
         return sorted(out)
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int]:
+    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
         """O(pools): pools are created once per engine start, and they live in Redis."""
         sizes = {st.pool: st.num_pages for st in await self.stats()}
-        return pool in sizes, sum(sizes.values())
+        tenant = sum(n for pid, n in sizes.items() if pid.tenant == pool.tenant)
+        return pool in sizes, sum(sizes.values()), tenant
 
     async def stats(self) -> list[PoolStats]:
         out = []

@@ -3,13 +3,21 @@
 ``snapshot-<N>.snap`` holds every pool and the vLLM world size as of the start of journal
 segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
 
-    head    = b"KVMS" + u8 version (=1) + 3 zero bytes + u64 len(payload) + u32 crc32(payload)
+    head    = b"KVMS" + u8 version (1, or 2 with tenants) + 3 zero bytes + u64 len(payload)
+              + u32 crc32(payload)
     payload = u32 len(meta) + meta + blobs
     meta    = msgpack map {"segment": N, "vworld": int|nil,
                            "pools": [[dialect, rank, namespace, num_pages, [chunk_len...],
-                                      pages_len]]}
+                                      pages_len(, tenant)]],
+                           ("tworld": {tenant: int})}
     blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
               then its pages (little-endian int32, parallel to the keys, coldest first)
+
+Tenants (version 2): a pool of a tenant other than the default ``""`` has a seventh element,
+its tenant, and other tenants' vLLM world sizes are in ``tworld``. A snapshot without any of
+them is written as version 1, byte for byte what an older kvmeta writes; one with them is
+version 2, which an older kvmeta refuses ("snapshot format 2 is newer") rather than load a
+tenant's pool as the default tenant's. A version 1 snapshot loads as tenant ``""``.
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
 pool's page->key table and LRU links (at memcpy speed); ``write_snapshot`` walks the copies,
@@ -52,7 +60,8 @@ __all__ = [
     "write_snapshot",
 ]
 
-VERSION = 1
+VERSION = 2  # 2: tenants (written only when the state has a tenant's pool or world size)
+_VERSION_DEFAULT_ONLY = 1
 _MAGIC = b"KVMS"
 _HEAD = struct.Struct("<4sB3xQI")
 _U32 = struct.Struct("<I")
@@ -91,6 +100,7 @@ class StoreImage:
     pools: list[PoolImage]
     vworld: int | None
     capture_seconds: float = 0.0
+    tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
 
 
 @dataclass
@@ -100,6 +110,7 @@ class SnapshotData:
     segment: int
     vworld: int | None
     pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
+    tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
 
 
 class SnapshotError(Exception):
@@ -110,7 +121,8 @@ def capture(store: MemoryStore) -> StoreImage:
     """Copy the durable state; call on the event loop, between two operations."""
     started = time.perf_counter()
     pools = [PoolImage(pid, pool.num_pages, *pool.lru_copy()) for pid, pool in store.pools.items()]
-    return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started)
+    tworld = {t: size for t, size in store.vllm_world_sizes.items() if t}
+    return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started, tworld)
 
 
 def _pages_bytes(pages: array[int]) -> bytes:
@@ -124,6 +136,7 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     """The snapshot file as a list of pieces, head first (O(stored): run it off the loop)."""
     pools: list[list[Any]] = []
     blobs: list[bytes] = []
+    tenants = bool(image.tworld)
     for img in image.pools:
         keys, pages = img.order()
         chunks = [_encode(keys[i : i + _KEY_CHUNK]) for i in range(0, len(keys), _KEY_CHUNK)]
@@ -132,14 +145,22 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
         blobs.append(page_blob)
         pid = img.pid
         lengths = [len(c) for c in chunks]
-        pools.append([pid.dialect, pid.rank, pid.namespace, img.num_pages, lengths, len(page_blob)])
-    meta = _encode({"segment": segment, "vworld": image.vworld, "pools": pools})
+        entry = [pid.dialect, pid.rank, pid.namespace, img.num_pages, lengths, len(page_blob)]
+        if pid.tenant:
+            entry.append(pid.tenant)
+            tenants = True
+        pools.append(entry)
+    body: dict[str, Any] = {"segment": segment, "vworld": image.vworld, "pools": pools}
+    if image.tworld:
+        body["tworld"] = image.tworld
+    meta = _encode(body)
     pieces = [_U32.pack(len(meta)), meta, *blobs]
     crc = 0
     for piece in pieces:
         crc = zlib.crc32(piece, crc)
     size = sum(len(piece) for piece in pieces)
-    return [_HEAD.pack(_MAGIC, VERSION, size, crc), *pieces]
+    version = VERSION if tenants else _VERSION_DEFAULT_ONLY
+    return [_HEAD.pack(_MAGIC, version, size, crc), *pieces]
 
 
 def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
@@ -186,7 +207,11 @@ def read_snapshot(path: Path) -> SnapshotData:
         pos = _U32.size + meta_len
         body = msgspec.msgpack.decode(payload[_U32.size : pos])
         out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
-        for dialect, rank, namespace, num_pages, chunk_lengths, pages_len in body["pools"]:
+        for tenant, size in body.get("tworld", {}).items():
+            out.tworld[str(tenant)] = int(size)
+        for entry in body["pools"]:
+            dialect, rank, namespace, num_pages, chunk_lengths, pages_len = entry[:6]
+            tenant = str(entry[6]) if len(entry) > 6 else ""
             keys: list[str] = []
             for length in chunk_lengths:
                 keys.extend(_decode(payload[pos : pos + length]))
@@ -198,7 +223,7 @@ def read_snapshot(path: Path) -> SnapshotData:
                 pages.byteswap()
             if len(pages) != len(keys):
                 raise SnapshotError(f"pool {rank}/{namespace}: keys and pages differ in length")
-            out.pools.append((PoolId(dialect, rank, namespace), num_pages, keys, pages))
+            out.pools.append((PoolId(dialect, rank, namespace, tenant), num_pages, keys, pages))
     except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
         raise SnapshotError(f"malformed content ({exc})") from None
     return out

@@ -79,7 +79,6 @@ def test_a_segment_written_before_the_typed_records_decodes_to_them() -> None:
     assert out.torn_at is None and out.records == _BEFORE_RECORDS
 
 
-@pytest.mark.xfail(strict=True, reason="PoolId.tenant must be left out of the record bytes for the default tenant")
 def test_typed_records_are_the_same_bytes_as_before() -> None:
     """Same bytes: no format version bump, and an older kvmeta still reads a newer journal."""
     assert segment(_BEFORE_RECORDS) == _BEFORE_TYPED
