@@ -20,6 +20,11 @@ operation with the main thread's ``/proc/PID/task/PID/schedstat`` (nanoseconds);
 
     python benchmarks/compare_lua.py                      # 58bc8dc against the working tree
     python benchmarks/compare_lua.py --old HEAD~1 --new WORKTREE --rounds 7
+    python benchmarks/compare_lua.py --old WORKTREE --new WORKTREE --events   # feed off vs on
+
+``--events``: the new side runs its scripts as a server with a change listener does (the feed
+flag argument: reserve returns the keys it evicted, confirm the keys it committed, each with the
+pool's change counter), so the same scripts side by side give the cost of the change feed.
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ ROOT = Path(__file__).resolve().parents[1]
 LUA = "src/kvmeta/store/lua"
 OPS = ("exists", "reserve", "confirm", "get")
 SCRIPTS = ("initialize", "delete", *OPS)
+FEED = ("reserve", "confirm", "delete")  # the scripts taking the change-feed flag (--events)
 
 
 def server_binary() -> str:
@@ -70,8 +76,8 @@ def read_lua(rev: str, name: str) -> str:
 class Side:
     """One revision's scripts and the key parts its layout uses."""
 
-    def __init__(self, label: str, rev: str, r: redis.Redis) -> None:
-        self.label, self.rev = label, rev
+    def __init__(self, label: str, rev: str, r: redis.Redis, events: bool = False) -> None:
+        self.label, self.rev, self.events = label, rev, events
         lib = read_lua(rev, "_lib")
         found = re.search(r"local PARTS = \{([^}]*)\}", lib)
         assert found, f"{rev}: no PARTS in _lib.lua"
@@ -118,7 +124,8 @@ class Pool:
 
     def call(self, op: str, arg: Any) -> list[Any]:
         self.calls += 1
-        raw = self.r.evalsha(self.side.sha[op], len(self.keys), *self.keys, arg)
+        flag = ("1",) if self.side.events and op in FEED else ()
+        raw = self.r.evalsha(self.side.sha[op], len(self.keys), *self.keys, arg, *flag)
         reply: list[Any] = json.loads(raw)
         assert reply[0] == 0, (op, reply)
         return reply
@@ -187,6 +194,11 @@ def main() -> int:
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra valkey-server argument"
     )
+    parser.add_argument(
+        "--events",
+        action="store_true",
+        help="the new side reports changes, as with a change listener (the feed's cost)",
+    )
     parser.add_argument("--json", help="write the medians to this file")
     args = parser.parse_args()
 
@@ -228,7 +240,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
-    sides = [Side("old", args.old, r), Side("new", args.new, r)]
+    sides = [Side("old", args.old, r), Side("new", args.new, r, events=args.events)]
     extra = args.cycles * args.rounds * args.batch + args.batch
     pools: dict[tuple[str, str], Pool] = {}
     for side in sides:
@@ -282,10 +294,11 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             mean = statistics.mean(ops.values())
             req = statistics.median(per_req[key])
             rounds = " ".join(f"{x:.0f}" for x in per_req[key])
+            tag = " +events" if side.events else ""
             print(
                 f"{variant:8} {side.label:4} "
                 + " ".join(f"{ops[op]:8.0f}" for op in OPS)
-                + f" {mean:8.0f} {req:8.0f}  [{rounds}]  ({side.rev})"
+                + f" {mean:8.0f} {req:8.0f}  [{rounds}]  ({side.rev}{tag})"
             )
             result[f"{variant}:{side.label}"] = {
                 "rev": side.rev,

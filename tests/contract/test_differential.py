@@ -5,7 +5,10 @@ machine again, atomically in Redis. Both backends get the SAME clock (``RedisBac
 passes it to every script that reads time), so time steps cross reservation leases, read leases
 and the release grace exactly as the model says. After every step the replies (or the error
 class, message and field), every stats line (counters included) and the vLLM index must be
-identical, and each store's page invariant must hold.
+identical, and each store's page invariant must hold. The Redis backend's change feed is
+checked too (``Fed``): a model built only from the changes it reports (stored keys added, removed
+keys taken away, a cleared or dropped pool emptied) must equal each pool's stored keys in Redis
+after every step, and no change may store a key already stored or remove one that is not.
 
 The sequences are derandomized (the same 120 every run, on every Redis topology: one node, a
 cluster, a Sentinel group), so CI compares and never flakes; a failure is shrunk to a short
@@ -38,6 +41,7 @@ from kvmeta.core.invariants import check_pool
 from kvmeta.core.pool import RELEASE_GRACE
 from kvmeta.errors import KvmetaError
 from kvmeta.store.base import Backend
+from kvmeta.store.changes import CLEARED, REMOVED, STORED, Change
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
 from tests.redis_support import RedisCluster, RedisServer, SentinelGroup
@@ -360,6 +364,49 @@ class Differential(RuleBasedStateMachine):
                 self.seen[name] += count > 0
 
 
+class Fed(Differential):
+    """The same machine, with the Redis backend's change feed checked after every step (a
+    subclass: the sequences derive from the machine's source, and the base keeps its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fed: dict[PoolId, set[str]] = {}  # stored keys per pool, as the feed tells them
+        self.feed_errors: list[str] = []
+        self.red.set_change_listener(self.on_changes)
+
+    def on_changes(self, changes: list[Change]) -> None:
+        for change in changes:
+            keys = self.fed.setdefault(change.pool, set())
+            self.seen[f"feed {change.kind} {change.reason}".strip()] += 1
+            new = set(change.keys)
+            if len(new) != len(change.keys):
+                self.feed_errors.append(f"{change}: a key twice")
+            if change.kind == STORED:
+                if keys & new:
+                    self.feed_errors.append(f"{change}: already stored")
+                keys |= new
+            elif change.kind == REMOVED:
+                if not new <= keys:
+                    self.feed_errors.append(f"{change}: not stored")
+                keys -= new
+            elif change.kind == CLEARED and not change.keys:
+                keys.clear()
+            else:
+                self.feed_errors.append(f"{change}: unknown")
+
+    @invariant()
+    def same_feed(self) -> None:
+        """The stored keys the change feed told of are the pool's stored keys in Redis."""
+        assert self.feed_errors == []
+        pids = [*POOLS, BIG_POOL, PoolId("v", 2, "")]
+        pipe = self.raw.pipeline(transaction=False)
+        for pid in pids:
+            pipe.hkeys(pool_keys(pid)[POOL_PARTS.index("stored")])
+        for pid, stored in zip(pids, self.run(pipe.execute()), strict=True):
+            got = {k.decode() for k in stored}
+            assert self.fed.get(pid, set()) == got, f"{pid}: feed {self.fed.get(pid)} != {got}"
+
+
 # Each example is a fresh random sequence of up to STEPS operations (a new seed every run):
 # about 45 s for the whole test on a 2-core machine under a load of 8, most of it waiting for
 # Redis round trips (each step compares stats, free stacks and the vLLM index).
@@ -379,6 +426,11 @@ MUST_SEE = [
     "clears",
     "get_hits",
     "exists_hits",
+    "feed stored",
+    "feed removed capacity",
+    "feed removed delete",
+    "feed cleared clear",
+    "feed cleared drop",
     "confirm error",
     "reserve error",
 ]
@@ -399,16 +451,16 @@ def test_memory_and_redis_agree_on_every_reply(
     red = RedisBackend(server.url, clock=clock)
     loop.run_until_complete(red.start())
     seen: Counter[str] = Counter()
-    Differential.loop, Differential.red, Differential.clock, Differential.seen = (
+    Fed.loop, Fed.red, Fed.clock, Fed.seen = (
         loop,
         red,
         clock,
         seen,
     )
-    Differential.raw, Differential.flush = server.async_client(), server.flush
+    Fed.raw, Fed.flush = server.async_client(), server.flush
     try:
         run_state_machine_as_test(
-            Differential,
+            Fed,
             settings=settings(
                 max_examples=EXAMPLES,
                 derandomize=True,  # the same sequences every run: CI compares, never flakes
@@ -419,7 +471,7 @@ def test_memory_and_redis_agree_on_every_reply(
         )
     finally:
         loop.run_until_complete(red.close())
-        loop.run_until_complete(Differential.raw.aclose())
+        loop.run_until_complete(Fed.raw.aclose())
         loop.close()
     missing = [name for name in MUST_SEE if not seen[name]]
     assert not missing, f"no example reached {missing}: {dict(seen)}"

@@ -30,6 +30,11 @@ ONE JSON argument and the reply is one JSON array ``[code, ...]`` (``_ERRORS`` m
 errors): packing and parsing one value per key in Python costs more than the whole script takes
 to run in Redis.
 
+The change feed (``set_change_listener``): the scripts that change stored keys take a last
+argument of their own, '1' when a listener is set, and only then collect the keys they changed
+and bump the pool's change counter (``_lib.lua`` ``feed``); ``store.redis_feed`` delivers each
+pool's changes in the order Redis made them, after the reply and its ``WAIT``.
+
 Whole-pool work (``clear``, ``check``) runs as many short scripts, one bounded chunk each, looped
 from Python: one long script would stall every pool on that Redis for its whole duration.
 """
@@ -69,8 +74,19 @@ from kvmeta.errors import (
     NotReplicated,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
-from kvmeta.store.changes import ChangeListener
+from kvmeta.store.changes import (
+    CLEARED,
+    REASON_CAPACITY,
+    REASON_CLEAR,
+    REASON_DELETE,
+    REASON_DROP,
+    REMOVED,
+    STORED,
+    Change,
+    ChangeListener,
+)
 from kvmeta.store.epoch import new_epoch
+from kvmeta.store.redis_feed import ChangeSequencer
 from kvmeta.store.redis_nodes import (
     READ_TIMEOUT,
     ClusterTopology,
@@ -140,7 +156,7 @@ _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "tota
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
 # ``now_s``). A static test checks each script reads exactly this ARGV.
-_TIMED = {"reserve": 2, "confirm": 2, "get": 2, "delete": 2, "clear": 3, "stats": 1}
+_TIMED = {"reserve": 3, "confirm": 3, "get": 2, "delete": 3, "clear": 4, "stats": 1}
 _MAX_PROBLEMS = 20
 # Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
 _FIRST_DELAY = 0.05
@@ -297,6 +313,7 @@ class RedisBackend:
         # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
         # servers share the registry, so this is a guess, never an answer.
         self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
+        self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
 
     @property
     def describe(self) -> str:
@@ -315,7 +332,14 @@ class RedisBackend:
         return self._epoch
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
-        raise NotImplementedError("change feed: not built yet")
+        """Report each change once its script answered (and its ``WAIT``, with
+        ``--min-replicas-ack``: a write answered ``NotReplicated`` is never announced), per pool
+        in Redis's order (``store.redis_feed``). Each server reports what it executed: a
+        subscriber listens to every kvmeta server on the Redis. Not reported: a change whose
+        reply was lost (a dropped connection, a failover, ``NotReplicated``) and whose retry
+        found nothing left to do (an idempotent repeat changes nothing). None: the scripts do
+        no feed work at all."""
+        self._feed.listener = listener
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
         raise NotImplementedError("dump: not built yet")
@@ -711,6 +735,42 @@ class RedisBackend:
         reply = await self._run(script, pool_keys(pid), [_encode(request)])
         return _checked(pid, reply, request)
 
+    async def _changing(
+        self,
+        script: str,
+        pid: PoolId,
+        keys: tuple[str, ...],
+        args: list[Any],
+        kind: str,
+        reason: str,
+    ) -> list[Any]:
+        """Run a script that changes stored keys, with the feed flag as its last argument. With
+        a listener, its reply ends with ``[change counter, key, ...]`` when it changed any,
+        which becomes one ``Change`` (``keys`` empty for CLEARED), delivered in counter order."""
+        if self._feed.listener is None:
+            return await self._run(script, keys, [*args, "0"])
+        ticket = self._feed.begin(pid)
+        try:
+            reply = await self._run(script, keys, [*args, "1"])
+        except BaseException:
+            self._feed.end(ticket)
+            raise
+        if reply and isinstance(reply[-1], list):
+            fed = reply.pop()
+            changed = () if kind == CLEARED else tuple(_text(k) for k in fed[1:])
+            self._feed.end(ticket, int(fed[0]), Change(pid, kind, changed, reason))
+        else:
+            self._feed.end(ticket)
+        return reply
+
+    async def _changing_op(
+        self, script: str, pid: PoolId, request: Any, kind: str, reason: str
+    ) -> list[Any]:
+        """``_pool_op`` for a script that changes stored keys (``_changing``)."""
+        keys = pool_keys(pid)
+        reply = await self._changing(script, pid, keys, [_encode(request)], kind, reason)
+        return _checked(pid, reply, request)
+
     # ------------------------------------------------------------------ dialect S (and V pools)
 
     async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
@@ -755,12 +815,13 @@ class RedisBackend:
         return [bool(x) for x in reply[1:]]
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        reply = await self._pool_op("reserve", pool, (self.reservation_ttl, keys))
+        request = (self.reservation_ttl, keys)
+        reply = await self._changing_op("reserve", pool, request, REMOVED, REASON_CAPACITY)
         return [(bool(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
 
     async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
         """Returns how many pairs were refused (stale or foreign pages)."""
-        reply = await self._pool_op("confirm", pool, (pairs, release))
+        reply = await self._changing_op("confirm", pool, (pairs, release), STORED, "")
         refused = int(reply[1])
         if refused:
             logger.warning(
@@ -777,13 +838,17 @@ class RedisBackend:
         return [None if p < 0 else p for p in reply[1:]]
 
     async def delete(self, pool: PoolId, keys: list[str]) -> int:
-        return int((await self._pool_op("delete", pool, keys))[1])
+        return int((await self._changing_op("delete", pool, keys, REMOVED, REASON_DELETE))[1])
 
     async def clear(self, pool: PoolId) -> int:
-        """Clear in chunks of ``CLEAR_CHUNK`` keys (one script each, see ``clear.lua``)."""
+        """Clear in chunks of ``CLEAR_CHUNK`` keys (one script each, see ``clear.lua``); the
+        last chunk reports the clear (one CLEARED)."""
         keys, cursor, total = pool_keys(pool), "0", 0
         while True:
-            reply = _checked(pool, await self._run("clear", keys, [cursor, CLEAR_CHUNK]), None)
+            reply = await self._changing(
+                "clear", pool, keys, [cursor, CLEAR_CHUNK], CLEARED, REASON_CLEAR
+            )
+            _checked(pool, reply, None)
             cursor, total = _text(reply[1]), total + int(reply[2])
             if cursor == "0":
                 return total
@@ -870,8 +935,10 @@ class RedisBackend:
         return total
 
     async def v_remove(self, rank: int, tenant: str = "") -> int | None:
-        keys = (self._v_keys(tenant)[0], *pool_keys(PoolId("v", rank, "", tenant)))
-        dropped = int((await self._run("v_remove", keys, [rank]))[1])
+        pool = PoolId("v", rank, "", tenant)
+        keys = (self._v_keys(tenant)[0], *pool_keys(pool))
+        reply = await self._changing("v_remove", pool, keys, [rank], CLEARED, REASON_DROP)
+        dropped = int(reply[1])
         self._v_known.pop(tenant, None)
         return None if dropped < 0 else dropped
 

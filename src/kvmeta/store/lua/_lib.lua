@@ -123,6 +123,21 @@ local function hmget(key, fields)
   return read_many('HMGET', key, fields)
 end
 
+-- The change feed (store.redis, ``set_change_listener``): a state-changing script whose flag
+-- argument is '1' (a kvmeta server with a listener) bumps the pool's change counter (``chg`` in
+-- meta) and returns it with the keys it changed, as a last reply element [counter, key, ...];
+-- the server delivers each pool's changes in counter order. Flag absent or '0': no extra work.
+local function feed(k, flag, keys)
+  if flag ~= '1' then
+    return nil
+  end
+  local out = { redis.call('HINCRBY', k.meta, 'chg', 1) }
+  for i = 1, #keys do
+    out[i + 1] = keys[i]
+  end
+  return out
+end
+
 -- Counters are summed in a Lua table and written once per call.
 local function bump(c, name, by)
   c[name] = (c[name] or 0) + by

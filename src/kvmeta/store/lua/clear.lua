@@ -3,14 +3,16 @@
 -- other pool on it) for longer than one chunk, and each call leaves the pool consistent.
 -- Every key STORED from the first chunk to the last is cleared; one confirmed while the
 -- clear runs may be cleared too (HSCAN: visited or not). ARGV[1] '0' starts a clear.
--- KEYS the pool's keys; ARGV[1] HSCAN cursor, ARGV[2] keys per chunk.
--- ARGV[3] (tests only, absent in production) the time in seconds: see now_s.
--- Returns [0, next cursor, keys cleared by this chunk] or [1] (no pool).
+-- KEYS the pool's keys; ARGV[1] HSCAN cursor, ARGV[2] keys per chunk; ARGV[3] '1': the last
+-- chunk reports the clear (the change feed, see _lib.lua feed); ARGV[4] (tests only, absent in
+-- production) the time in seconds: see now_s.
+-- Returns [0, next cursor, keys cleared by this chunk(, [change counter] from the last chunk
+-- when ARGV[3] is '1')] or [1] (no pool).
 local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end
-local now = now_s(ARGV[3])
+local now = now_s(ARGV[4])
 local c = {}
 expire(k, now, c)
 if ARGV[1] == '0' then
@@ -18,4 +20,7 @@ if ARGV[1] == '0' then
 end
 local cursor, cleared = clear_chunk(k, now, ARGV[1], tonumber(ARGV[2]))
 flush(k, c)
+if cursor == '0' and ARGV[3] == '1' then
+  return cjson.encode({ 0, cursor, cleared, feed(k, ARGV[3], {}) })
+end
 return cjson.encode({ 0, cursor, cleared })

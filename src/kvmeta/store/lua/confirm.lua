@@ -2,8 +2,10 @@
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
 -- write failed (FREE only when RESERVED by a single writer; STORED: ignored); as Pool.confirm.
 -- KEYS the pool's keys; ARGV[1] [[[key, page], ...], [page to release, ...]].
--- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
--- Returns [0, refused, first refused key, first refused page], [1] (no pool) or
+-- ARGV[2] '1': report the keys committed (the change feed, see _lib.lua feed); ARGV[3] (tests
+-- only, absent in production) the time in seconds: see now_s.
+-- Returns [0, refused, first refused key, first refused page(, [change counter, committed
+-- key, ...] when ARGV[2] is '1' and it committed any)], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
@@ -25,7 +27,7 @@ for i, page in ipairs(release) do
     return cjson.encode({ 2, 2, i - 1, st.n })
   end
 end
-local now = now_s(ARGV[2])
+local now = now_s(ARGV[3])
 local c = {}
 expire(k, now, c)
 -- A pair commits when reserved says its key is RESERVED at its page; stored is read (once) only
@@ -128,4 +130,7 @@ bump(c, 'confirms_refused', refused)
 bump(c, 'releases', released)
 save_state(k, st)
 flush(k, c)
+if #w_keys > 0 and ARGV[2] == '1' then
+  return cjson.encode({ 0, refused, first_key, first_page, feed(k, ARGV[2], w_keys) })
+end
 return cjson.encode({ 0, refused, first_key, first_page })

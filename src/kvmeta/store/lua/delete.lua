@@ -1,12 +1,14 @@
 -- delete: STORED keys become FREE (after any live read lease).
--- KEYS the pool's keys; ARGV[1] [key, ...].  Returns [0, removed] or [1] (no pool).
--- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
+-- KEYS the pool's keys; ARGV[1] [key, ...]; ARGV[2] '1': report the keys removed (the change
+-- feed, see _lib.lua feed); ARGV[3] (tests only, absent in production) the time in seconds.
+-- Returns [0, removed(, [change counter, removed key, ...] when ARGV[2] is '1' and it
+-- removed any)] or [1] (no pool).
 local k = pool_keys_from(KEYS)
 if redis.call('HEXISTS', k.meta, 'n') == 0 then
   return cjson.encode({ 1 })
 end
 local keys = cjson.decode(ARGV[1])
-local now = now_s(ARGV[2])
+local now = now_s(ARGV[3])
 local c = {}
 expire(k, now, c)
 local pages = hmget(k.stored, keys)
@@ -30,4 +32,7 @@ if #dead_keys > 0 then
 end
 bump(c, 'deletes', #dead_keys)
 flush(k, c)
+if #dead_keys > 0 and ARGV[2] == '1' then
+  return cjson.encode({ 0, #dead_keys, feed(k, ARGV[2], dead_keys) })
+end
 return cjson.encode({ 0, #dead_keys })

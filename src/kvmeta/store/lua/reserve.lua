@@ -2,8 +2,10 @@
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
 -- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
--- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
--- Returns [0, hit, page, hit, page, ...] or [1] (no pool).
+-- ARGV[2] '1': report evictions (the change feed, see _lib.lua feed); ARGV[3] (tests only,
+-- absent in production) the time in seconds: see now_s.
+-- Returns [0, hit, page, hit, page, ..., [change counter, evicted key, ...] when ARGV[2] is
+-- '1' and it evicted] or [1] (no pool).
 --
 -- Pages come as in core.pool: the free stack (last freed first), then never-used pages, then
 -- the coldest STORED page that is not read-leased and not reported as stored by this call.
@@ -25,7 +27,7 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
-local now = now_s(ARGV[2])
+local now = now_s(ARGV[3])
 local scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c)
@@ -258,6 +260,9 @@ if #w_pk > 0 then
 end
 save_state(k, st)
 flush(k, c)
+if #ev_keys > 0 and ARGV[2] == '1' then
+  out[#out + 1] = cjson.encode(feed(k, ARGV[2], ev_keys))
+end
 if #out == 0 then
   return '[0]'
 end
