@@ -98,9 +98,12 @@ def test_dump_of_a_missing_pool_is_not_initialized(backend: Sync) -> None:
 
 def test_dump_refuses_a_cursor_it_never_gave(backend: Sync) -> None:
     backend.initialize(S0, 8)
-    with pytest.raises(InvalidRequest) as err:
-        backend.dump(S0, "not-a-cursor", 10)
-    assert err.value.field == "cursor"
+    for bad in ("not-a-cursor", "-1", "18446744073709551616", "1" * 40):
+        with pytest.raises(InvalidRequest) as err:
+            backend.dump(S0, bad, 10)
+        assert err.value.field == "cursor"
+    # The largest cursor a backend may hand out is not refused (the empty pool: nothing).
+    assert backend.dump(S0, "18446744073709551615", 10)[0] == []
 
 
 def test_dump_changes_nothing(backend: Sync) -> None:

@@ -124,7 +124,9 @@ def parse_cursor(cursor: str) -> int:
     """
     if cursor == "":
         return 0
-    if not (cursor.isascii() and cursor.isdigit() and len(cursor) <= 20):
+    # (Redis answers an error, not a page, to a SCAN cursor beyond 64 bits.)
+    digits = cursor.isascii() and cursor.isdigit() and len(cursor) <= 20
+    if not digits or int(cursor) >= 1 << 64:
         shown = cursor if len(cursor) <= 40 else cursor[:37] + "..."
         raise InvalidRequest(
             f'`cursor` {shown!r} is not a cursor a dump returned; pass "" to start, then '
