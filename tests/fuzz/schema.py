@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlencode
 
 from hypothesis import strategies as st
 from jsonschema import Draft202012Validator
@@ -106,9 +107,32 @@ class Schema:
             else st.just(b"")
         )
         return st.builds(
-            lambda rank, payload: Call(op.method, op.pattern.replace("{rank}", rank), payload, op),
+            lambda rank, query, payload: Call(
+                op.method, op.pattern.replace("{rank}", rank) + query, payload, op
+            ),
             st.sampled_from(RANKS),
+            self.query(op),
             body,
+        )
+
+    def query(self, op: Operation) -> st.SearchStrategy[str]:
+        """A query string from the operation's documented query parameters (each one present
+        or not, a required one usually present), or "" when it has none."""
+        params = [p for p in op.spec.get("parameters", ()) if p.get("in") == "query"]
+        if not params:
+            return st.just("")
+        parts = []
+        for param in params:
+            name = param["name"]
+            value = self.values(param["schema"], name).map(
+                lambda v, name=name: (name, v if isinstance(v, str) else json.dumps(v))
+            )
+            present = st.just(True) if param.get("required") else st.booleans()
+            parts.append(
+                st.tuples(present | st.just(False), value).map(lambda pv: [pv[1]] if pv[0] else [])
+            )
+        return st.tuples(*parts).map(
+            lambda chosen: "?" + urlencode([kv for one in chosen for kv in one])
         )
 
     def broken_call(self, op: Operation) -> st.SearchStrategy[Call]:
@@ -172,7 +196,7 @@ class Schema:
     def _path_matches(self, call: Call) -> bool:
         assert call.op is not None
         want = call.op.pattern.split("/")
-        got = call.path.split("/")
+        got = call.path.split("?", 1)[0].split("/")
         return len(want) == len(got) and all(
             w == g or (w == "{rank}" and g != "") for w, g in zip(want, got, strict=True)
         )

@@ -66,11 +66,11 @@ def test_schemas_are_valid_json_schema() -> None:
 def test_request_schemas_are_generated_from_the_structs_the_routes_decode() -> None:
     """One description per body: the document's request schema of every route is the schema
     of the Struct that route's handler decodes its body with."""
-    from kvmeta.server import ops_routes, sglang, vllm
+    from kvmeta.server import ops_routes, prefix_routes, sglang, vllm
     from kvmeta.server.openapi import REQUEST_BODIES, struct_schema
 
     seen = set()
-    for route in sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES:
+    for route in sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES + prefix_routes.ROUTES:
         spec = CATALOGUE[(route.method, route.pattern)]
         body = spec.get("requestBody")
         if route.body is None:

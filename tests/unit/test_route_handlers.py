@@ -14,7 +14,7 @@ import pytest
 
 from kvmeta.config import Settings
 from kvmeta.errors import InvalidRequest, NotInitialized
-from kvmeta.server import ops_routes, sglang, status_page, vllm
+from kvmeta.server import ops_routes, prefix_routes, sglang, status_page, vllm
 from kvmeta.server.app import App, Route
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
@@ -100,7 +100,9 @@ def test_ops_handlers_alone() -> None:
     assert [r.pattern for r in o if r.public] == ["/health"]
 
 
-ALL_ROUTES = sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES + status_page.ROUTES
+ALL_ROUTES = (
+    sglang.ROUTES + vllm.ROUTES + ops_routes.ROUTES + status_page.ROUTES + prefix_routes.ROUTES
+)
 
 
 @pytest.mark.parametrize("r", [r for r in ALL_ROUTES if r.body is not None], ids=str)

@@ -71,6 +71,7 @@ _SCAN_ALLOWANCE = 64
 RELEASE_GRACE = 10.0
 # bytes.translate table: FREE -> 1, any other state -> 0.
 _FREE_MASK = bytes([1] + [0] * 255)
+_STORED_BYTE = bytes([STORED])
 
 
 @dataclass
@@ -248,6 +249,36 @@ class Pool:
         self.counters.get_hits += hits
         self.counters.get_misses += len(keys) - hits
         return out
+
+    def leading_stored(self, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, are STORED (stops at the first miss). A pure
+        read for routers: no LRU touch, no counter, no lease."""
+        stored = self._stored
+        n = 0
+        for key in keys:
+            if key not in stored:
+                break
+            n += 1
+        return n
+
+    def stored_keys_from(self, start: int, limit: int, window: int) -> tuple[list[str], int]:
+        """Keys of STORED pages ``start..``, in page order: at most ``limit`` keys from at most
+        ``window`` pages, and the page to continue from (``num_pages``: done). A stored key
+        never changes page, so a walk by page number returns every key stored throughout it
+        exactly once. The pages are searched in C (``bytearray.find``): O(limit) Python steps."""
+        state, page_key = self._state, self._page_key
+        end = min(self.num_pages, start + window)
+        out: list[str] = []
+        page = start
+        while len(out) < limit:
+            page = state.find(_STORED_BYTE, page, end)
+            if page < 0:
+                return out, end
+            key = page_key[page]
+            assert key is not None
+            out.append(key)
+            page += 1
+        return out, page
 
     def page_of(self, key: str) -> int | None:
         """Page of a STORED key without touching anything (stats, tests)."""

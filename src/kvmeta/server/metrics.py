@@ -39,6 +39,9 @@ __all__ = [
     "CONTENT_TYPE",
     "LATENCY_BUCKETS",
     "OTHER",
+    "PREFIX_BUCKETS",
+    "PREFIX_HITS",
+    "PrefixHits",
     "RequestMetrics",
     "RouteStats",
     "cap_pools",
@@ -187,6 +190,97 @@ class RequestMetrics:
         return timed
 
 
+# Leading-hit lengths (keys) of one exists call: 0 (nothing to load), then powers of two up
+# to 1024 (engines ask 64-256 keys a call; 4 * the largest batch seen in the wild).
+PREFIX_BUCKETS: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
+_V_ALL = ("v", "all", "")  # vLLM's batch_exists: completeness across every required rank
+_PREFIX_ROW = 2 + len(PREFIX_BUCKETS) + 1  # asked, leading, buckets (last one: +Inf)
+
+
+class PrefixHits:
+    """Leading hits of the engines' exists calls, per pool.
+
+    An engine loads the pages of a prefix up to the first one missing, so the run of present
+    keys from the start of an exists answer is what the storage tier really saves it; per-key
+    hits (``kvmeta_pool_lookups``) count the pages after a gap too. One row of plain ints per
+    pool, updated on the loop without locks like ``RouteStats``: a call costs a C-speed scan
+    of the answer to its first miss and a few int additions (about 1 us at 64 keys)."""
+
+    def __init__(self) -> None:
+        # pool key -> [keys asked, leading hits, bucket counts...]; a SGLang pool's key is its
+        # PoolId (no per-call label strings), vLLM's batch_exists is ``_V_ALL``.
+        self.pools: dict[tuple[Any, ...], list[int]] = {}
+
+    def record(self, pool: tuple[Any, ...], exists: list[bool]) -> None:
+        # One C-speed scan to the first miss; an answer that ends with a hit may have none,
+        # and asking first is cheaper than the ValueError of a failed ``index``.
+        if not exists:
+            lead = 0
+        elif exists[-1] and False not in exists:
+            lead = len(exists)
+        else:
+            lead = exists.index(False)
+        row = self.pools.get(pool)
+        if row is None:
+            row = self.pools[pool] = [0] * _PREFIX_ROW
+        row[0] += len(exists)
+        row[1] += lead
+        row[2 + bisect.bisect_left(PREFIX_BUCKETS, lead)] += 1
+
+    def record_vllm(self, exists: list[bool]) -> None:
+        self.record(_V_ALL, exists)
+
+    def copy(self) -> dict[tuple[str, str, str], list[int]]:
+        """Rows by (dialect, rank, namespace) labels, copied to render elsewhere."""
+        return {(str(k[0]), str(k[1]), str(k[2])): list(row) for k, row in self.pools.items()}
+
+
+# The server's one instance: the dialect handlers record, ``/metrics`` renders (per process,
+# like every other series with --workers).
+PREFIX_HITS = PrefixHits()
+
+
+def _prefix_metrics(
+    rows: dict[tuple[str, str, str], list[int]], max_pools: int | None
+) -> Iterator[Metric]:
+    asked = CounterMetricFamily(
+        "kvmeta_prefix_keys_asked",
+        'keys asked by the engines\' exists (SGLang) and batch_exists (vLLM, rank "all") calls',
+        labels=_POOL_LABELS,
+    )
+    leading = CounterMetricFamily(
+        "kvmeta_prefix_leading_hits",
+        "keys present from the start of each exists answer up to its first miss: the pages an "
+        "engine loads",
+        labels=_POOL_LABELS,
+    )
+    lengths = HistogramMetricFamily(
+        "kvmeta_prefix_hit_length",
+        "leading-hit length (keys) of each exists / batch_exists call",
+        labels=_POOL_LABELS,
+    )
+    ordered = sorted(rows.items())
+    if max_pools is not None and len(ordered) > max_pools:
+        summed: dict[str, list[int]] = {}
+        for labels, row in ordered[max_pools:]:
+            agg = summed.setdefault(labels[0], [0] * _PREFIX_ROW)
+            for i, n in enumerate(row):
+                agg[i] += n
+        ordered = ordered[:max_pools] + [
+            ((dialect, OTHER, OTHER), row) for dialect, row in sorted(summed.items())
+        ]
+    bounds = [str(b) for b in PREFIX_BUCKETS] + ["+Inf"]
+    for labels, row in ordered:
+        asked.add_metric(list(labels), row[0])
+        leading.add_metric(list(labels), row[1])
+        cumulative, total = [], 0
+        for bound, n in zip(bounds, row[2:], strict=True):
+            total += n
+            cumulative.append((bound, total))
+        lengths.add_metric(list(labels), cumulative, row[1])
+    yield from (asked, leading, lengths)
+
+
 class _Snapshot:
     """A collector over data gathered (asynchronously) just before the scrape renders."""
 
@@ -198,6 +292,7 @@ class _Snapshot:
         self.info: dict[str, str] = {}
         self.ready = True
         self.max_pools: int | None = None
+        self.prefix: dict[tuple[str, str, str], list[int]] = {}
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("kvmeta_info", "server build and settings", labels=list(self.info))
@@ -206,6 +301,7 @@ class _Snapshot:
         yield GaugeMetricFamily("kvmeta_ready", "1 when /ready answers 200", value=self.ready)
         yield from _pool_metrics(cap_pools(self.pools, self.max_pools))
         yield from _request_metrics(self.requests)
+        yield from _prefix_metrics(self.prefix, self.max_pools)
         if self.auth_failures is not None:
             yield CounterMetricFamily(
                 "kvmeta_auth_failures", "requests refused 401", value=self.auth_failures
@@ -325,6 +421,7 @@ async def render_metrics_async(snapshot: _Snapshot) -> bytes:
     """``render_metrics`` in a thread (with 10^4 pools it takes seconds of pure Python); the
     route counters are copied first, on the loop, as they keep changing."""
     snapshot.requests = [rs.copy() for rs in snapshot.requests]
+    snapshot.prefix = PREFIX_HITS.copy()
     return await asyncio.to_thread(render_metrics, snapshot)
 
 

@@ -15,7 +15,8 @@ from typing import Any
 
 import msgspec
 
-from kvmeta.server import sglang, vllm
+from kvmeta.server import prefix_routes, sglang, vllm
+from kvmeta.service.limits import MAX_DUMP_LIMIT, MAX_PREFIX_POOLS
 
 __all__ = ["CATALOGUE", "REQUEST_BODIES", "SCHEMAS", "build_document", "struct_schema"]
 
@@ -63,6 +64,7 @@ REQUEST_BODIES: dict[str, type[msgspec.Struct]] = {
     "VKeys": vllm.ExistsBody,
     "VRankKeys": vllm.LocationsBody,
     "VWorldSize": vllm.WorldSizeBody,
+    "PrefixMatch": prefix_routes.PrefixMatchBody,
 }
 
 
@@ -83,7 +85,10 @@ def _plain(node: Any) -> Any:
 
 def struct_schema(struct: type[msgspec.Struct]) -> Schema:
     """The JSON Schema of a body Struct: msgspec's, without the Python class name."""
-    _, components = msgspec.json.schema_components([struct])
+    # A nested Struct is a reference to its own entry in SCHEMAS, under its class name.
+    _, components = msgspec.json.schema_components(
+        [struct], ref_template="#/components/schemas/{name}"
+    )
     schema = dict(components[struct.__name__])
     schema.pop("title", None)
     if not schema.get("required", True):
@@ -93,6 +98,7 @@ def struct_schema(struct: type[msgspec.Struct]) -> Schema:
 
 SCHEMAS: dict[str, Schema] = {
     **{name: struct_schema(struct) for name, struct in REQUEST_BODIES.items()},
+    "PrefixPool": struct_schema(prefix_routes.PrefixPool),  # an item of PrefixMatch.pools
     "Error": _obj({"detail": STR}, ("detail",)),
     # dialect S
     "Exists": _obj({"exists": _list(BOOL)}, ("exists",), closed=True),
@@ -176,6 +182,49 @@ SCHEMAS: dict[str, Schema] = {
             "history": {"type": "object"},
         },
         ("server", "backend", "pools", "history"),
+    ),
+    # router reads
+    "PrefixMatches": _obj(
+        {
+            "matches": {
+                **_list(
+                    _obj(
+                        {
+                            "dialect": {"enum": ["sglang", "vllm"]},
+                            "rank": INT,
+                            "namespace": {**STR, "description": '"" for a vLLM pool'},
+                            "length": {
+                                **INT,
+                                "minimum": 0,
+                                "description": "how many of the pool's keys, from the first, "
+                                "are stored (the walk stops at the first miss)",
+                            },
+                            "found": {
+                                **BOOL,
+                                "description": "false: no such pool (not initialised yet, or "
+                                "not on this server); length is 0",
+                            },
+                        },
+                        ("dialect", "rank", "namespace", "length", "found"),
+                        closed=True,
+                    )
+                ),
+                "description": "one per requested pool, in request order",
+            }
+        },
+        ("matches",),
+        closed=True,
+    ),
+    "Dump": _obj(
+        {
+            "keys": {**_list(STR), "description": "stored keys of this page (any order)"},
+            "cursor": {
+                **STR,
+                "description": 'pass it as `cursor` for the next page; "": the walk is done',
+            },
+        },
+        ("keys", "cursor"),
+        closed=True,
     ),
     "Check": _obj(
         {"ok": BOOL, "checked": INT, "problems": _list(STR), "supported": BOOL},
@@ -310,6 +359,68 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         ("200", "VWorldSizeSet"),
         ("400", "401", "413"),
     ),
+    ("POST", "/v1/prefix_match"): _op(
+        "routers: per pool, how many of the given page keys, from the first, are stored "
+        "(O(request), stops at each pool's first miss; a pure read: no LRU touch, no lease, no "
+        f"counter). Keys of all pools together <= --max-keys (413), at most {MAX_PREFIX_POOLS} "
+        "pools (413); an unknown pool answers found=false, length 0. `hashes` (64-bit block "
+        "hashes) are refused with 400: send the keys",
+        "PrefixMatch",
+        ("200", "PrefixMatches"),
+        ("400", "401", "413"),
+    ),
+    ("GET", "/v1/dump"): {
+        **_op(
+            'indexers: one page of a pool\'s stored keys; follow `cursor` until it is "". '
+            "A key stored for the whole walk is returned at least once (SCAN-like); one "
+            "changed meanwhile may or may not be. A pure read",
+            None,
+            ("200", "Dump"),
+            ("400", "401", "404"),
+        ),
+        "parameters": [
+            {
+                "name": "rank",
+                "in": "query",
+                "required": True,
+                "schema": {"type": "integer", "format": "int64"},
+                "description": "the pool's rank (SGLang) or the vLLM worker rank",
+            },
+            {
+                "name": "namespace",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string", "default": "kv"},
+                "description": "SGLang pool name; ignored with dialect=vllm",
+            },
+            {
+                "name": "dialect",
+                "in": "query",
+                "required": False,
+                "schema": {"enum": ["sglang", "vllm"], "default": "sglang"},
+            },
+            {
+                "name": "cursor",
+                "in": "query",
+                "required": False,
+                "schema": {"type": "string", "default": ""},
+                "description": '"" (or absent) to start, then each reply\'s `cursor`',
+            },
+            {
+                "name": "limit",
+                "in": "query",
+                "required": False,
+                "schema": {
+                    "type": "integer",
+                    "minimum": 1,
+                    "maximum": MAX_DUMP_LIMIT,
+                    "default": prefix_routes.DUMP_DEFAULT_LIMIT,
+                },
+                "description": "about this many keys per page (a Redis backend may return a "
+                "few more, or fewer)",
+            },
+        ],
+    },
     ("GET", "/health"): _op("process is up (never needs auth)", None, ("200", "Health"), ()),
     ("GET", "/ready"): _op("backend loaded and reachable", None, ("200", "Ready"), _AUTH),
     ("GET", "/metrics"): {

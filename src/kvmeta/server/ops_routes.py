@@ -216,15 +216,16 @@ def add_routes(app: App, state: OpsState) -> None:
 
 
 def install(app: App, service: Service, settings: Settings) -> OpsState:
-    """Add the operator routes and the status page, then auth, metrics and the initialize
-    watcher to every route.
+    """Add the operator routes, the router routes (``server.prefix_routes``) and the status
+    page, then auth, metrics and the initialize watcher to every route.
 
     Call it last in ``build_app``: handlers added afterwards are not instrumented.
     """
-    from kvmeta.server import status_page
+    from kvmeta.server import prefix_routes, status_page
 
     state = OpsState(app, service, settings)
     add_routes(app, state)
+    prefix_routes.add_routes(app, service)
     status = status_page.StatusState(state)
     add_table(app, status_page.ROUTES, status)
     app.background.append(status.run)

@@ -16,6 +16,7 @@ import msgspec
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, Route, add_table, json_response, reply
 from kvmeta.server.http import Request, Response
+from kvmeta.server.metrics import PREFIX_HITS
 from kvmeta.service.ops import Service
 from kvmeta.service.warnings import confirm_refused, size_conflict
 
@@ -89,7 +90,9 @@ async def initialize(service: Service, req: Request, rank: int) -> Response:
 
 async def exists(service: Service, req: Request, rank: int) -> Response:
     body, warnings = KEYS.decode(req.body)
-    out = await service.exists(PoolId("s", rank, body.namespace), body.keys)
+    pool = PoolId("s", rank, body.namespace)
+    out = await service.exists(pool, body.keys)
+    PREFIX_HITS.record(pool, out)
     return reply(json_response({"exists": out}), warnings)
 
 

@@ -36,6 +36,7 @@ from kvmeta.server.app import (
     reply,
 )
 from kvmeta.server.http import Request, Response
+from kvmeta.server.metrics import PREFIX_HITS
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import (
     INIT_ERROR,
@@ -306,7 +307,9 @@ async def confirm_write(service: Service, req: Request, _: int) -> Response:
 
 async def batch_exists(service: Service, req: Request, _: int) -> Response:
     body, warnings = EXISTS.decode(req.body)
-    return reply(json_response({"exists": await service.v_exists(body.keys)}), warnings)
+    out = await service.v_exists(body.keys)
+    PREFIX_HITS.record_vllm(out)
+    return reply(json_response({"exists": out}), warnings)
 
 
 async def get_locations(service: Service, req: Request, _: int) -> Response:

@@ -30,7 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest, QuotaExceeded
+from kvmeta.errors import InvalidRequest, NotInitialized, QuotaExceeded
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.vllm import (
     INIT_ERROR,
@@ -219,6 +219,33 @@ class Operations:
 
     def stats(self) -> Op[list[PoolStats]]:
         return (yield ("stats", ()))  # type: ignore[no-any-return]
+
+    # ------------------------------------------------------------------ router reads
+
+    def prefix_match(self, pools: list[tuple[PoolId, list[str]]]) -> Op[list[int | None]]:
+        """Per pool, how many of its keys, from the first, are stored; None: no such pool
+        (a router asks about engines that may not have started yet: not an error). A pure
+        read (``Backend.prefix_length``): no LRU touch, no counter. O(request): each pool's
+        walk stops at its first miss."""
+        limits = self.limits
+        limits.check_prefix([keys for _, keys in pools])
+        for pool, _ in pools:
+            limits.check_rank(pool.rank)
+        out: list[int | None] = []
+        for pool, keys in pools:
+            try:
+                length: int = yield ("prefix_length", (pool, keys))
+            except NotInitialized:
+                out.append(None)
+            else:
+                out.append(length)
+        return out
+
+    def dump(self, pool: PoolId, cursor: str, limit: int) -> Op[tuple[list[str], str]]:
+        """One page of a pool's stored keys (``Backend.dump``), for an indexer to bootstrap."""
+        self.limits.check_rank(pool.rank)
+        self.limits.check_dump_limit(limit)
+        return (yield ("dump", (pool, cursor, limit)))  # type: ignore[no-any-return]
 
     # ------------------------------------------------------------------ vLLM's key-centric index
 

@@ -18,6 +18,8 @@ __all__ = [
     "CONFIRM_FIELDS",
     "INT64_MAX",
     "INT64_MIN",
+    "MAX_DUMP_LIMIT",
+    "MAX_PREFIX_POOLS",
     "ConfirmFields",
     "RequestLimits",
     "rank_error",
@@ -28,6 +30,13 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:\-]+")
 
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
+
+# Router reads (``service.core``: prefix_match, dump). A dump page of at most this many keys
+# (~1 MiB of JSON at 100-character keys) keeps one reply, and the scan behind it, short;
+# a bigger pool is read in more pages. Pools per prefix_match: a router asks about the engines
+# it routes to, a handful to a few hundred.
+MAX_DUMP_LIMIT = 10000
+MAX_PREFIX_POOLS = 1024
 
 # Memory a fresh in-process pool takes per page (measured with tracemalloc: a state byte, a key
 # slot, a read-lease double and two int32 LRU links, 26 bytes; 30 while it is being built; the
@@ -109,6 +118,40 @@ class RequestLimits:
                     f"{limit}; use shorter keys (e.g. a hash) or raise --max-key-length",
                     field,
                 )
+
+    def check_prefix(self, pools: list[list[str]]) -> None:
+        """A prefix_match: pool count, keys of all pools together (--max-keys), key lengths.
+
+        Raises:
+            PayloadTooLarge / InvalidRequest: naming ``pools`` (or ``pools[i].keys``) and the
+                fix.
+        """
+        if len(pools) > MAX_PREFIX_POOLS:
+            raise PayloadTooLarge(
+                f"`pools` has {len(pools)} entries, more than the limit of {MAX_PREFIX_POOLS} "
+                "per request; split the request",
+                "pools",
+            )
+        total = sum(map(len, pools))
+        if total > self.max_keys:
+            raise PayloadTooLarge(
+                f"`pools[].keys` have {total} keys together, more than the limit of "
+                f"{self.max_keys} per request; ask fewer keys (a prefix match stops at the "
+                "first miss: send the leading keys first), split the request, or raise "
+                "--max-keys",
+                "pools",
+            )
+        for i, keys in enumerate(pools):
+            self.check_keys(keys, f"pools[{i}].keys")
+
+    @staticmethod
+    def check_dump_limit(limit: int) -> None:
+        if not 1 <= limit <= MAX_DUMP_LIMIT:
+            raise InvalidRequest(
+                f"`limit` {show_number(limit)} is out of range: pass 1..{MAX_DUMP_LIMIT} keys "
+                "per page and follow `cursor` for the rest",
+                "limit",
+            )
 
     def check_confirm(
         self, pairs: list[tuple[str, int]], release: list[int], fields: ConfirmFields

@@ -87,6 +87,14 @@ class Service:
     async def stats(self) -> list[PoolStats]:
         return await run_async(self.ops.stats(), self.backend)
 
+    # ------------------------------------------------------------------ router reads
+
+    async def prefix_match(self, pools: list[tuple[PoolId, list[str]]]) -> list[int | None]:
+        return await run_async(self.ops.prefix_match(pools), self.backend)
+
+    async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
+        return await run_async(self.ops.dump(pool, cursor, limit), self.backend)
+
     # ------------------------------------------------------------------ vLLM's key-centric index
 
     async def v_initialize(

@@ -12,9 +12,18 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from kvmeta._types import PoolId
+from kvmeta.errors import InvalidRequest
 from kvmeta.store.changes import ChangeListener
 
-__all__ = ["Backend", "CheckReport", "InitResult", "PoolStats", "VIndex", "required_ranks"]
+__all__ = [
+    "Backend",
+    "CheckReport",
+    "InitResult",
+    "PoolStats",
+    "VIndex",
+    "parse_cursor",
+    "required_ranks",
+]
 
 
 @dataclass(frozen=True)
@@ -104,6 +113,27 @@ class VIndex:
             "ignored": self.ignored,
             "missing": self.missing,
         }
+
+
+def parse_cursor(cursor: str) -> int:
+    """A dump cursor (``Backend.dump``): decimal digits, as both backends' cursors are (a
+    page number, a Redis SCAN cursor); ``""``: the start.
+
+    Raises:
+        InvalidRequest: not a cursor a dump returned.
+    """
+    if cursor == "":
+        return 0
+    # (Redis answers an error, not a page, to a SCAN cursor beyond 64 bits.)
+    digits = cursor.isascii() and cursor.isdigit() and len(cursor) <= 20
+    if not digits or int(cursor) >= 1 << 64:
+        shown = cursor if len(cursor) <= 40 else cursor[:37] + "..."
+        raise InvalidRequest(
+            f'`cursor` {shown!r} is not a cursor a dump returned; pass "" to start, then '
+            'each reply\'s `cursor` until it is ""',
+            "cursor",
+        )
+    return int(cursor)
 
 
 class Backend(Protocol):
@@ -204,6 +234,13 @@ class Backend(Protocol):
         the cursor to continue from (``""``: done). Like Redis SCAN: a key stored for the
         whole walk is returned at least once; one changed meanwhile may or may not be.
         Raises ``NotInitialized`` for a pool that does not exist."""
+        ...
+
+    async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, are stored (stops at the first miss): what a
+        router asks. A pure read: no LRU touch, no counter, no lease, so routers polling it
+        change neither what is evicted next nor the engines' hit ratios. Raises
+        ``NotInitialized`` for a pool that does not exist."""
         ...
 
     def durability_stats(self) -> dict[str, float]:

@@ -27,7 +27,7 @@ from kvmeta._types import PoolId
 from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
-from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import ChangeListener
 from kvmeta.store.codec import (
     Clear,
@@ -50,6 +50,11 @@ logger = logging.getLogger(__name__)
 # loop pauses for one copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy
 # must be consistent).
 _CHECK_BATCH_PAGES = 1 << 17
+
+
+# ``MemoryStore.dump``: pages looked at per key asked for, and at least, in one call.
+_DUMP_PAGES_PER_KEY = 64
+_DUMP_MIN_WINDOW = 4096
 
 
 class ChangeSink(Protocol):
@@ -241,6 +246,22 @@ class MemoryStore:
         self._withheld(pool)
         return count
 
+    def prefix_length(self, pid: PoolId, keys: list[str]) -> int:
+        """How many of ``keys``, from the first, are stored: a pure read (no LRU, no counter)."""
+        return self.pool(pid).leading_stored(keys)
+
+    def dump(self, pid: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
+        """Stored keys in page order; the cursor is the next page number (``Backend.dump``).
+        Each call looks at most ``max(limit * 64, 4096)`` pages, so a sparse pool answers
+        fewer keys per call instead of costing O(pool)."""
+        pool = self.pool(pid)
+        start = parse_cursor(cursor)
+        if start >= pool.num_pages:
+            return [], ""
+        window = max(limit * _DUMP_PAGES_PER_KEY, _DUMP_MIN_WINDOW)
+        keys, nxt = pool.stored_keys_from(start, max(limit, 1), window)
+        return keys, "" if nxt >= pool.num_pages else str(nxt)
+
     # ------------------------------------------------------------------ vLLM index
 
     def vllm_ranks(self, tenant: str = "") -> list[int]:
@@ -374,7 +395,10 @@ class MemoryBackend:
         raise NotImplementedError("change feed: not built yet")
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
-        raise NotImplementedError("dump: not built yet")
+        return self.store.dump(pool, cursor, limit)
+
+    async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
+        return self.store.prefix_length(pool, keys)
 
     def durability_stats(self) -> dict[str, float]:
         return {}

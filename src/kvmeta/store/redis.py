@@ -73,7 +73,7 @@ from kvmeta.errors import (
     NotInitialized,
     NotReplicated,
 )
-from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
+from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -342,7 +342,38 @@ class RedisBackend:
         self._feed.listener = listener
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
-        raise NotImplementedError("dump: not built yet")
+        """``HSCAN`` of the pool's stored hash (key -> page), a plain command (no script), so
+        the cursor and the guarantee are Redis's own SCAN ones. A small hash (listpack) is
+        answered whole in one call, whatever ``limit``."""
+        keys = pool_keys(pool)
+        stored = keys[1]
+        start = str(parse_cursor(cursor))
+        reply = await self._command(stored, "HSCAN", stored, start, "COUNT", max(limit, 1))
+        nxt, flat = _text(reply[0]), reply[1]
+        out = [_text(flat[i]) for i in range(0, len(flat), 2)]
+        if not out and nxt == "0":
+            await self._pool_exists(pool)
+        return out, "" if nxt == "0" else nxt
+
+    async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
+        """One ``HMGET`` of the pool's stored hash (a plain command: no script, no counter,
+        no LRU touch); the pool's existence is read only when no key matched."""
+        n = 0
+        if keys:
+            stored = pool_keys(pool)[1]
+            for page in await self._command(stored, "HMGET", stored, *keys):
+                if page is None:
+                    break
+                n += 1
+        if n == 0:
+            await self._pool_exists(pool)
+        return n
+
+    async def _pool_exists(self, pool: PoolId) -> None:
+        """Raises NotInitialized unless the pool exists (its meta hash has a size)."""
+        meta = pool_keys(pool)[0]
+        if not await self._command(meta, "HEXISTS", meta, "n"):
+            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
 
     def durability_stats(self) -> dict[str, float]:
         """How many primaries hold the state and the fewest replicas any of them has, as the

@@ -1,0 +1,138 @@
+"""The router routes alone (``server.prefix_routes``): shapes, limits and errors, no socket."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvmeta._types import PoolId
+from kvmeta.errors import InvalidRequest, NotInitialized, PayloadTooLarge
+from kvmeta.server import prefix_routes
+from kvmeta.server.http import Request, Response
+from kvmeta.service.limits import MAX_DUMP_LIMIT, RequestLimits
+from kvmeta.service.ops import Service
+from kvmeta.store.memory import MemoryBackend, MemoryStore
+
+S0 = PoolId("s", 0, "kv")
+V1 = PoolId("v", 1, "")
+
+
+def _service(max_keys: int = 65536) -> Service:
+    svc = Service(MemoryBackend(MemoryStore()), RequestLimits(max_keys=max_keys))
+    store = svc.backend.store  # type: ignore[attr-defined]
+    store.initialize(S0, 64)
+    store.v_register(1, 64, None)
+    for pool, keys in ((S0, ["a", "b", "c", "e"]), (V1, ["x", "y"])):
+        pages = [p for _, p in store.reserve(pool, keys)]
+        store.confirm(pool, list(zip(keys, pages, strict=True)), [])
+    return svc
+
+
+def _match(svc: Service, body: Any) -> Response:
+    raw = body if isinstance(body, bytes) else msgspec.json.encode(body)
+    req = Request("POST", "/v1/prefix_match", "", raw, None)
+    return asyncio.run(prefix_routes.prefix_match(svc, req, 0))
+
+
+def _dump(svc: Service, query: str) -> Response:
+    return asyncio.run(prefix_routes.dump(svc, Request("GET", "/v1/dump", query, b"", None), 0))
+
+
+def _json(resp: Response) -> Any:
+    return msgspec.json.decode(resp.body)
+
+
+def test_prefix_match_answers_each_pool_in_order() -> None:
+    svc = _service()
+    body = {
+        "pools": [
+            {"rank": 0, "namespace": "kv", "keys": ["a", "b", "c", "d", "e"]},
+            {"dialect": "vllm", "rank": 1, "keys": ["x", "y", "z"]},
+            {"rank": 7, "keys": ["a"]},
+            {"rank": 0, "namespace": "PoolName.KV", "keys": ["b"]},
+        ]
+    }
+    resp = _match(svc, body)
+    assert resp.status == 200
+    assert _json(resp) == {
+        "matches": [
+            {"dialect": "sglang", "rank": 0, "namespace": "kv", "length": 3, "found": True},
+            {"dialect": "vllm", "rank": 1, "namespace": "", "length": 2, "found": True},
+            {"dialect": "sglang", "rank": 7, "namespace": "kv", "length": 0, "found": False},
+            {"dialect": "sglang", "rank": 0, "namespace": "kv", "length": 1, "found": True},
+        ]
+    }
+
+
+def test_prefix_match_changes_no_counter() -> None:
+    svc = _service()
+    before = [vars(p.counters).copy() for p in svc.backend.store.pools.values()]  # type: ignore[attr-defined]
+    _match(svc, {"pools": [{"rank": 0, "keys": ["a", "b", "zz"]}]})
+    after = [vars(p.counters) for p in svc.backend.store.pools.values()]  # type: ignore[attr-defined]
+    assert before == after
+
+
+def test_prefix_match_limits_name_the_field_and_the_fix() -> None:
+    svc = _service(max_keys=4)
+    with pytest.raises(PayloadTooLarge) as err:
+        _match(svc, {"pools": [{"rank": 0, "keys": ["a"] * 3}, {"rank": 1, "keys": ["a"] * 2}]})
+    assert err.value.field == "pools" and "--max-keys" in str(err.value)
+    with pytest.raises(PayloadTooLarge) as err:
+        _match(svc, {"pools": [{"rank": 0, "keys": []}] * 1025})
+    assert err.value.field == "pools"
+    with pytest.raises(InvalidRequest) as err:
+        _match(svc, {"pools": [{"rank": 0, "keys": ["k" * 2000]}]})
+    assert err.value.field == "pools[0].keys" and "--max-key-length" in str(err.value)
+
+
+def test_prefix_match_refuses_hashes_and_says_what_to_send() -> None:
+    svc = _service()
+    with pytest.raises(InvalidRequest) as err:
+        _match(svc, {"pools": [{"rank": 0, "hashes": [1, -2]}]})
+    assert err.value.field == "hashes" and "Send `keys`" in str(err.value)
+    with pytest.raises(InvalidRequest) as err:
+        _match(svc, {"pools": [{"rank": 0, "keys": [], "namespce": "kv"}]})
+    assert "namespce" in str(err.value)
+    for bad in (
+        b"{",
+        b"[]",
+        b'{"pools": 1}',
+        b'{"pools": [{"dialect": "x", "rank": 0, "keys": []}]}',
+    ):
+        with pytest.raises(InvalidRequest):
+            _match(svc, bad)
+
+
+def test_dump_walks_a_pool_in_pages() -> None:
+    svc = _service()
+    resp = _dump(svc, "rank=0&namespace=kv&limit=3")
+    first = _json(resp)
+    assert len(first["keys"]) == 3 and first["cursor"] != ""
+    rest = _json(_dump(svc, f"rank=0&cursor={first['cursor']}&limit=3"))
+    assert sorted(first["keys"] + rest["keys"]) == ["a", "b", "c", "e"] and rest["cursor"] == ""
+    assert _json(_dump(svc, "rank=1&dialect=vllm")) == {"keys": ["x", "y"], "cursor": ""}
+
+
+def test_dump_errors_name_the_parameter() -> None:
+    svc = _service()
+    with pytest.raises(NotInitialized):
+        _dump(svc, "rank=5")
+    cases = {
+        "": "rank",
+        "rank=abc": "rank",
+        "rank=99999999999999999999": "rank",
+        "rank=0&limit=0": "limit",
+        f"rank=0&limit={MAX_DUMP_LIMIT + 1}": "limit",
+        "rank=0&dialect=x": "dialect",
+        "rank=0&cursor=zz": "cursor",
+        "rank=0&rank=1": "rank",
+    }
+    for query, field in cases.items():
+        with pytest.raises(InvalidRequest) as err:
+            _dump(svc, query)
+        assert err.value.field == field, query
+    resp = _dump(svc, "rank=0&nmespace=kv")
+    assert resp.status == 200 and any(b"nmespace" in v for _, v in resp.headers)
