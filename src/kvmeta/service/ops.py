@@ -14,6 +14,7 @@ warnings themselves.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from kvmeta._types import PoolId
@@ -35,6 +36,9 @@ class Service:
         self.limits = self.ops.limits
         # Budget check and creation must not interleave with another initialize.
         self._init_lock = asyncio.Lock()
+        # Told each SGLang reserve's [key, prefix key] pairs when KV events are on (the
+        # publisher's parent hashes); None: not called.
+        self.reserve_observer: Callable[[PoolId, list[tuple[str, str | None]]], None] | None = None
 
     async def _creating(self, op: Op[Outcome[Any]]) -> Outcome[Any]:
         """Run an op that creates a pool: its budget check and creation under one lock."""

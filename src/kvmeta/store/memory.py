@@ -20,6 +20,7 @@ from typing import Protocol
 
 from kvmeta._types import PoolId
 from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
+from kvmeta.core.pool import STORED as STORED_PAGE
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex
@@ -366,7 +367,14 @@ class MemoryBackend:
             listener([change])
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
-        raise NotImplementedError("dump: not built yet")
+        # Interim page walk for the event resync (``Backend.dump`` proper comes with the prefix
+        # lookup; keep that one when both exist). The cursor is the next page number: a key
+        # stored for the whole walk keeps its page, so it is returned (SCAN-like).
+        p = self.store.pool(pool)
+        page = int(cursor) if cursor else 0
+        end = min(p.num_pages, page + max(limit, 1) * 16)
+        keys = [k for i in range(page, end) if p.state_of(i) == STORED_PAGE and (k := p.key_at(i))]
+        return keys, "" if end >= p.num_pages else str(end)
 
     def durability_stats(self) -> dict[str, float]:
         return {}
