@@ -122,7 +122,7 @@ def apply(state: dict[str, set[str]], payload: bytes) -> None:
     for ev in events:
         kind = ev["type"]
         if kind == "AllBlocksCleared":
-            if ev["pool"] == "":
+            if ev.get("pool", "") == "":  # no pool: every pool of the server (a restart)
                 state.clear()
             else:
                 state.pop(ev["pool"], None)
