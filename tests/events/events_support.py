@@ -13,6 +13,7 @@ import msgspec
 import requests
 import zmq
 
+from kvmeta.events.wire import sglang_hash
 from tests.support import ServerProcess
 
 _EVENTS_RE = re.compile(
@@ -116,24 +117,37 @@ def replay(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[tuple[bytes
         sock.close(0)
 
 
-def apply(state: dict[str, set[str]], payload: bytes) -> None:
-    """Apply one batch, decoded as plain msgpack (kvmeta's own fields: pool, keys)."""
+def apply(state: dict[str, set[Any]], payload: bytes) -> None:
+    """Apply one batch as an indexer does, by block hash (kvmeta's ``pool`` field says which
+    pool; an ``AllBlocksCleared`` without one clears every pool of the server)."""
     _, events = msgspec.msgpack.decode(payload)[:2]
     for ev in events:
         kind = ev["type"]
+        pool = ev.get("pool", "")
         if kind == "AllBlocksCleared":
-            if ev.get("pool", "") == "":  # no pool: every pool of the server (a restart)
+            if pool == "":
                 state.clear()
             else:
-                state.pop(ev["pool"], None)
+                state.pop(pool, None)
         elif kind == "BlockStored":
-            state.setdefault(ev["pool"], set()).update(ev["keys"])
+            state.setdefault(pool, set()).update(ev["block_hashes"])
         elif kind == "BlockRemoved":
-            state.setdefault(ev["pool"], set()).difference_update(ev["keys"])
+            state.setdefault(pool, set()).difference_update(ev["block_hashes"])
 
 
-def rebuild(messages: list[tuple[bytes, int, bytes]]) -> dict[str, set[str]]:
-    state: dict[str, set[str]] = {}
+def rebuild(messages: list[tuple[bytes, int, bytes]]) -> dict[str, set[Any]]:
+    state: dict[str, set[Any]] = {}
     for _, _, payload in messages:
         apply(state, payload)
-    return {pool: keys for pool, keys in state.items() if keys}
+    return {pool: hashes for pool, hashes in state.items() if hashes}
+
+
+def hashed(stored: dict[str, set[str]]) -> dict[str, set[Any]]:
+    """The block hashes of stored keys per pool: SGLang's int64 form, or a vLLM key's bytes."""
+    return {
+        pool: {sglang_hash(k) for k in keys}
+        if pool.startswith("s:")
+        else {k.encode() for k in keys}
+        for pool, keys in stored.items()
+        if keys
+    }

@@ -44,3 +44,15 @@ def test_keys_sglang_cannot_convert_still_get_a_stable_int64(engine_hash: Any, k
         engine_hash(key)
     value = sglang_hash(key)
     assert value == sglang_hash(key) and -(1 << 63) <= value < 1 << 63
+
+
+def test_batch_form_equals_the_per_key_form(engine_hash: Any) -> None:
+    from kvmeta.events.wire import sglang_hashes
+
+    hexes = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(200)]
+    assert sglang_hashes(hexes) == [engine_hash(k) for k in hexes]
+    for odd in KEYS:  # any odd key in a batch: still SGLang's value for every key
+        batch = [*hexes[:3], odd, *hexes[3:6]]
+        assert sglang_hashes(batch) == [engine_hash(k) for k in batch]
+    assert sglang_hashes(["0123456789abcde f" + "0" * 8]) == [sglang_hash("0123456789abcde f")]
+    assert sglang_hashes([]) == []

@@ -5,9 +5,11 @@ A batch is a positional msgpack array ``[ts, events]`` in both engines. Events a
 their class name (``type``); the current releases of both engines encode them as maps (field
 name -> value), older releases positionally as ``[tag, field, ...]``: ``ENCODINGS`` selects.
 Fields an engine declares without a default are always written (its decoder requires them);
-kvmeta's own fields (``keys``, ``pool``, ``reason``, ``tenant``, ``parent_key``) come after the
-engines' and are ignored by their decoders. In the positional form they follow the six fields
-both engines' positional releases share, so those decoders ignore them as trailing extras.
+kvmeta's own fields (``pool``, ``keys``, ``parent_key``, ``reason``, ``tenant``) come after the
+engines' and are ignored by their decoders. ``keys`` (the page keys, in ``BlockStored`` of
+SGLang pools) is left out where the hashes already are the keys (vLLM pools) and in removals.
+In the positional form they follow the six fields both engines' positional releases share, so
+those decoders ignore them as trailing extras.
 
 Block hashes: SGLang pools publish SGLang's own 64-bit form of the page key (``sglang_hash``),
 so a router indexing SGLang's events finds the same blocks; vLLM pools publish the key's bytes
@@ -17,6 +19,9 @@ so a router indexing SGLang's events finds the same blocks; vLLM pools publish t
 from __future__ import annotations
 
 import hashlib
+import struct
+from collections.abc import Sequence
+from operator import itemgetter
 from typing import Union
 
 import msgspec
@@ -28,6 +33,7 @@ __all__ = [
     "FORMATS",
     "pool_label",
     "sglang_hash",
+    "sglang_hashes",
 ]
 
 ENCODINGS = ("map", "array")
@@ -56,6 +62,25 @@ def sglang_hash(key: str) -> int:
     return value - _U64 if value > _I64_MAX else value
 
 
+_HEAD = itemgetter(slice(None, 16))
+
+
+def sglang_hashes(keys: Sequence[str]) -> list[int]:
+    """``sglang_hash`` of each key. SGLang's keys are hex strings of 16+ digits: their heads
+    are decoded in one pass (the 8-byte big-endian signed reading of 16 hex digits is exactly
+    the wrapped int64); any other key sends the whole call down the per-key path."""
+    heads = "".join(map(_HEAD, keys))
+    n = len(keys)
+    if len(heads) == 16 * n:
+        try:
+            raw = bytes.fromhex(heads)
+        except ValueError:
+            raw = b""
+        if len(raw) == 8 * n:  # (fromhex skips whitespace: a spaced key lands here short)
+            return list(struct.unpack(f">{n}q", raw))
+    return [sglang_hash(k) for k in keys]
+
+
 def pool_label(pool: PoolId) -> str:
     """The ``pool`` field: ``s:<rank>:<namespace>`` or ``v:<rank>`` (the tenant is apart)."""
     if pool.dialect == "v":
@@ -67,24 +92,23 @@ def pool_label(pool: PoolId) -> str:
 
 
 class MapStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
     lora_name: str | None
-    keys: list[str]
     pool: str
+    keys: Sequence[str] = ()
     parent_key: str | None = None
     reason: str = ""
     tenant: str = ""
 
 
 class MapRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     medium: str | None
-    keys: list[str]
     pool: str
     reason: str = ""
     tenant: str = ""
@@ -101,13 +125,13 @@ class MapCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=
 
 
 class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
     medium: str | None
-    keys: list[str]
+    keys: Sequence[str]
     pool: str
     parent_key: str | None
     reason: str
@@ -115,9 +139,8 @@ class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
 
 
 class ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: list[BlockHash]
+    block_hashes: Sequence[BlockHash]
     medium: str | None
-    keys: list[str]
     pool: str
     reason: str
     tenant: str
@@ -134,7 +157,8 @@ Event = Union[MapStored, MapRemoved, MapCleared, ArrayStored, ArrayRemoved, Arra
 
 
 class Batch(msgspec.Struct, array_like=True, gc=False):
-    """``[ts, events]``: ``ts`` is the wall-clock time (seconds) the batch was made."""
+    """``[ts, events]``: ``ts`` is the wall-clock time (seconds) the batch's first change
+    reached the publisher."""
 
     ts: float
     events: list[Event]
@@ -153,9 +177,9 @@ class Encoder:
     def stored(
         self,
         pool: PoolId,
-        hashes: list[BlockHash],
+        hashes: Sequence[BlockHash],
         parent: BlockHash | None,
-        keys: list[str],
+        keys: Sequence[str],
         parent_key: str | None,
         reason: str = "",
     ) -> Event:
@@ -165,14 +189,16 @@ class Encoder:
                 reason, pool.tenant,
             )  # fmt: skip
         return MapStored(
-            hashes, parent, [], 0, None, self.medium, None, keys, pool_label(pool), parent_key,
+            hashes, parent, [], 0, None, self.medium, None, pool_label(pool), keys, parent_key,
             reason, pool.tenant,
         )  # fmt: skip
 
-    def removed(self, pool: PoolId, hashes: list[BlockHash], keys: list[str], reason: str) -> Event:
+    def removed(self, pool: PoolId, hashes: Sequence[BlockHash], reason: str) -> Event:
+        """Hashes only: a subscriber knows each block's key from its ``BlockStored`` (or from
+        ``GET /v1/dump``), and a removal names nothing new."""
         if self.positional:
-            return ArrayRemoved(hashes, self.medium, keys, pool_label(pool), reason, pool.tenant)
-        return MapRemoved(hashes, self.medium, keys, pool_label(pool), reason, pool.tenant)
+            return ArrayRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
+        return MapRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
 
     def cleared(self, pool: PoolId | None, reason: str) -> Event:
         """``pool`` None: every pool of this server (the first event after a start)."""
