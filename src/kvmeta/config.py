@@ -74,6 +74,12 @@ class Settings:
     failover_timeout: float = 5.0
     min_replicas_ack: int = 0
     replica_ack_timeout: float = 1.0
+    # KV events (see kvmeta.events and docs/events.md)
+    events: str | None = None
+    events_replay: str | None = None
+    events_buffer: int = 10_000
+    events_format: str = "map"
+    events_medium: str = "EXTERNAL"
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -142,6 +148,18 @@ def _bool(text: str) -> bool:
     if low in ("0", "false", "no", "off", ""):
         return False
     raise ValueError("must be true or false")
+
+
+def _zmq_endpoint(text: str) -> str:
+    if not text.startswith(("tcp://", "ipc://")):
+        raise ValueError("a ZeroMQ address such as tcp://127.0.0.1:5557 (or ipc:///path)")
+    return text
+
+
+def _medium(text: str) -> str:
+    if not text or len(text) > 64:
+        raise ValueError("a tier name of 1-64 characters, e.g. EXTERNAL")
+    return text
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -232,6 +250,28 @@ OPTIONS: tuple[Option, ...] = (
         "Redis backend: seconds to wait for --min-replicas-ack replicas",
         _seconds,
     ),
+    # KV events
+    Option(
+        "events",
+        "publish KV events (stores, removals, clears) on this ZeroMQ PUB address, e.g. "
+        "tcp://127.0.0.1:5557 (events name every tenant's keys: keep it on loopback); unset: off",
+        _zmq_endpoint,
+    ),
+    Option(
+        "events_replay",
+        "ZeroMQ ROUTER address answering replay requests (batches from a sequence number), "
+        "e.g. tcp://127.0.0.1:5558; unset: no replay",
+        _zmq_endpoint,
+    ),
+    Option("events_buffer", "event batches kept for replay", _positive_int),
+    Option(
+        "events_format",
+        "how events are encoded: map (the current vLLM and SGLang releases) or array "
+        "(positional, their older releases)",
+        str,
+        ("map", "array"),
+    ),
+    Option("events_medium", "the medium field of every event (the tier's name)", _medium),
 )
 
 
@@ -335,6 +375,18 @@ def settings_from_args(
             "and no local data directory is used. Drop the local-state option (or its "
             "KVMETA_* variable), or drop `--backend` to keep state locally",
             local[0],
+        )
+    if settings.events and settings.workers > 1:
+        raise ConfigError(
+            "`--events` with `--workers` > 1: every worker process would bind the same events "
+            "address. Run one server per events address (each publishes what it executed)",
+            "events",
+        )
+    if settings.events_replay and not settings.events:
+        raise ConfigError(
+            "`--events-replay` needs `--events` (the replay socket answers from the batches "
+            "published there)",
+            "events_replay",
         )
     if bool(settings.ssl_certfile) != bool(settings.ssl_keyfile):
         raise ConfigError(

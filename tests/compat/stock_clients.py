@@ -11,8 +11,10 @@ itself runs exactly as released. Nothing of the engines is committed to this rep
 from __future__ import annotations
 
 import abc
+import ast
 import enum
 import importlib.util
+import logging
 import os
 import subprocess
 import sys
@@ -32,10 +34,33 @@ STOCK = {
 }
 
 
+# Further modules of the same releases: the KV event classes, and SGLang's key -> int64 hash.
+EVENT_MODULES = {
+    "sglang": "sglang/srt/disaggregation/kv_events.py",
+    "vllm": "vllm/distributed/kv_events.py",
+}
+SGLANG_HASH_MODULE = "sglang/srt/mem_cache/utils.py"
+_MEMBERS = {
+    STOCK["sglang"][0]: (STOCK["sglang"][1], EVENT_MODULES["sglang"], SGLANG_HASH_MODULE),
+    STOCK["vllm"][0]: (STOCK["vllm"][1], EVENT_MODULES["vllm"]),
+}
+
+
 def module_source(engine: str) -> Path:
     """Path of the engine's metadata-server module, downloading its wheel on first use."""
     requirement, member = STOCK[engine]
-    target = CACHE / requirement.replace("==", "-") / Path(member).name
+    return member_source(requirement, member)
+
+
+def _cached(requirement: str, member: str) -> Path:
+    # Files of one release keep distinct names in the cache (kv_events.py, utils.py, ...).
+    return CACHE / requirement.replace("==", "-") / Path(member).name
+
+
+def member_source(requirement: str, member: str) -> Path:
+    """Path of one file of a released wheel, extracting every file the tests use from it
+    (``_MEMBERS``) on first use, so the wheel is downloaded once."""
+    target = _cached(requirement, member)
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
@@ -58,10 +83,11 @@ def module_source(engine: str) -> Path:
         )
         (wheel,) = Path(tmp).glob("*.whl")
         with zipfile.ZipFile(wheel) as zf:
-            data = zf.read(member)
-    partial = target.with_suffix(".part")
-    partial.write_bytes(data)
-    partial.replace(target)
+            for name in {member, *_MEMBERS.get(requirement, ())}:
+                out = _cached(requirement, name)
+                partial = out.with_suffix(".part")
+                partial.write_bytes(zf.read(name))
+                partial.replace(out)
     return target
 
 
@@ -123,3 +149,81 @@ def load(engine: str) -> types.ModuleType:
                 sys.modules.pop(name, None)
             else:
                 sys.modules[name] = old
+
+
+# ---------------------------------------------------------------------- KV events
+
+
+def _event_stand_ins(engine: str) -> dict[str, types.ModuleType]:
+    """What the engines' ``kv_events`` modules import besides msgspec, zmq and pydantic: their
+    configuration, logging and network helpers (unused by the event classes), and vLLM's block
+    hash alias, given as released (``vllm/v1/core/kv_cache_utils.py``: ``bytes | int``)."""
+
+    class _Any:
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            pass
+
+    if engine == "vllm":
+        return {
+            "vllm": _stub("vllm"),
+            "vllm.config": _stub("vllm.config"),
+            "vllm.config.kv_events": _stub("vllm.config.kv_events", KVEventsConfig=_Any),
+            "vllm.logger": _stub("vllm.logger", init_logger=logging.getLogger),
+            "vllm.utils": _stub("vllm.utils"),
+            "vllm.utils.network_utils": _stub(
+                "vllm.utils.network_utils",
+                get_ip=_Any,
+                get_tcp_uri=_Any,
+                is_valid_ipv6_address=_Any,
+                split_zmq_path=_Any,
+            ),
+            "vllm.v1": _stub("vllm.v1"),
+            "vllm.v1.core": _stub("vllm.v1.core"),
+            "vllm.v1.core.kv_cache_utils": _stub(
+                "vllm.v1.core.kv_cache_utils", ExternalBlockHash=bytes | int
+            ),
+        }
+    return {
+        "sglang": _stub("sglang"),
+        "sglang.srt": _stub("sglang.srt"),
+        "sglang.srt.runtime_context": _stub("sglang.srt.runtime_context", get_parallel=_Any),
+        "sglang.srt.utils": _stub("sglang.srt.utils"),
+        "sglang.srt.utils.network": _stub("sglang.srt.utils.network", NetworkAddress=_Any),
+    }
+
+
+def load_events(engine: str) -> types.ModuleType:
+    """The engine's released ``kv_events`` module (``KVEventBatch``, ``BlockStored`` ...)."""
+    path = member_source(STOCK[engine][0], EVENT_MODULES[engine])
+    stand_ins = _event_stand_ins(engine)
+    saved = {name: sys.modules.get(name) for name in stand_ins}
+    sys.modules.update(stand_ins)
+    try:
+        spec = importlib.util.spec_from_file_location(f"stock_{engine}_kv_events", path)
+        assert spec is not None and spec.loader is not None
+        module = importlib.util.module_from_spec(spec)
+        # msgspec resolves the Structs' annotations through the module: it must be registered.
+        sys.modules[spec.name] = module
+        spec.loader.exec_module(module)
+        return module
+    finally:
+        for name, old in saved.items():
+            if old is None:
+                sys.modules.pop(name, None)
+            else:
+                sys.modules[name] = old
+
+
+def sglang_hash_function() -> types.FunctionType:
+    """SGLang's ``hash_str_to_int64`` as released. Its module imports GPU kernels, so the one
+    function is compiled from the module's source alone (its body runs unmodified)."""
+    path = member_source(STOCK["sglang"][0], SGLANG_HASH_MODULE)
+    tree = ast.parse(path.read_text())
+    (node,) = (
+        n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "hash_str_to_int64"
+    )
+    namespace: dict[str, object] = {}
+    exec(compile(ast.Module(body=[node], type_ignores=[]), str(path), "exec"), namespace)
+    function = namespace["hash_str_to_int64"]
+    assert isinstance(function, types.FunctionType)
+    return function

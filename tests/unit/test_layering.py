@@ -25,6 +25,7 @@ LAYERS = {
     "store": 2,
     "service": 3,
     "config": 3,
+    "events": 3,
     "server": 4,
     "client": 4,
     "status": 5,

@@ -414,6 +414,7 @@ def render_metrics(snapshot: _Snapshot) -> bytes:
     registry = CollectorRegistry(auto_describe=False)
     registry.register(snapshot)
     registry.register(_CallerWarnings())
+    registry.register(_EventMetrics())
     return generate_latest(registry)
 
 
@@ -448,3 +449,45 @@ class _CallerWarnings:
         for kind, count in sorted(CALLER_WARNINGS.items()):
             family.add_metric([kind], count)
         yield family
+
+
+# The KV event publisher's counters (``events.publisher.EventStats``) while ``--events`` is on;
+# set once by ``server.runner``. A module-level source like ``CALLER_WARNINGS``: one publisher
+# per process.
+EVENTS: list[Any] = []
+
+
+class _EventMetrics:
+    """``kvmeta_events_*``: what the publisher sent, replays asked, and how long changes
+    waited in the publisher (change reported durable -> batch sent)."""
+
+    def collect(self) -> Iterator[Metric]:
+        if not EVENTS:
+            return
+        from kvmeta.events.publisher import LAG_BUCKETS
+
+        st = EVENTS[0]
+        for name, help_, value in (
+            ("kvmeta_events_published", "KV events published (BlockStored, ...)", st.events),
+            ("kvmeta_events_blocks", "keys (blocks) named by published events", st.blocks),
+            ("kvmeta_events_batches", "event batches (ZeroMQ messages) published", st.batches),
+            ("kvmeta_events_replay_requests", "replay requests answered", st.replay_requests),
+            ("kvmeta_events_resyncs", "resyncs published after a start", st.resyncs),
+        ):
+            yield CounterMetricFamily(name, help_, value=value)
+        lag = HistogramMetricFamily(
+            "kvmeta_events_publish_lag_seconds",
+            "seconds from a change reaching the publisher (durable) to its batch being sent",
+        )
+        cumulative, total = [], 0
+        for bound, n in zip(LAG_BUCKETS, list(st.lag_buckets), strict=True):
+            total += n
+            cumulative.append((str(bound), total))
+        cumulative.append(("+Inf", st.lag_count))
+        lag.add_metric([], cumulative, st.lag_sum)
+        yield lag
+        yield GaugeMetricFamily(
+            "kvmeta_events_publish_lag_seconds_max",
+            "longest publish lag seen since the start",
+            value=st.lag_max,
+        )

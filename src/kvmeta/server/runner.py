@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.config import Settings
-from kvmeta.errors import InvalidRequest
+from kvmeta.errors import ConfigError, InvalidRequest
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets
 from kvmeta.service.limits import RequestLimits
@@ -148,6 +148,7 @@ async def run(
     backend = build_backend(settings)
     await backend.start()
     service = Service(backend, _limits(settings))
+    publisher = _start_events(settings, backend, service, loop) if settings.events else None
     app = build_app(settings, service)
     from kvmeta.server.oplog import access_logged, log_startup
 
@@ -190,6 +191,8 @@ async def run(
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, on_signal, signum)
     tasks = [loop.create_task(job()) for job in app.background]
+    if publisher is not None:
+        tasks.append(loop.create_task(publisher.resync(backend)))
     if ready is not None:
         ready.set()
     try:
@@ -200,7 +203,71 @@ async def run(
         await asyncio.gather(*tasks, return_exceptions=True)
         await server.shutdown()
         await backend.close()
+        if publisher is not None:
+            backend.set_change_listener(None)
+            publisher.close()
         logger.info("kvmeta stopped")
+
+
+def _start_events(
+    settings: Settings, backend: Backend, service: Service, loop: asyncio.AbstractEventLoop
+) -> Any:
+    """Bind the event sockets and attach the publisher to the backend's change feed."""
+    try:
+        from kvmeta.events.publisher import Publisher
+    except ImportError as exc:
+        raise ConfigError(
+            f"`--events` needs the pyzmq package ({exc}): pip install 'kvmeta[events]'",
+            "events",
+        ) from exc
+    import zmq
+
+    assert settings.events is not None
+    try:
+        publisher = Publisher(
+            settings.events,
+            replay_endpoint=settings.events_replay,
+            buffer=settings.events_buffer,
+            encoding=settings.events_format,
+            medium=settings.events_medium,
+            epoch=backend.epoch,
+        )
+    except zmq.ZMQError as exc:
+        raise ConfigError(
+            f"cannot bind the events address {settings.events} (or --events-replay "
+            f"{settings.events_replay}): {exc}. Pick a free port or stop what holds it",
+            "events",
+        ) from None
+    try:
+        backend.set_change_listener(publisher.on_changes)
+    except NotImplementedError:
+        publisher.close()
+        raise ConfigError(
+            f"`--events` is not available with the {backend.name} backend in this build",
+            "events",
+        ) from None
+    publisher.start(loop)
+    service.reserve_observer = publisher.note_reserve
+    from kvmeta.server import metrics
+
+    metrics.EVENTS[:] = [publisher.stats]
+    replay = f", replay on {publisher.replay.endpoint}" if publisher.replay else ""
+    logger.info(
+        "kvmeta events on %s (topic %s, format %s%s)",
+        publisher.endpoint,
+        publisher.topic.decode(),
+        settings.events_format,
+        replay,
+    )
+    host = settings.events.removeprefix("tcp://").rpartition(":")[0].strip("[]")
+    if settings.events.startswith("tcp://") and host not in _LOOPBACK:
+        logger.warning(
+            "--events %s is reachable from other machines: events name the keys of every "
+            "tenant and carry no authentication; bind it to 127.0.0.1 unless the network is "
+            "trusted",
+            settings.events,
+        )
+    return publisher
 
 
 def serve(settings: Settings) -> None:

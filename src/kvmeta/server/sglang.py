@@ -99,7 +99,10 @@ async def exists(service: Service, req: Request, rank: int) -> Response:
 async def reserve(service: Service, req: Request, rank: int) -> Response:
     body, warnings = RESERVE.decode(req.body)
     keys = list(map(_first, body.keys))
-    out = await service.reserve(PoolId("s", rank, body.namespace), keys)
+    pool = PoolId("s", rank, body.namespace)
+    out = await service.reserve(pool, keys)
+    if service.reserve_observer is not None:
+        service.reserve_observer(pool, body.keys)
     return reply(json_response({"indices": out}), warnings)
 
 

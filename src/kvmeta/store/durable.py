@@ -42,6 +42,7 @@ import functools
 import logging
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
@@ -50,6 +51,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar
 from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
+from kvmeta.store.changes import Change, ChangeListener
 from kvmeta.store.codec import Commit
 from kvmeta.store.epoch import data_dir_epoch
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
@@ -119,6 +121,8 @@ class DurableBackend(MemoryBackend):
         self._lock_fd = -1
         self._closed = False
         self._retry_wake = asyncio.Event()
+        # Changes waiting for their journal records to be durable: (seq, change), seq ascending.
+        self._undelivered: deque[tuple[int, Change]] = deque()
 
     @property
     def epoch(self) -> str:
@@ -171,6 +175,8 @@ class DurableBackend(MemoryBackend):
             self.journal.on_fail = self._retry_wake.set
             self.journal.start()
             self.store.sink = self.journal
+            if self._listener is not None:  # set before start: now it waits for the journal
+                self.set_change_listener(self._listener)
             if self.journal.waits:
                 self.store.set_withhold(self.journal)
             if listing.empty and opts.persistence_path is not None:
@@ -405,6 +411,41 @@ class DurableBackend(MemoryBackend):
         with gc_paused():  # only around the synchronous copy (see _capture)
             image = capture(self.store)
         await asyncio.to_thread(_write_legacy_image, path, image)
+
+    # ------------------------------------------------------------------ change feed
+
+    def set_change_listener(self, listener: ChangeListener | None) -> None:
+        """Changes go out once the journal records holding them are fsynced (at once with
+        ``--fsync never`` or without a journal): a crash must not undo an announced change."""
+        self._listener = listener
+        journal = self.journal
+        if listener is None:
+            self.store.on_change = None
+            self._undelivered.clear()
+            if journal is not None:
+                journal.on_durable = None
+        elif journal is None or not journal.waits:
+            self.store.on_change = self._deliver_now
+        else:
+            self.store.on_change = self._hold_until_durable
+            journal.on_durable = self._deliver_durable
+
+    def _hold_until_durable(self, change: Change) -> None:
+        journal = self.journal
+        assert journal is not None
+        # The store journals a change's record just before reporting it: ``seq`` covers it.
+        self._undelivered.append((journal.seq, change))
+
+    def _deliver_durable(self, durable_seq: int) -> None:
+        pending = self._undelivered
+        if not pending or pending[0][0] > durable_seq:
+            return
+        out = []
+        while pending and pending[0][0] <= durable_seq:
+            out.append(pending.popleft()[1])
+        listener = self._listener
+        if listener is not None:
+            listener(out)
 
     # ------------------------------------------------------------------ waits
 

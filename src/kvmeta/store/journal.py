@@ -128,6 +128,9 @@ class Journal:
         self.failed_at = 0.0  # wall-clock time of the failure (0: not failed)
         self.failed_seq = 0  # durable_seq when it failed: later records were not durable
         self.on_fail: Callable[[], None] | None = None
+        # Called with the new durable position each time it advances (the change feed waits
+        # for it: never announce what a crash can undo). None: no call.
+        self.on_durable: Callable[[int], None] | None = None
         self._closed = False
         self._fd = -1
         self._fd_segment = -1
@@ -327,6 +330,8 @@ class Journal:
             fut = heapq.heappop(waiters)[2]
             if not fut.done():
                 fut.set_result(None)
+        if self.on_durable is not None:
+            self.on_durable(self.durable_seq)
 
     def _fail(self, reason: str, fix: str = "") -> None:
         """Stop writing (a half-written group must not be followed by more), answer every

@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Callable
+from operator import itemgetter
 from typing import Protocol
 
 from kvmeta._types import PoolId
@@ -28,7 +29,17 @@ from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, cop
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
-from kvmeta.store.changes import ChangeListener
+from kvmeta.store.changes import (
+    CLEARED,
+    REASON_CAPACITY,
+    REASON_CLEAR,
+    REASON_DELETE,
+    REASON_DROP,
+    REMOVED,
+    STORED,
+    Change,
+    ChangeListener,
+)
 from kvmeta.store.codec import (
     Clear,
     Commit,
@@ -45,6 +56,8 @@ from kvmeta.store.writeahead import DurableSink, WriteAhead
 __all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
 
 logger = logging.getLogger(__name__)
+
+_first = itemgetter(0)
 
 # ``MemoryBackend.check``: pages copied per step before the copies are checked in a thread. The
 # loop pauses for one copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy
@@ -86,6 +99,10 @@ class MemoryStore:
         self.vllm_world_sizes: dict[str, int] = {}
         # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
         self.write_ahead: WriteAhead | None = None
+        # Where each change of stored keys goes (``store.changes``), made next to its journal
+        # record because the record does not say why keys went (capacity vs delete). None:
+        # nothing is built, one attribute test per change.
+        self.on_change: Callable[[Change], None] | None = None
 
     @property
     def vllm_world_size(self) -> int | None:
@@ -188,6 +205,8 @@ class MemoryStore:
         removed = pool.evict_ahead(min(target - spare, 2 * batch), self.clock())
         if removed:
             self._record(Remove(pid, removed))
+            if self.on_change is not None:
+                self._changed(pid, REMOVED, removed, REASON_CAPACITY)
             rule.withheld(pool)
 
     # ------------------------------------------------------------------ operations
@@ -205,6 +224,8 @@ class MemoryStore:
         out = pool.reserve(keys, self.clock(), evicted)
         if evicted:
             self._record(Remove(pid, evicted))
+            if self.on_change is not None:
+                self._changed(pid, REMOVED, evicted, REASON_CAPACITY)
         if rule is not None:
             if evicted:
                 rule.evicted_in_place(pool, [page for _, page in evicted])
@@ -218,6 +239,8 @@ class MemoryStore:
         outcome = self.pool(pid).confirm(pairs, release, self.clock())
         if outcome.committed:
             self._record(Commit(pid, outcome.committed))
+            if self.on_change is not None:
+                self._changed(pid, STORED, outcome.committed, "")
         if outcome.refused:
             logger.warning(
                 "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
@@ -236,6 +259,8 @@ class MemoryStore:
         removed = pool.delete(keys, self.clock())
         if removed:
             self._record(Remove(pid, removed))
+            if self.on_change is not None:
+                self._changed(pid, REMOVED, removed, REASON_DELETE)
             self._withheld(pool)
         return len(removed)
 
@@ -243,6 +268,8 @@ class MemoryStore:
         pool = self.pool(pid)
         count = pool.clear(self.clock())
         self._record(Clear(pid))
+        if self.on_change is not None:
+            self.on_change(Change(pid, CLEARED, (), REASON_CLEAR))
         self._withheld(pool)
         return count
 
@@ -320,6 +347,8 @@ class MemoryStore:
         self._count_pages(pid, -pool.num_pages)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
+        if self.on_change is not None:
+            self.on_change(Change(pid, CLEARED, (), REASON_DROP))
         return pool.stored_count
 
     def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
@@ -367,6 +396,10 @@ class MemoryStore:
         if self.write_ahead is not None:
             self.write_ahead.withheld(pool)
 
+    def _changed(self, pid: PoolId, kind: str, pairs: list[tuple[str, int]], reason: str) -> None:
+        assert self.on_change is not None
+        self.on_change(Change(pid, kind, tuple(map(_first, pairs)), reason))
+
 
 class MemoryBackend:
     """The async ``Backend`` over a ``MemoryStore``; every call runs to completion on the loop,
@@ -378,6 +411,7 @@ class MemoryBackend:
         self.store = store
         # The state lives and dies with this process: a new one each start.
         self._epoch = new_epoch()
+        self._listener: ChangeListener | None = None
 
     @property
     def epoch(self) -> str:
@@ -392,7 +426,14 @@ class MemoryBackend:
         return None  # nothing to fail: the state is only in memory
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
-        raise NotImplementedError("change feed: not built yet")
+        """Memory: each change is final once made, so it goes out at once."""
+        self._listener = listener
+        self.store.on_change = None if listener is None else self._deliver_now
+
+    def _deliver_now(self, change: Change) -> None:
+        listener = self._listener
+        if listener is not None:
+            listener([change])
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
         return self.store.dump(pool, cursor, limit)

@@ -1,0 +1,327 @@
+"""KV events on vs off at the SGLang batch-64 cycle, side by side in one run.
+
+    python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
+                                      [--repeat 2] [--capacity-seconds 3]
+
+For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other with
+``kvmeta bench``'s engine cycle (exists, reserve, confirm, get; batch 64, pool prefilled so
+every reserve evicts 64 keys): one plain, one with ``--events`` and a subscriber in this
+process that receives and decodes every batch. Reported per setting: requests/s, server CPU
+µs per request (utime + stime from /proc, steadier than wall time on a shared machine), and
+with events: the change -> subscriber lag (receive time minus the batch's ``ts``, which is when
+its first change reached the publisher: p50/p99/max), blocks (keys named by events) and
+events per second sustained (median of the 1 s bins of the busy span), and the server's own
+counters. Then the publisher alone (``--capacity-seconds``): changes of 64 keys fed as fast as
+it takes them, through a real PUB socket to a subscriber, for its ceiling in blocks/s.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import socket
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path[:0] = [str(ROOT / "src"), str(ROOT)]
+
+import msgspec  # noqa: E402
+import requests  # noqa: E402
+import zmq  # noqa: E402
+
+from kvmeta.bench.driver import BenchConfig, run_bench  # noqa: E402
+from kvmeta.bench.launch import LaunchedServer  # noqa: E402
+
+
+_PASSES = 6
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+class Counter:
+    """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch."""
+
+    def __init__(self, endpoint: str) -> None:
+        self.samples: list[tuple[float, int, int, float]] = []
+        self._stop = threading.Event()
+        self._ctx = zmq.Context()
+        self._sock = self._ctx.socket(zmq.SUB)
+        self._sock.setsockopt(zmq.SUBSCRIBE, b"")
+        self._sock.setsockopt(zmq.RCVHWM, 0)
+        self._sock.connect(endpoint)
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        decode = msgspec.msgpack.decode
+        while not self._stop.is_set():
+            if not self._sock.poll(100):
+                continue
+            _, _, payload = self._sock.recv_multipart()
+            now = time.time()
+            ts, events = decode(payload)[:2]
+            blocks = sum(len(e.get("keys", ())) for e in events)
+            self.samples.append((now, len(events), blocks, now - ts))
+
+    def close(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._sock.close(0)
+        self._ctx.term()
+
+
+def _pct(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))] if ordered else 0.0
+
+
+def _sustained(samples: list[tuple[float, int, int, float]], index: int) -> float:
+    """Median per-second count of the busy span (first and last second left out)."""
+    if not samples:
+        return 0.0
+    start = samples[0][0]
+    bins: dict[int, int] = {}
+    for s in samples:
+        bins[int(s[0] - start)] = bins.get(int(s[0] - start), 0) + s[index]
+    busy = [bins.get(i, 0) for i in range(1, max(bins))]
+    return float(statistics.median(busy)) if busy else 0.0
+
+
+def server_counters(url: str) -> dict[str, float]:
+    text = requests.get(url + "/metrics", timeout=30).text
+    out = {}
+    for line in text.splitlines():
+        if line.startswith("kvmeta_events_") and "{" not in line:
+            name, value = line.split()
+            out[name] = float(value)
+    return out
+
+
+def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
+    extra = ["--read-lease", "0"]
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    if events:
+        extra += ["--events", endpoint]
+    counter = None
+    with LaunchedServer(mode, extra) as server:
+        if events:
+            counter = Counter(endpoint)
+            time.sleep(0.5)
+        cfg.url, cfg.server_pid, cfg.data_dir = server.url, server.pid, server.data_dir
+        cfg.seed = ""
+        result = run_bench(cfg).to_dict()
+        out: dict[str, Any] = {
+            "events": events,
+            "requests_per_s": result["requests_per_s"],
+            "cpu_us_per_request": result["cpu_us_per_request"],
+            "latency_p99_us": result["latency_p99_us"],
+        }
+        if counter is not None:
+            time.sleep(0.5)
+            counter.close()
+            lags = [s[3] for s in counter.samples]
+            out.update(
+                batches=len(counter.samples),
+                lag_p50_ms=_pct(lags, 0.5) * 1e3,
+                lag_p99_ms=_pct(lags, 0.99) * 1e3,
+                lag_max_ms=max(lags, default=0.0) * 1e3,
+                blocks_per_s=_sustained(counter.samples, 2),
+                events_per_s=_sustained(counter.samples, 1),
+                server=server_counters(server.url),
+            )
+    return out
+
+
+def inprocess(batch: int, pool_pages: int, cycles: int) -> dict[str, float]:
+    """Server CPU per request of the S cycle without sockets (as ``kvmeta bench core``'s app
+    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends)
+    replayed on two identically prefilled apps, one with a publisher on a real PUB socket.
+    ``process_time`` counts every thread (ZeroMQ's I/O thread too). Best of 2 x 6 passes."""
+    import asyncio
+
+    from kvmeta.bench.core_bench import _keys
+    from kvmeta.config import Settings
+    from kvmeta.events.publisher import Publisher
+    from kvmeta.server.http import Request, render
+    from kvmeta.server.runner import build_app, build_backend
+    from kvmeta.service.ops import Service
+
+    enc, dec = msgspec.json.encode, msgspec.json.decode
+
+    def chain(keys: list[str]) -> list[list[str | None]]:
+        return [[k, p] for k, p in zip(keys, [None, *keys[:-1]], strict=True)]
+
+    def app_with(events: bool) -> tuple[Any, Publisher | None, Any]:
+        settings = Settings(in_memory=True, read_lease=0.0)
+        backend = build_backend(settings)
+        service = Service(backend)
+        app = build_app(settings, service)
+        pub = None
+        if events:
+            pub = Publisher(f"tcp://127.0.0.1:{free_port()}")
+            backend.set_change_listener(pub.on_changes)
+            service.reserve_observer = pub.note_reserve
+
+        def call(path: str, body: bytes) -> bytes:
+            coro = app(Request("POST", path, "", body, None))
+            try:
+                coro.send(None)
+            except StopIteration as stop:
+                return render(stop.value, True)
+            raise RuntimeError("suspended")
+
+        return call, pub, backend
+
+    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
+    recorder, _, _ = app_with(False)
+    recorder(*script[0])
+    fill = _keys(pool_pages, "fill")
+    for i in range(0, pool_pages, 8192):
+        chunk = fill[i : i + 8192]
+        body = enc({"keys": chain(chunk)})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+    setup = len(script)
+    for i in range(_PASSES * cycles):
+        keys = _keys(batch, f"c{i}")
+        script.append(("/0/exists", enc({"keys": keys})))
+        recorder(*script[-1])
+        body = enc({"keys": chain(keys)})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
+        recorder(*script[-1])
+        script.append(("/0/get_page_indices", enc({"keys": keys})))
+        recorder(*script[-1])
+
+    async def measure(events: bool) -> float:
+        call, pub, _ = app_with(events)
+        if pub is not None:
+            pub.start(asyncio.get_running_loop())
+        for path, body in script[:setup]:
+            call(path, body)
+        await asyncio.sleep(0.05)
+        best = float("inf")
+        per_pass = 4 * cycles
+        for n in range(_PASSES):
+            part = script[setup + n * per_pass : setup + (n + 1) * per_pass]
+            t0 = time.process_time()
+            for j, (path, body) in enumerate(part):
+                call(path, body)
+                if j % 16 == 15:  # a loop pass every 4 cycles, as under load
+                    await asyncio.sleep(0)
+            if pub is not None:
+                pub.flush()
+            best = min(best, (time.process_time() - t0) / per_pass)
+        if pub is not None:
+            pub.close()
+        return best * 1e6
+
+    off = min(asyncio.run(measure(False)) for _ in range(2))
+    on = min(asyncio.run(measure(True)) for _ in range(2))
+    return {"off_us": off, "on_us": on, "added_percent": 100 * (on / off - 1)}
+
+
+def capacity(seconds: float) -> dict[str, float]:
+    """The publisher alone: how many blocks per second it encodes and sends."""
+    import asyncio
+
+    from kvmeta._types import PoolId
+    from kvmeta.events.publisher import Publisher
+    from kvmeta.store.changes import REASON_CAPACITY, REMOVED, STORED, Change
+
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    pub = Publisher(endpoint, encoding="map")
+    counter = Counter(endpoint)
+    time.sleep(0.5)
+    pool = PoolId("s", 0, "kv")
+    keys = [f"{i:064x}" for i in range(64 * 1024)]
+
+    async def feed() -> tuple[int, float]:
+        pub.start(asyncio.get_running_loop())
+        sent, n = 0, 0
+        t0 = time.perf_counter()
+        while time.perf_counter() - t0 < seconds:
+            for _ in range(16):  # one loop pass: 16 confirms and 16 evictions of 64 keys
+                chunk = tuple(keys[(n % 1024) * 64 : (n % 1024 + 1) * 64])
+                pub.note_reserve(pool, [(k, p) for p, k in zip((None, *chunk), chunk)])
+                pub.on_changes([Change(pool, STORED, chunk)])
+                pub.on_changes([Change(pool, REMOVED, chunk, REASON_CAPACITY)])
+                sent += 128
+                n += 1
+            await asyncio.sleep(0)
+        return sent, time.perf_counter() - t0
+
+    sent, took = asyncio.run(feed())
+    time.sleep(1.0)
+    pub.close()
+    counter.close()
+    received = sum(s[2] for s in counter.samples)
+    return {"blocks_per_s": sent / took, "received_share": received / sent}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument("--capacity-seconds", type=float, default=3.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    runs = []
+    for _ in range(args.repeat):
+        for events in (False, True):
+            cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
+            cfg.duration = args.duration
+            runs.append(one(args.launch, events, cfg))
+    cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
+    app = inprocess(64, 65536, 400)
+    if args.json:
+        print(json.dumps({"runs": runs, "capacity": cap, "app": app}, indent=2))
+        return
+    print(f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s:")
+    for r in runs:
+        line = (
+            f"  events {'on ' if r['events'] else 'off'}  {r['requests_per_s']:8,.0f} req/s  "
+            f"{r['cpu_us_per_request']:6.1f} us CPU/request  p99 {r['latency_p99_us']:6.0f} us"
+        )
+        if r["events"]:
+            line += (
+                f"  | {r['blocks_per_s']:9,.0f} blocks/s {r['events_per_s']:7,.0f} events/s"
+                f"  lag p50 {r['lag_p50_ms']:.2f} p99 {r['lag_p99_ms']:.2f} "
+                f"max {r['lag_max_ms']:.1f} ms"
+            )
+        print(line)
+    off = [r["cpu_us_per_request"] for r in runs if not r["events"]]
+    on = [r["cpu_us_per_request"] for r in runs if r["events"]]
+    print(
+        f"  CPU per request: off {statistics.median(off):.1f} us, on {statistics.median(on):.1f} "
+        f"us: {100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} %"
+    )
+    print(
+        f"app alone (no sockets, best of 12 passes): off {app['off_us']:.1f} us, on {app['on_us']:.1f} us "
+        f"CPU per request: {app['added_percent']:+.1f} %"
+    )
+    if cap:
+        print(
+            f"publisher alone: {cap['blocks_per_s']:,.0f} blocks/s encoded and sent "
+            f"({100 * cap['received_share']:.0f} % received by one subscriber)"
+        )
+
+
+if __name__ == "__main__":
+    main()

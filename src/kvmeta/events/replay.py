@@ -1,0 +1,104 @@
+"""The replay socket: a ZeroMQ ROUTER that answers "every batch from sequence N".
+
+The protocol is the engines' (their subscribers already speak it): a request is one frame,
+the first sequence number wanted as 8 bytes big-endian (a REQ socket adds the empty delimiter
+frame; a DEALER may send it or not, and the answer mirrors what it sent). The answer is each
+buffered batch with a sequence number >= N as ``topic, sequence, payload`` (the frames of the
+live stream), then the end marker ``b"", -1 as 8 bytes signed big-endian, b""``. Batches older
+than the buffer are gone: when the first sequence answered is above N, the subscriber missed
+some and must rebuild from ``GET /v1/dump`` (docs/events.md).
+
+It runs on the event loop: a replay is a loop of non-blocking sends of buffered bytes, and the
+socket's high-water mark holds a whole buffer plus its marker.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+
+import zmq
+
+__all__ = ["END_MARKER", "ReplayServer"]
+
+logger = logging.getLogger(__name__)
+
+END_MARKER = (-1).to_bytes(8, "big", signed=True)
+# The socket's readiness is edge-triggered; a periodic look catches a missed edge.
+_SAFETY_POLL = 1.0
+
+
+class ReplayServer:
+    """Serves ``buffer`` (``(seq, topic, payload)``, oldest first) on a bound ROUTER socket."""
+
+    def __init__(
+        self,
+        ctx: zmq.Context[zmq.Socket[bytes]],
+        endpoint: str,
+        buffer: deque[tuple[int, bytes, bytes]],
+    ) -> None:
+        self.buffer = buffer
+        self.requests = 0
+        self.sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
+        self.sock.setsockopt(zmq.SNDHWM, 2 * ((buffer.maxlen or 0) + 1))
+        self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.bind(endpoint)
+        self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
+        self._fd = int(self.sock.getsockopt(zmq.FD))
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        loop.add_reader(self._fd, self._serve)
+        self._tick()
+
+    def _tick(self) -> None:
+        self._serve()
+        assert self._loop is not None
+        self._timer = self._loop.call_later(_SAFETY_POLL, self._tick)
+
+    def _serve(self) -> None:
+        sock = self.sock
+        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+            try:
+                frames = sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            self._answer(frames)
+
+    def _answer(self, frames: list[bytes]) -> None:
+        if len(frames) == 3 and frames[1] == b"":
+            head = [frames[0], b""]
+        elif len(frames) == 2:
+            head = [frames[0]]
+        else:
+            logger.warning("replay request of %d frames ignored (expected [b'', seq])", len(frames))
+            return
+        wanted = frames[-1]
+        if len(wanted) != 8:
+            logger.warning("replay request ignored: the sequence must be 8 bytes big-endian")
+            return
+        start = int.from_bytes(wanted, "big", signed=True)
+        self.requests += 1
+        sock = self.sock
+        try:
+            for seq, topic, payload in self.buffer:
+                if seq >= start:
+                    sock.send_multipart(
+                        [*head, topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK
+                    )
+            sock.send_multipart([*head, b"", END_MARKER, b""], zmq.NOBLOCK)
+        except zmq.Again:
+            logger.warning("replay answer cut short: the subscriber is not reading")
+
+    def close(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._fd)
+            except (OSError, ValueError, zmq.ZMQError):
+                pass
+        self.sock.close(0)

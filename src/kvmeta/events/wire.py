@@ -1,0 +1,212 @@
+"""The event wire format: the engines' ``EventBatch`` of ``BlockStored`` / ``BlockRemoved`` /
+``AllBlocksCleared``, as their released subscribers decode it.
+
+A batch is a positional msgpack array ``[ts, events]`` in both engines. Events are tagged by
+their class name (``type``); the current releases of both engines encode them as maps (field
+name -> value), older releases positionally as ``[tag, field, ...]``: ``ENCODINGS`` selects.
+Fields an engine declares without a default are always written (its decoder requires them);
+kvmeta's own fields (``pool``, ``keys``, ``parent_key``, ``reason``, ``tenant``) come after the
+engines' and are ignored by their decoders. ``keys`` (the page keys, in ``BlockStored`` of
+SGLang pools) is left out where the hashes already are the keys (vLLM pools) and in removals.
+In the positional form they follow the six fields both engines' positional releases share, so
+those decoders ignore them as trailing extras.
+
+Block hashes: SGLang pools publish SGLang's own 64-bit form of the page key (``sglang_hash``),
+so a router indexing SGLang's events finds the same blocks; vLLM pools publish the key's bytes
+(its HF3FS key, an MD5 chain, is not vLLM's block hash; docs/events.md).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+from operator import itemgetter
+from typing import Union
+
+import msgspec
+
+from kvmeta._types import PoolId
+
+__all__ = [
+    "ENCODINGS",
+    "FORMATS",
+    "pool_label",
+    "sglang_hash",
+    "sglang_hashes",
+]
+
+ENCODINGS = ("map", "array")
+FORMATS = ENCODINGS  # the --events-format choices
+
+BlockHash = Union[int, bytes]  # noqa: UP007 - msgspec reads the annotation at runtime
+
+_U64 = 1 << 64
+_I64_MAX = (1 << 63) - 1
+
+
+def sglang_hash(key: str) -> int:
+    """The signed 64-bit block hash SGLang's events carry for a page key: the first 16 hex
+    digits of the key (SGLang's keys are SHA-256 hex strings) as an unsigned number, wrapped
+    into the signed range.
+
+    Parsing follows Python's ``int(text, 16)`` exactly as SGLang's own conversion does (so
+    ``0x`` prefixes, ``_`` separators, surrounding spaces and a sign are accepted the same
+    way). A key that does not parse at all (SGLang would fail on it) gets the first 8 bytes of
+    its SHA-256 as a signed int64 instead, so every key still has a stable 64-bit hash.
+    """
+    try:
+        value = int(key[:16], 16)
+    except ValueError:
+        return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
+    return value - _U64 if value > _I64_MAX else value
+
+
+_HEAD = itemgetter(slice(None, 16))
+
+
+def sglang_hashes(keys: Sequence[str]) -> list[int]:
+    """``sglang_hash`` of each key. SGLang's keys are hex strings of 16+ digits: their heads
+    are decoded in one pass (the 8-byte big-endian signed reading of 16 hex digits is exactly
+    the wrapped int64); any other key sends the whole call down the per-key path."""
+    heads = "".join(map(_HEAD, keys))
+    n = len(keys)
+    if len(heads) == 16 * n:
+        try:
+            raw = bytes.fromhex(heads)
+        except ValueError:
+            raw = b""
+        if len(raw) == 8 * n:  # (fromhex skips whitespace: a spaced key lands here short)
+            return list(struct.unpack(f">{n}q", raw))
+    return [sglang_hash(k) for k in keys]
+
+
+def pool_label(pool: PoolId) -> str:
+    """The ``pool`` field: ``s:<rank>:<namespace>`` or ``v:<rank>`` (the tenant is apart)."""
+    if pool.dialect == "v":
+        return f"v:{pool.rank}"
+    return f"s:{pool.rank}:{pool.namespace}"
+
+
+# ---------------------------------------------------------------------- map form (current)
+
+
+class MapStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
+    block_hashes: Sequence[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    pool: str
+    keys: Sequence[str] = ()
+    parent_key: str | None = None
+    reason: str = ""
+    tenant: str = ""
+
+
+class MapRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
+    block_hashes: Sequence[BlockHash]
+    medium: str | None
+    pool: str
+    reason: str = ""
+    tenant: str = ""
+
+
+class MapCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=False):
+    medium: str | None = None
+    pool: str = ""
+    reason: str = ""
+    tenant: str = ""
+
+
+# ---------------------------------------------------------------------- positional form
+
+
+class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
+    block_hashes: Sequence[BlockHash]
+    parent_block_hash: BlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    keys: Sequence[str]
+    pool: str
+    parent_key: str | None
+    reason: str
+    tenant: str
+
+
+class ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
+    block_hashes: Sequence[BlockHash]
+    medium: str | None
+    pool: str
+    reason: str
+    tenant: str
+
+
+class ArrayCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True, gc=False):
+    medium: str | None
+    pool: str
+    reason: str
+    tenant: str
+
+
+Event = Union[MapStored, MapRemoved, MapCleared, ArrayStored, ArrayRemoved, ArrayCleared]  # noqa: UP007
+
+
+class Batch(msgspec.Struct, array_like=True, gc=False):
+    """``[ts, events]``: ``ts`` is the wall-clock time (seconds) the batch's first change
+    reached the publisher."""
+
+    ts: float
+    events: list[Event]
+
+
+class Encoder:
+    """Builds events in one encoding; ``batch`` returns the msgpack payload."""
+
+    def __init__(self, encoding: str, medium: str) -> None:
+        if encoding not in ENCODINGS:
+            raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
+        self.positional = encoding == "array"
+        self.medium = medium
+        self._encode = msgspec.msgpack.Encoder().encode
+
+    def stored(
+        self,
+        pool: PoolId,
+        hashes: Sequence[BlockHash],
+        parent: BlockHash | None,
+        keys: Sequence[str],
+        parent_key: str | None,
+        reason: str = "",
+    ) -> Event:
+        if self.positional:
+            return ArrayStored(
+                hashes, parent, [], 0, None, self.medium, keys, pool_label(pool), parent_key,
+                reason, pool.tenant,
+            )  # fmt: skip
+        return MapStored(
+            hashes, parent, [], 0, None, self.medium, None, pool_label(pool), keys, parent_key,
+            reason, pool.tenant,
+        )  # fmt: skip
+
+    def removed(self, pool: PoolId, hashes: Sequence[BlockHash], reason: str) -> Event:
+        """Hashes only: a subscriber knows each block's key from its ``BlockStored`` (or from
+        ``GET /v1/dump``), and a removal names nothing new."""
+        if self.positional:
+            return ArrayRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
+        return MapRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
+
+    def cleared(self, pool: PoolId | None, reason: str) -> Event:
+        """``pool`` None: every pool of this server (the first event after a start)."""
+        label = "" if pool is None else pool_label(pool)
+        tenant = "" if pool is None else pool.tenant
+        if self.positional:
+            return ArrayCleared(self.medium, label, reason, tenant)
+        return MapCleared(self.medium, label, reason, tenant)
+
+    def batch(self, ts: float, events: list[Event]) -> bytes:
+        return self._encode(Batch(ts, events))

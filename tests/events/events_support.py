@@ -1,0 +1,153 @@
+"""A ZeroMQ subscriber of ``kvmeta serve --events`` for the tests, and a model of a pool's keys
+rebuilt from the events (what a router's indexer does)."""
+
+from __future__ import annotations
+
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+import requests
+import zmq
+
+from kvmeta.events.wire import sglang_hash
+from tests.support import ServerProcess
+
+_EVENTS_RE = re.compile(
+    r"kvmeta events on (\S+) \(topic (\S+), format (\w+)(?:, replay on (\S+))?\)"
+)
+END = (-1).to_bytes(8, "big", signed=True)
+
+
+@dataclass
+class Endpoints:
+    pub: str
+    topic: str
+    replay: str | None
+
+
+def endpoints(server: ServerProcess) -> Endpoints:
+    """The addresses the server logged (it binds ``tcp://127.0.0.1:0`` to free ports)."""
+    server.wait_for_log("kvmeta events on", timeout=30)
+    found = list(_EVENTS_RE.finditer(server.log))
+    assert found, server.log
+    match = found[-1]  # the latest start's
+    return Endpoints(match.group(1), match.group(2), match.group(4))
+
+
+def published(server: ServerProcess) -> int:
+    """Batches the server says it published (``kvmeta_events_batches_total``)."""
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    (line,) = [x for x in text.splitlines() if x.startswith("kvmeta_events_batches_total")]
+    return int(float(line.split()[1]))
+
+
+@dataclass
+class Subscriber:
+    """Collects ``(topic, seq, payload)`` of every message on a background thread."""
+
+    endpoint: str
+    messages: list[tuple[bytes, int, bytes]] = field(default_factory=list)
+    ctx: zmq.Context[Any] = field(default_factory=zmq.Context)
+
+    def __post_init__(self) -> None:
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> Subscriber:
+        self._stop.clear()
+        sock = self.ctx.socket(zmq.SUB)
+        sock.setsockopt(zmq.SUBSCRIBE, b"")
+        sock.setsockopt(zmq.RCVHWM, 0)
+        sock.connect(self.endpoint)
+        self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
+        self._thread.start()
+        time.sleep(0.5)  # a SUB socket gets only what is sent after it joined
+        return self
+
+    def _run(self, sock: zmq.Socket[Any]) -> None:
+        try:
+            while not self._stop.is_set():
+                if sock.poll(50):
+                    topic, seq, payload = sock.recv_multipart()
+                    self.messages.append((topic, int.from_bytes(seq, "big"), payload))
+        finally:
+            sock.close(0)
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(10)
+
+    def wait_for(self, server: ServerProcess, timeout: float = 60.0) -> None:
+        """Until the last batch the server published has arrived."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            want = published(server)
+            if self.messages and self.messages[-1][1] >= want - 1:
+                return
+            time.sleep(0.1)
+        raise AssertionError(f"got {len(self.messages)} messages, server published {want}")
+
+    def close(self) -> None:
+        self.stop()
+        self.ctx.term()
+
+
+def replay(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
+    """Ask the replay socket for every batch from ``start`` (a REQ-style request on DEALER)."""
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    sock.connect(endpoint)
+    sock.send_multipart([b"", start.to_bytes(8, "big")])
+    out = []
+    try:
+        while True:
+            assert sock.poll(30_000), "no end marker from the replay socket"
+            empty, topic, seq, payload = sock.recv_multipart()
+            assert empty == b""
+            if seq == END:
+                assert topic == b"" and payload == b""
+                return out
+            out.append((topic, int.from_bytes(seq, "big"), payload))
+    finally:
+        sock.close(0)
+
+
+def apply(state: dict[str, set[Any]], payload: bytes) -> None:
+    """Apply one batch as an indexer does, by block hash (kvmeta's ``pool`` field says which
+    pool; an ``AllBlocksCleared`` without one clears every pool of the server)."""
+    _, events = msgspec.msgpack.decode(payload)[:2]
+    for ev in events:
+        kind = ev["type"]
+        pool = ev.get("pool", "")
+        if kind == "AllBlocksCleared":
+            if pool == "":
+                state.clear()
+            else:
+                state.pop(pool, None)
+        elif kind == "BlockStored":
+            state.setdefault(pool, set()).update(ev["block_hashes"])
+        elif kind == "BlockRemoved":
+            state.setdefault(pool, set()).difference_update(ev["block_hashes"])
+
+
+def rebuild(messages: list[tuple[bytes, int, bytes]]) -> dict[str, set[Any]]:
+    state: dict[str, set[Any]] = {}
+    for _, _, payload in messages:
+        apply(state, payload)
+    return {pool: hashes for pool, hashes in state.items() if hashes}
+
+
+def hashed(stored: dict[str, set[str]]) -> dict[str, set[Any]]:
+    """The block hashes of stored keys per pool: SGLang's int64 form, or a vLLM key's bytes."""
+    return {
+        pool: {sglang_hash(k) for k in keys}
+        if pool.startswith("s:")
+        else {k.encode() for k in keys}
+        for pool, keys in stored.items()
+        if keys
+    }

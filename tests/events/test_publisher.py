@@ -1,0 +1,254 @@
+"""``kvmeta serve --events``: every event decodes with the engines' released event classes, and
+a subscriber that applies them holds exactly the pools' stored keys."""
+
+from __future__ import annotations
+
+import hashlib
+import random
+import types
+from collections.abc import Iterator
+from typing import Any
+
+import msgspec
+import pytest
+import requests
+
+from tests.compat.stock_clients import load, load_events, sglang_hash_function
+from tests.events.events_support import Subscriber, endpoints, hashed, rebuild
+from tests.support import ServerProcess
+
+NAMESPACES = ("kv", "mamba")
+
+
+@pytest.fixture(scope="module")
+def sglang_events() -> types.ModuleType:
+    return load_events("sglang")
+
+
+@pytest.fixture(scope="module")
+def vllm_events() -> types.ModuleType:
+    return load_events("vllm")
+
+
+@pytest.fixture(scope="module")
+def sglang_int64() -> Any:
+    return sglang_hash_function()
+
+
+def page_key(i: int) -> str:
+    return hashlib.sha256(f"page {i}".encode()).hexdigest()
+
+
+def sglang_workload(
+    url: str, rng: random.Random, cycles: int
+) -> tuple[dict[str, list[str]], dict[str, str | None]]:
+    """Chains of pages per namespace on a small pool: commits, evictions, refused confirms,
+    releases, deletes and one clear. Returns the keys used per pool and each key's prefix."""
+    used: dict[str, list[str]] = {ns: [] for ns in NAMESPACES}
+    prefix_of: dict[str, str | None] = {}
+    for ns in NAMESPACES:
+        r = requests.post(
+            f"{url}/0/initialize", json={"num_pages": 40, "namespace": ns}, timeout=30
+        )
+        assert r.status_code == 204, r.text
+    n = 0
+    for cycle in range(cycles):
+        ns = NAMESPACES[cycle % 2]
+        chain: list[tuple[str, str | None]] = []
+        prev: str | None = rng.choice(used[ns]) if used[ns] and rng.random() < 0.3 else None
+        for _ in range(rng.randint(1, 10)):
+            key = page_key(n)
+            n += 1
+            chain.append((key, prev))
+            prefix_of[key] = prev
+            prev = key
+        if used[ns] and rng.random() < 0.3:
+            # A hit, or stored again if it went meanwhile (a page key always has one prefix).
+            again = rng.choice(used[ns])
+            chain.append((again, prefix_of[again]))
+        reply = requests.post(
+            f"{url}/0/reserve_and_allocate_page_indices",
+            json={"keys": chain, "namespace": ns},
+            timeout=30,
+        ).json()["indices"]
+        pairs = [
+            (k, page)
+            for (k, _), (hit, page) in zip(chain, reply, strict=True)
+            if not hit and page >= 0
+        ]
+        release: list[int] = []
+        if len(pairs) > 2 and rng.random() < 0.3:
+            release.append(pairs.pop()[1])  # the engine gave up on the last page
+        if pairs and rng.random() < 0.1:
+            pairs.append((pairs[0][0], (pairs[0][1] + 1) % 40))  # a foreign page: refused
+        r = requests.post(
+            f"{url}/0/confirm_write",
+            json={"written_keys_to_confirm": pairs, "pages_to_release": release, "namespace": ns},
+            timeout=30,
+        )
+        assert r.status_code in (200, 204), r.text
+        used[ns] += [k for k, _ in chain]
+        if cycle % 9 == 8:
+            gone = rng.sample(used[ns], min(6, len(used[ns]))) + ["never stored"]
+            requests.post(f"{url}/0/delete_keys", json={"keys": gone, "namespace": ns}, timeout=30)
+        if cycle == cycles // 2:
+            requests.post(f"{url}/0/clear", json={"namespace": ns}, timeout=30)
+    return used, prefix_of
+
+
+def sglang_state(url: str, used: dict[str, list[str]]) -> dict[str, set[str]]:
+    out = {}
+    for ns, keys in used.items():
+        keys = sorted(set(keys))
+        found = requests.post(f"{url}/0/exists", json={"keys": keys, "namespace": ns}, timeout=30)
+        stored = {k for k, hit in zip(keys, found.json()["exists"], strict=True) if hit}
+        if stored:
+            out[f"s:0:{ns}"] = stored
+    return out
+
+
+@pytest.fixture
+def events_server() -> Iterator[ServerProcess]:
+    server = ServerProcess(
+        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
+        "--events-replay", "tcp://127.0.0.1:0",
+    ).start()  # fmt: skip
+    yield server
+    server.stop()
+
+
+def test_sglang_events_decode_with_both_engines_classes_and_rebuild_the_pools(
+    events_server: ServerProcess,
+    sglang_events: types.ModuleType,
+    vllm_events: types.ModuleType,
+    sglang_int64: Any,
+) -> None:
+    ends = endpoints(events_server)
+    sub = Subscriber(ends.pub).start()
+    try:
+        used, prefix_of = sglang_workload(events_server.url, random.Random(7), 60)
+        sub.wait_for(events_server)
+    finally:
+        sub.close()
+    # (Batch 0 is the start's resync, sent as the subscriber joined: it may or may not see it.)
+    seqs = [seq for _, seq, _ in sub.messages if seq > 0]
+    assert seqs == list(range(1, len(seqs) + 1))
+    reasons = set()
+    chained = 0
+    for topic, _, payload in sub.messages:
+        assert topic.decode() == ends.topic
+        stock = msgspec.msgpack.decode(payload, type=sglang_events.KVEventBatch)
+        # vLLM's classes read them too (its block hashes are ``bytes | int``).
+        as_vllm = msgspec.msgpack.decode(payload, type=vllm_events.KVEventBatch)
+        assert [type(e).__name__ for e in as_vllm.events] == [
+            type(e).__name__ for e in stock.events
+        ]
+        raw = msgspec.msgpack.decode(payload)[1]
+        assert len(stock.events) == len(raw)
+        for event, plain in zip(stock.events, raw, strict=True):
+            if isinstance(event, sglang_events.AllBlocksCleared):
+                reasons.add(plain["reason"])
+                continue
+            assert event.medium == "EXTERNAL"
+            if isinstance(event, sglang_events.BlockRemoved):
+                assert "keys" not in plain  # (a removal names blocks stored before)
+                reasons.add(plain["reason"])
+                continue
+            keys = plain["keys"]
+            # The engine's own 64-bit form of each page key.
+            assert event.block_hashes == [sglang_int64(k) for k in keys]
+            assert plain.get("parent_key") == prefix_of[keys[0]]
+            want_parent = None if prefix_of[keys[0]] is None else sglang_int64(prefix_of[keys[0]])
+            assert event.parent_block_hash == want_parent
+            assert all(prefix_of[b] == a for a, b in zip(keys, keys[1:], strict=False))
+            chained += len(keys) > 1
+    assert reasons == {"capacity", "delete", "clear"}
+    assert chained > 0
+    assert rebuild(sub.messages) == hashed(sglang_state(events_server.url, used))
+
+
+def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
+    events_server: ServerProcess, vllm_events: types.ModuleType
+) -> None:
+    stock = load("vllm")
+    client = stock.Hf3fsGlobalMetadataClient(events_server.url)
+    ends = endpoints(events_server)
+    sub = Subscriber(ends.pub).start()
+    rng = random.Random(3)
+    used: list[str] = []
+    try:
+        for rank in (0, 1):
+            client.initialize(rank, 16)
+        for cycle in range(40):
+            keys = [
+                hashlib.md5(f"{cycle}/{i}".encode()).hexdigest() for i in range(rng.randint(1, 6))
+            ]
+            for rank in (0, 1):
+                pages = client.allocate_pages_for_keys(rank, [(k, "") for k in keys])
+                client.confirm_write_for_keys(rank, [(k, p) for k, p in pages if p >= 0])
+            used += keys
+            if cycle == 20:
+                client._post("clear", {})
+        requests.post(f"{events_server.url}/v1/vllm/ranks/1/remove", timeout=30)
+        sub.wait_for(events_server)
+    finally:
+        sub.close()
+        client._session.close()
+    reasons = set()
+    for _, _, payload in sub.messages:
+        batch = msgspec.msgpack.decode(payload, type=vllm_events.KVEventBatch)
+        raw = msgspec.msgpack.decode(payload)[1]
+        for event, plain in zip(batch.events, raw, strict=True):
+            if isinstance(event, vllm_events.AllBlocksCleared):
+                reasons.add(plain["reason"])
+                continue
+            assert "keys" not in plain  # vLLM's block hashes are the keys' bytes
+            assert {h.decode() for h in event.block_hashes} <= set(used)
+            assert event.medium == "EXTERNAL"
+            if isinstance(event, vllm_events.BlockRemoved):
+                reasons.add(plain["reason"])
+    assert reasons == {"capacity", "clear", "drop"}
+    keys = sorted(set(used))
+    found = stock.Hf3fsGlobalMetadataClient(events_server.url).get_key_locations(0, keys)
+    locations = {k for k, page in zip(keys, found, strict=True) if page is not None}
+    assert rebuild(sub.messages) == hashed({"v:0": locations})
+
+
+def test_array_format_puts_the_engines_fields_first(
+    sglang_events: types.ModuleType, sglang_int64: Any
+) -> None:
+    server = ServerProcess(
+        "--in-memory", "--events", "tcp://127.0.0.1:0", "--events-format", "array"
+    ).start()
+    try:
+        sub = Subscriber(endpoints(server).pub).start()
+        try:
+            url = server.url
+            requests.post(f"{url}/0/initialize", json={"num_pages": 4}, timeout=30)
+            keys = [page_key(i) for i in range(3)]
+            reply = requests.post(
+                f"{url}/0/reserve_and_allocate_page_indices",
+                json={"keys": [[keys[0], None], [keys[1], keys[0]], [keys[2], keys[1]]]},
+                timeout=30,
+            ).json()["indices"]
+            pairs = [(k, p) for k, (_, p) in zip(keys, reply, strict=True)]
+            requests.post(
+                f"{url}/0/confirm_write", json={"written_keys_to_confirm": pairs}, timeout=30
+            )
+            requests.post(f"{url}/0/delete_keys", json={"keys": keys[:1]}, timeout=30)
+            sub.wait_for(server)
+        finally:
+            sub.close()
+    finally:
+        server.stop()
+    events = [e for _, seq, p in sub.messages if seq > 0 for e in msgspec.msgpack.decode(p)[1]]
+    stored, removed = events
+    shared = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
+    assert sglang_events.BlockStored.__struct_fields__[:6] == shared
+    assert stored[0] == "BlockStored"
+    fields = dict(zip(shared, stored[1:7], strict=True))
+    assert fields["block_hashes"] == [sglang_int64(k) for k in keys]
+    assert fields["parent_block_hash"] is None and fields["token_ids"] == []
+    assert stored[6] == "EXTERNAL" and stored[7] == keys and stored[8] == "s:0:kv"
+    assert removed[0] == "BlockRemoved" and removed[2] == "EXTERNAL" and removed[3] == "s:0:kv"
+    assert removed[1] == [sglang_int64(keys[0])]
