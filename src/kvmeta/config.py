@@ -74,6 +74,8 @@ class Settings:
     failover_timeout: float = 5.0
     min_replicas_ack: int = 0
     replica_ack_timeout: float = 1.0
+    # tenants: scoped tokens and quotas (see server/tokens.py, docs/tenants.md)
+    auth_file: str | None = None
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -231,6 +233,12 @@ OPTIONS: tuple[Option, ...] = (
         "replica_ack_timeout",
         "Redis backend: seconds to wait for --min-replicas-ack replicas",
         _seconds,
+    ),
+    # tenants
+    Option(
+        "auth_file",
+        "tokens file (TOML, mode 600): per-tenant tokens, scopes and quotas; reloaded on "
+        "SIGHUP; --auth-token stays the all-access token",
     ),
 )
 

@@ -14,6 +14,7 @@ warnings themselves.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any
 
 from kvmeta._types import PoolId
@@ -35,6 +36,8 @@ class Service:
         self.limits = self.ops.limits
         # Budget check and creation must not interleave with another initialize.
         self._init_lock = asyncio.Lock()
+        # A tenant's page cap (the tokens file's max_pages; None: no cap).
+        self.tenant_max_pages: Callable[[str], int | None] = _no_cap
 
     async def _creating(self, op: Op[Outcome[Any]]) -> Outcome[Any]:
         """Run an op that creates a pool: its budget check and creation under one lock."""
@@ -90,24 +93,37 @@ class Service:
         return await self._creating(op)
 
     async def v_register_outcome(
-        self, rank: int, num_pages: int, world_size: int | None
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
     ) -> Outcome[InitResult]:
-        return await self._creating(self.ops.v_register(rank, num_pages, world_size))
+        op = self.ops.v_register(rank, num_pages, world_size, *_t(tenant))
+        return await self._creating(op)
 
-    async def v_register(self, rank: int, num_pages: int, world_size: int | None) -> InitResult:
-        return (await self.v_register_outcome(rank, num_pages, world_size)).value
+    async def v_register(
+        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+    ) -> InitResult:
+        return (await self.v_register_outcome(rank, num_pages, world_size, tenant)).value
 
-    async def v_exists(self, keys: list[str]) -> list[bool]:
-        return await run_async(self.ops.v_exists(keys), self.backend)
+    async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
+        return await run_async(self.ops.v_exists(keys, *_t(tenant)), self.backend)
 
-    async def v_clear(self) -> int:
-        return await run_async(self.ops.v_clear(), self.backend)
+    async def v_clear(self, tenant: str = "") -> int:
+        return await run_async(self.ops.v_clear(*_t(tenant)), self.backend)
 
-    async def v_remove(self, rank: int) -> int | None:
-        return await run_async(self.ops.v_remove(rank), self.backend)
+    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+        return await run_async(self.ops.v_remove(rank, *_t(tenant)), self.backend)
 
-    async def v_set_world_size(self, world_size: int | None) -> None:
-        await run_async(self.ops.v_set_world_size(world_size), self.backend)
+    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
+        await run_async(self.ops.v_set_world_size(world_size, *_t(tenant)), self.backend)
 
-    async def v_index(self) -> VIndex:
-        return await run_async(self.ops.v_index(), self.backend)
+    async def v_index(self, tenant: str = "") -> VIndex:
+        return await run_async(self.ops.v_index(*_t(tenant)), self.backend)
+
+
+def _no_cap(tenant: str) -> int | None:
+    return None
+
+
+def _t(tenant: str) -> tuple[str, ...]:
+    """The tenant argument as the operations take it (placeholder until the per-tenant vLLM
+    registries are in the operations; the default tenant passes nothing)."""
+    return (tenant,) if tenant else ()
