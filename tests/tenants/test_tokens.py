@@ -206,3 +206,16 @@ def test_401_without_a_known_token(tenant_server: Callable[..., ServerProcess]) 
     r = Client(server.url, "not-a-token-of-this-server").post("/0/exists", {"keys": []})
     assert r.status_code == 401 and "tokens file" in r.json()["detail"]
     assert Client(server.url, None).get("/health").status_code == 200
+
+
+def test_kvmeta_status_shows_the_tenant_column_when_there_are_tenants() -> None:
+    from kvmeta.status import format_table
+
+    pool = {"dialect": "s", "rank": 0, "namespace": "kv", "num_pages": 4, "free": 4}
+    pool.update(reserved=0, stored=0, hit_rate=None, size_conflicts=0, counters={})
+    plain = format_table("http://h:1", {"server": {}, "pools": [{**pool, "tenant": ""}]})
+    assert "TENANT" not in plain
+    doc = {"server": {}, "pools": [{**pool, "tenant": "teamA"}, {**pool, "tenant": ""}]}
+    lines = format_table("http://h:1", doc).splitlines()
+    assert lines[1].startswith("TENANT") and lines[2].startswith("teamA ")
+    assert lines[3].startswith("- ")
