@@ -80,6 +80,8 @@ class Settings:
     events_buffer: int = 10_000
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
+    # tenants: scoped tokens and quotas (see server/tokens.py, docs/tenants.md)
+    auth_file: str | None = None
 
     def __repr__(self) -> str:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -272,6 +274,12 @@ OPTIONS: tuple[Option, ...] = (
         ("map", "array"),
     ),
     Option("events_medium", "the medium field of every event (the tier's name)", _medium),
+    # tenants
+    Option(
+        "auth_file",
+        "tokens file (TOML, mode 600): per-tenant tokens, scopes and quotas; reloaded on "
+        "SIGHUP; --auth-token stays the all-access token",
+    ),
 )
 
 

@@ -85,8 +85,10 @@ def format_table(url: str, doc: dict[str, Any]) -> str:
     if not pools:
         lines.append("no pools yet (engines create them with initialize)")
         return "\n".join(lines)
+    tenants = any(p.get("tenant") for p in pools)
     header = (
-        f"{'POOL':<28} {'PAGES':>9}  {'OCCUPANCY (#stored +reserved)':<29} "
+        ("TENANT".ljust(17) if tenants else "")
+        + f"{'POOL':<28} {'PAGES':>9}  {'OCCUPANCY (#stored +reserved)':<29} "
         f"{'STORED':>9} {'RESERVED':>8} {'HIT RATE':>8} {'EVICTED':>8} {'WARN':<4}"
     )
     lines.append(header)
@@ -96,7 +98,8 @@ def format_table(url: str, doc: dict[str, Any]) -> str:
         counters = pool.get("counters", {})
         warn = "SIZE" if pool.get("size_conflicts") else ""
         lines.append(
-            f"{_pool_name(pool):<28} {pool['num_pages']:>9}  "
+            (f"{(pool.get('tenant') or '-')[:16]:<16} " if tenants else "")
+            + f"{_pool_name(pool):<28} {pool['num_pages']:>9}  "
             f"{_bar(occupancy, pool['reserved'] / n)} {occupancy * 100:5.1f}% "
             f"{pool['stored']:>9} {pool['reserved']:>8} {_pct(pool.get('hit_rate')):>8} "
             f"{counters.get('evictions', 0):>8} {warn:<4}"

@@ -87,7 +87,9 @@ def _samples(text: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
 
 
 def _pool(**extra: str) -> tuple[tuple[str, str], ...]:
-    return tuple(sorted({"dialect": "s", "rank": "0", "namespace": "kv", **extra}.items()))
+    return tuple(
+        sorted({"dialect": "s", "rank": "0", "namespace": "kv", "tenant": "", **extra}.items())
+    )
 
 
 def test_metrics_scrape_parses_and_counts(server: ServerProcess) -> None:

@@ -123,7 +123,7 @@ def test_metrics_of_20k_pools_is_capped_and_does_not_stall_serving(make_server: 
     assert len(per_pool) == 256 + 1, per_pool[-3:]  # --metrics-max-pools, plus one _other
     other = [line for line in per_pool if 'rank="_other"' in line]
     assert other == [
-        'kvmeta_pool_size_pages{dialect="s",namespace="_other",rank="_other"} '
+        'kvmeta_pool_size_pages{dialect="s",namespace="_other",rank="_other",tenant=""} '
         f"{4.0 * (total - 256)}"
     ]
     assert len(resp.content) < 2_000_000

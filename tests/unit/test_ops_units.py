@@ -83,11 +83,12 @@ def test_families_render_and_parse_with_durability() -> None:
     for family in text_string_to_metric_families(render_metrics(snap).decode()):
         for s in family.samples:
             samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    labels = (("dialect", "v"), ("namespace", ""), ("rank", "3"))
-    assert samples[("kvmeta_pool_pages", (*labels[:2], ("rank", "3"), ("state", "free")))] == 6
+    labels = (("dialect", "v"), ("namespace", ""), ("rank", "3"), ("tenant", ""))
+    pages = (*labels[:3], ("state", "free"), ("tenant", ""))
+    assert samples[("kvmeta_pool_pages", pages)] == 6
     assert samples[("kvmeta_pool_evictions_total", labels)] == 2
     assert samples[("kvmeta_pool_size_conflicts_total", labels)] == 1
-    expired = (*labels[:2], ("outcome", "expired"), ("rank", "3"))
+    expired = (*labels[:2], ("outcome", "expired"), ("rank", "3"), ("tenant", ""))
     assert samples[("kvmeta_pool_reservations_total", expired)] == 4
     assert samples[("kvmeta_journal_fsyncs_total", ())] == 7
     assert samples[("kvmeta_journal_fsync_seconds_total", ())] == 0.5

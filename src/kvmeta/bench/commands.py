@@ -1,7 +1,9 @@
 """``kvmeta bench``: argument parsing and dispatch for the benchmark modes.
 
 Modes: ``run`` (default; one configuration, repeated), ``sweep`` (vary pool size, batch or
-clients; JSON + PNG chart) and ``core`` (the pool model in-process, plus bytes per stored key).
+clients; JSON + PNG chart), ``core`` (the pool model in-process, plus bytes per stored key) and
+``noisy`` (two tenants side by side: one over its request-rate quota, the other's hit rate and
+latency with and without it).
 Returns the text to print; ``kvmeta.cli`` does the printing.
 """
 
@@ -49,7 +51,8 @@ examples:
   kvmeta bench --launch redis --workers 2     private redis-server, 2 workers; its CPU apart
   kvmeta bench --url http://127.0.0.1:18000 --server-pid 1234 --dialect v
   kvmeta bench sweep --sweep pool --launch --repeat 3 --out results/sweep_pool
-  kvmeta bench core"""
+  kvmeta bench core
+  kvmeta bench noisy                          tenant A at 10x its rate quota next to tenant B"""
 
 
 def _positive_int(text: str) -> int:
@@ -88,7 +91,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mode",
         nargs="?",
         default="run",
-        choices=("run", "sweep", "core"),
+        choices=("run", "sweep", "core", "noisy"),
         help="what to measure (default: %(default)s)",
     )
     server = parser.add_argument_group("server to measure (run, sweep)")
@@ -213,6 +216,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="runs, each on a fresh server with --launch; the report is the median (default: "
         "%(default)s)",
     )
+    noisy = parser.add_argument_group(
+        "noisy (two tenants on a launched server; --launch memory|durable|redis, default memory)"
+    )
+    noisy.add_argument(
+        "--a-quota",
+        type=_positive_float,
+        default=100.0,
+        help="tenant A's requests_per_second in the tokens file (default: %(default)s)",
+    )
+    noisy.add_argument(
+        "--a-factor",
+        type=_positive_float,
+        default=10.0,
+        help="tenant A sends this many times its quota (default: %(default)s)",
+    )
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument(
         "--sweep",
@@ -316,6 +334,25 @@ def _report(results: list[dict[str, Any]], as_json: bool, payload: object) -> st
     return "\n\n".join([format_table(results), *backend_notes(results), *notes])
 
 
+def _noisy(args: argparse.Namespace) -> str:
+    """Two tenants side by side on a launched server (``bench.noisy``)."""
+    from kvmeta.bench.noisy import NoisyConfig, format_noisy, run_noisy
+
+    if args.url:
+        raise InvalidRequest("noisy launches its own server (with a tokens file): drop --url")
+    cfg = NoisyConfig(
+        launch=args.launch or "memory",
+        pool_pages=args.pool_pages if args.pool_pages != 65536 else NoisyConfig.pool_pages,
+        batch=args.batch if args.batch != 64 else NoisyConfig.batch,
+        duration=args.duration if args.duration != 5.0 else NoisyConfig.duration,
+        warmup=max(args.warmup, 1.0),
+        a_quota=args.a_quota,
+        a_factor=args.a_factor,
+    )
+    result = run_noisy(cfg)
+    return to_json(result) if args.json else format_noisy(result)
+
+
 def run(args: argparse.Namespace) -> str:
     """Run the chosen mode; returns the report text.
 
@@ -332,6 +369,8 @@ def run(args: argparse.Namespace) -> str:
             batch=args.batch, pool_pages=args.pool_pages, out=args.out, auth_token=args.auth_token
         )
         return to_json(result) if args.json else core_bench.format_report(result)
+    if args.mode == "noisy":
+        return _noisy(args)
     if not args.url and not args.launch:
         raise InvalidRequest("give --url URL of a running server, or --launch to start kvmeta")
     if args.url and args.launch:

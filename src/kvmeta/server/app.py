@@ -13,6 +13,7 @@ from __future__ import annotations
 import difflib
 import json
 import logging
+import math
 import types
 from collections.abc import Callable, Coroutine, Iterable
 from functools import partial
@@ -26,6 +27,7 @@ from kvmeta.errors import (
     KvmetaError,
     MethodNotAllowed,
     NotFound,
+    QuotaExceeded,
     Unauthorized,
 )
 from kvmeta.server.http import Request, Response
@@ -63,6 +65,14 @@ def json_response(obj: Any, status: int = 200) -> Response:
 
 def error_response(status: int, detail: str) -> Response:
     return Response(status, _encode({"detail": detail}))
+
+
+def quota_response(exc: QuotaExceeded) -> Response:
+    """429 with ``Retry-After`` in whole seconds, rounded up (RFC 9110 takes no fractions)."""
+    seconds = max(1, math.ceil(exc.retry_after))
+    return Response(
+        429, _encode({"detail": str(exc)}), headers=((b"retry-after", b"%d" % seconds),)
+    )
 
 
 # RFC 9110: a 401 names the schemes it accepts; both work with the same token. One header line
@@ -293,6 +303,10 @@ class App:
         route.handlers[method] = handler
         self._matched.clear()
 
+    def public_patterns(self) -> set[str]:
+        """Patterns served without the token (``/health``)."""
+        return set(self._public)
+
     def routes(self) -> list[tuple[str, str]]:
         """(method, pattern) of every route, for the OpenAPI document and tests."""
         out: list[tuple[str, str]] = []
@@ -364,6 +378,8 @@ class App:
             return await handler(request, rank)
         except Unauthorized as exc:
             return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
+        except QuotaExceeded as exc:
+            return quota_response(exc)
         except KvmetaError as exc:
             return error_response(exc.status, str(exc))
         except RecursionError:  # a body nested too deeply for a decoder that did not say so

@@ -69,9 +69,11 @@ _MAX_PIPELINED = 64
 
 class Request:
     """One parsed request. ``path`` excludes the query string; ``peer`` is the client's
-    address (host, port) when known, for warnings about two engines on one pool."""
+    address (host, port) when known, for warnings about two engines on one pool. ``scope`` is
+    the authenticated token's scope (``server.tokens.Scope``), set by ``server.access`` when a
+    tokens file is in use; None: all access, tenant ``""``."""
 
-    __slots__ = ("method", "path", "query", "body", "authorization", "peer")
+    __slots__ = ("method", "path", "query", "body", "authorization", "peer", "scope")
 
     def __init__(
         self,
@@ -88,6 +90,7 @@ class Request:
         self.body = body
         self.authorization = authorization
         self.peer = peer
+        self.scope: Any = None
 
 
 class Response:

@@ -6,12 +6,12 @@ takes a lock, a noticeable share of a request's whole CPU budget (benchmarks/REA
 "Implementation costs"). Requests are served on one event loop thread, so plain ints and a
 bucket list per route, updated without locks, are exact; a custom collector turns them into
 metric families only when Prometheus scrapes. Labels are bounded: dialect, rank, namespace,
-route pattern, method and status, never keys; and pool series are capped
-(``--metrics-max-pools``): the first pools in (dialect, rank, namespace) order keep their own
-series, the others are summed per dialect under ``rank="_other", namespace="_other"``, so
-thousands of pools cannot make a scrape megabytes long (benchmarks/README.md, "Operator
-routes"). The text is rendered in a thread (``render_metrics_async``) so a scrape never stalls
-serving.
+tenant (from the tokens file), route pattern, method and status, never keys; and pool series
+are capped (``--metrics-max-pools``): the first pools in (dialect, rank, namespace, tenant)
+order keep their own series, the others are summed per dialect and tenant under
+``rank="_other", namespace="_other"``, so thousands of pools cannot make a scrape megabytes
+long (benchmarks/README.md, "Operator routes"). The text is rendered in a thread
+(``render_metrics_async``) so a scrape never stalls serving.
 """
 
 from __future__ import annotations
@@ -72,7 +72,7 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     2.5,
 )
 
-_POOL_LABELS = ("dialect", "rank", "namespace")
+_POOL_LABELS = ("dialect", "rank", "namespace", "tenant")
 
 # PoolCounters field -> labels of the two multi-outcome families.
 _LOOKUPS: dict[str, tuple[str, str]] = {
@@ -289,6 +289,9 @@ class _Snapshot:
         self.durability: dict[str, float] = {}
         self.requests: list[RouteStats] = []
         self.auth_failures: int | None = None
+        # {"forbidden"|"rate_limited": {tenant: count}} with a tokens file, else None
+        self.tenant_counters: dict[str, dict[str, int]] | None = None
+        self.server_wide = True  # False: a tenant's view (no server-wide series)
         self.info: dict[str, str] = {}
         self.ready = True
         self.max_pools: int | None = None
@@ -306,24 +309,30 @@ class _Snapshot:
             yield CounterMetricFamily(
                 "kvmeta_auth_failures", "requests refused 401", value=self.auth_failures
             )
+        if self.tenant_counters is not None:
+            yield from _tenant_metrics(self.tenant_counters)
         yield from _durability_metrics(self.durability)
 
 
 def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[str], PoolStats]]:
     """(labels, stats) per series: the first ``max_pools`` pools in (dialect, rank, namespace)
-    order as they are, the rest summed per dialect with rank and namespace ``_other``.
+    order as they are, the rest summed per dialect and tenant with rank and namespace ``_other``.
     The order is stable, so a pool keeps its series until pools sorting before it appear."""
     ordered = sorted(pools, key=lambda st: st.pool)
     if max_pools is None or len(ordered) <= max_pools:
         rest: list[PoolStats] = []
     else:
         ordered, rest = ordered[:max_pools], ordered[max_pools:]
-    out = [([st.pool.dialect, str(st.pool.rank), st.pool.namespace], st) for st in ordered]
-    summed: dict[str, PoolStats] = {}
+    out = [
+        ([st.pool.dialect, str(st.pool.rank), st.pool.namespace, st.pool.tenant], st)
+        for st in ordered
+    ]
+    summed: dict[tuple[str, str], PoolStats] = {}
     for st in rest:
-        agg = summed.get(st.pool.dialect)
+        group = (st.pool.dialect, st.pool.tenant)
+        agg = summed.get(group)
         if agg is None:
-            agg = summed[st.pool.dialect] = PoolStats(st.pool, 0, 0, 0, 0, {}, 0)
+            agg = summed[group] = PoolStats(st.pool, 0, 0, 0, 0, {}, 0)
         agg.num_pages += st.num_pages
         agg.free += st.free
         agg.reserved += st.reserved
@@ -331,7 +340,9 @@ def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[
         agg.size_conflicts += st.size_conflicts
         for name, value in st.counters.items():
             agg.counters[name] = agg.counters.get(name, 0) + value
-    out.extend(([dialect, OTHER, OTHER], agg) for dialect, agg in sorted(summed.items()))
+    out.extend(
+        ([dialect, OTHER, OTHER, tenant], agg) for (dialect, tenant), agg in sorted(summed.items())
+    )
     return out
 
 
@@ -409,12 +420,30 @@ def _durability_metrics(stats: dict[str, float]) -> Iterator[Metric]:
         yield family(name, help_, value=float(value))
 
 
+_TENANT_COUNTERS = {
+    "forbidden": ("kvmeta_tenant_forbidden", "requests refused 403 (outside the token's scope)"),
+    "rate_limited": (
+        "kvmeta_tenant_rate_limited",
+        "requests refused 429 (over the tenant's requests_per_second)",
+    ),
+}
+
+
+def _tenant_metrics(counters: dict[str, dict[str, int]]) -> Iterator[Metric]:
+    for key, (name, help_) in _TENANT_COUNTERS.items():
+        family = CounterMetricFamily(name, help_, labels=["tenant"])
+        for tenant, value in sorted(counters.get(key, {}).items()):
+            family.add_metric([tenant], value)
+        yield family
+
+
 def render_metrics(snapshot: _Snapshot) -> bytes:
     """The Prometheus text exposition of ``snapshot``."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(snapshot)
-    registry.register(_CallerWarnings())
-    registry.register(_EventMetrics())
+    if snapshot.server_wide:
+        registry.register(_CallerWarnings())
+        registry.register(_EventMetrics())
     return generate_latest(registry)
 
 

@@ -20,6 +20,7 @@ import msgspec
 
 from kvmeta import __version__
 from kvmeta.config import Settings
+from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
 from kvmeta.server.auth import TokenAuth
 from kvmeta.server.http import Request, Response
@@ -31,6 +32,7 @@ from kvmeta.server.metrics import (
 )
 from kvmeta.server.openapi import build_document
 from kvmeta.server.oplog import InitWatcher
+from kvmeta.server.tokens import Scope
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend, PoolStats
 
@@ -46,7 +48,13 @@ class OpsState:
         self.backend: Backend = service.backend
         self.settings = settings
         self.metrics = RequestMetrics()
-        self.auth = TokenAuth(settings.auth_token) if settings.auth_token else None
+        # With a tokens file, ``Access`` is the hook (it knows --auth-token as all access).
+        self.access = (
+            Access(settings.auth_file, settings.auth_token) if settings.auth_file else None
+        )
+        self.auth: TokenAuth | Access | None = self.access or (
+            TokenAuth(settings.auth_token) if settings.auth_token else None
+        )
         self.started = time.monotonic()
         self._openapi: bytes | None = None
         self.check_lock = asyncio.Lock()
@@ -90,6 +98,7 @@ def pool_view(st: PoolStats) -> dict[str, Any]:
     """One pool as ``/v1/pools`` shows it."""
     c = st.counters
     return {
+        "tenant": st.pool.tenant,
         "dialect": st.pool.dialect,
         "rank": st.pool.rank,
         "namespace": st.pool.namespace,
@@ -118,7 +127,8 @@ def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
         "fsync": None if settings.backend else settings.fsync,
         "reservation_ttl": settings.reservation_ttl,
         "read_lease": settings.read_lease,
-        "auth": bool(settings.auth_token),
+        "auth": bool(settings.auth_token or settings.auth_file),
+        "tenants": bool(settings.auth_file),
         "tls": bool(settings.ssl_certfile),
         "limits": {
             "max_body_bytes": settings.max_body_bytes,
@@ -167,27 +177,43 @@ async def ready(state: OpsState, req: Request, rank: int) -> Response:
     return json_response({"ready": True, "backend": state.backend.name})
 
 
+async def visible_stats(state: OpsState, scope: Scope) -> list[PoolStats]:
+    """Every pool for the all-access token; a tenant's token sees its own tenant's only."""
+    stats = await state.service.stats()
+    if scope.all_access:
+        return stats
+    return [st for st in stats if st.pool.tenant == scope.tenant]
+
+
 async def metrics(state: OpsState, req: Request, rank: int) -> Response:
+    """All series for the all-access token. A tenant's admin token gets its own tenant's pool
+    series and 403/429 counters only: request, durability and auth series are server-wide."""
     ok, _ = await state.ready()
+    scope = scope_of(req)
+    access = state.access
+    tenant = None if scope.all_access else scope.tenant
     snapshot = new_snapshot(
-        pools=await state.service.stats(),
-        durability=await state.durability(),
-        requests=state.metrics.routes,
-        auth_failures=state.auth.failures if state.auth else None,
+        pools=await visible_stats(state, scope),
+        durability=await state.durability() if tenant is None else {},
+        requests=state.metrics.routes if tenant is None else [],
+        auth_failures=state.auth.failures if state.auth and tenant is None else None,
+        tenant_counters=access.counters(tenant) if access else None,
         info={"version": __version__, "backend": state.backend.name},
         ready=ok,
         max_pools=state.settings.metrics_max_pools,
+        server_wide=tenant is None,
     )
     return Response(200, await render_metrics_async(snapshot), CONTENT_TYPE)
 
 
 async def pools(state: OpsState, req: Request, rank: int) -> Response:
-    stats = await state.service.stats()
+    scope = scope_of(req)
+    stats = await visible_stats(state, scope)
     return json_response(
         {
             "server": settings_view(state.settings, state.backend),
             "pools": [pool_view(st) for st in stats],
-            "vllm": (await state.service.v_index()).view(),
+            "vllm": (await state.service.v_index(scope.tenant)).view(),
         }
     )
 
@@ -230,6 +256,13 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
     add_table(app, status_page.ROUTES, status)
     app.background.append(status.run)
     app.authorize = state.auth
+    if state.access is not None:
+        # Innermost: the scope is on the request and checked before any handler runs; the
+        # metrics wrapper outside it counts the 403s and 429s per route.
+        state.access.public = app.public_patterns()
+        app.wrap_handlers(state.access.wrap)
+        app.background.append(state.access.watch_sighup)
+        service.tenant_max_pages = state.access.max_pages
     app.wrap_handlers(InitWatcher().wrap)
     app.wrap_handlers(state.metrics.wrap)
     return state

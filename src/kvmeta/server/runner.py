@@ -272,6 +272,10 @@ def _start_events(
 
 def serve(settings: Settings) -> None:
     """Run the server in this process (or ``--workers`` processes), on uvloop when available."""
+    if settings.auth_file:  # a bad tokens file refuses to start before anything is bound
+        from kvmeta.server.tokens import load_tokens
+
+        load_tokens(settings.auth_file)
     if settings.workers > 1:
         from kvmeta.server.workers import run_workers
 

@@ -1,6 +1,8 @@
 """Dialect S: SGLang HiCache's ``POST /{rank}/<op>`` routes, mapped onto the service.
 
-Wire shapes only; the pool logic lives in ``core`` and the shared operations in ``service``.
+Wire shapes only; every handler names its pool through ``access.sglang_pool``, which checks the
+token's scope (before any state is read) and puts the token's tenant into the ``PoolId``. The
+pool logic lives in ``core`` and the shared operations in ``service``.
 ``ROUTES`` is the route table; each handler is ``handler(service, request, rank)``. The body
 Structs are also the OpenAPI request schemas (``server.openapi``): their ``Meta`` annotations
 add to the document only, decoding and its messages are the Struct's types.
@@ -13,7 +15,8 @@ from typing import Annotated
 
 import msgspec
 
-from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
+from kvmeta._types import DEFAULT_NAMESPACE, normalize_namespace
+from kvmeta.server.access import sglang_pool
 from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, Route, add_table, json_response, reply
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import PREFIX_HITS
@@ -81,7 +84,7 @@ NAMESPACE = BodyDecoder(NamespaceBody, '{"namespace": "kv"} or an empty body')
 
 async def initialize(service: Service, req: Request, rank: int) -> Response:
     body, warnings = INITIALIZE.decode(req.body)
-    pool = PoolId("s", rank, body.namespace)
+    pool = sglang_pool(req, rank, body.namespace)
     result = await service.initialize(pool, body.num_pages)
     if result.conflict:
         warnings.append(size_conflict(pool, result))
@@ -90,7 +93,7 @@ async def initialize(service: Service, req: Request, rank: int) -> Response:
 
 async def exists(service: Service, req: Request, rank: int) -> Response:
     body, warnings = KEYS.decode(req.body)
-    pool = PoolId("s", rank, body.namespace)
+    pool = sglang_pool(req, rank, body.namespace)
     out = await service.exists(pool, body.keys)
     PREFIX_HITS.record(pool, out)
     return reply(json_response({"exists": out}), warnings)
@@ -99,7 +102,7 @@ async def exists(service: Service, req: Request, rank: int) -> Response:
 async def reserve(service: Service, req: Request, rank: int) -> Response:
     body, warnings = RESERVE.decode(req.body)
     keys = list(map(_first, body.keys))
-    pool = PoolId("s", rank, body.namespace)
+    pool = sglang_pool(req, rank, body.namespace)
     out = await service.reserve(pool, keys)
     if service.reserve_observer is not None:
         service.reserve_observer(pool, body.keys)
@@ -109,7 +112,9 @@ async def reserve(service: Service, req: Request, rank: int) -> Response:
 async def confirm(service: Service, req: Request, rank: int) -> Response:
     body, warnings = CONFIRM.decode(req.body)
     refused = await service.confirm(
-        PoolId("s", rank, body.namespace), body.written_keys_to_confirm, body.pages_to_release
+        sglang_pool(req, rank, body.namespace),
+        body.written_keys_to_confirm,
+        body.pages_to_release,
     )
     if refused:
         warnings.append(confirm_refused(refused))
@@ -118,19 +123,19 @@ async def confirm(service: Service, req: Request, rank: int) -> Response:
 
 async def get(service: Service, req: Request, rank: int) -> Response:
     body, warnings = KEYS.decode(req.body)
-    out = await service.get(PoolId("s", rank, body.namespace), body.keys)
+    out = await service.get(sglang_pool(req, rank, body.namespace), body.keys)
     return reply(json_response({"indices": out}), warnings)
 
 
 async def delete(service: Service, req: Request, rank: int) -> Response:
     body, warnings = KEYS.decode(req.body)
-    await service.delete(PoolId("s", rank, body.namespace), body.keys)
+    await service.delete(sglang_pool(req, rank, body.namespace), body.keys)
     return reply(NO_CONTENT, warnings)
 
 
 async def clear(service: Service, req: Request, rank: int) -> Response:
     body, warnings = NAMESPACE.decode(req.body)
-    await service.clear(PoolId("s", rank, body.namespace))
+    await service.clear(sglang_pool(req, rank, body.namespace))
     return reply(NO_CONTENT, warnings)
 
 

@@ -27,9 +27,12 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
+from kvmeta._types import PoolId
+from kvmeta.server.access import scope_of
 from kvmeta.server.app import Route, json_response
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import LATENCY_BUCKETS, RouteStats
+from kvmeta.server.tokens import Scope
 from kvmeta.store.base import PoolStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -208,7 +211,7 @@ class StatusRing:
         }
 
 
-PoolKey = tuple[str, int, str]
+PoolKey = PoolId  # (the tenant included: two tenants' pools are two rows)
 
 
 class PoolRates:
@@ -221,7 +224,7 @@ class PoolRates:
 
     def update(self, now: float, pools: Sequence[PoolStats]) -> None:
         current = {
-            (st.pool.dialect, st.pool.rank, st.pool.namespace): (
+            st.pool: (
                 st.counters.get("evictions", 0),
                 st.counters.get("reservations_refused", 0),
             )
@@ -286,6 +289,7 @@ class StatusState:
         self.disk = _DiskState(None, None)
         self._history = msgspec.Raw(msgspec.json.encode(self.ring.history()))
         self._pools = msgspec.Raw(b"[]")
+        self._tenant_pools: dict[str, msgspec.Raw] = {}  # the rows of each tenant's pools
         self.pools_at: tuple[float, float] | None = None  # (monotonic, wall) of the pool rows
         self._pools_lock = asyncio.Lock()
         settings = ops.settings
@@ -311,6 +315,12 @@ class StatusState:
             self.disk = await asyncio.to_thread(_disk_state, self.data_dir)
         self._history = msgspec.Raw(msgspec.json.encode(self.ring.history()))
 
+    def pools_for(self, scope: Scope) -> msgspec.Raw:
+        """The pool rows a token may see: all, or its own tenant's."""
+        if scope.all_access:
+            return self._pools
+        return self._tenant_pools.get(scope.tenant, _NO_ROWS)
+
     async def sample_pools(self, now: float, wall: float) -> Lookups | None:
         """Read every pool once (on the loop: the in-process store is not thread-safe) and
         turn the copies into rates and the encoded pool rows in a thread (tens of ms of pure
@@ -321,23 +331,26 @@ class StatusState:
             except Exception as exc:  # noqa: BLE001 - a backend outage must not stop sampling
                 logger.debug("status sample could not read pool stats: %s", exc)
                 return None
-            lookups, rows = await asyncio.to_thread(self._digest, now, pools)
+            lookups, rows, by_tenant = await asyncio.to_thread(self._digest, now, pools)
         self._pools = rows
+        self._tenant_pools = by_tenant
         self.pools_at = (now, round(wall, 3))
         return lookups
 
-    def _digest(self, now: float, pools: list[PoolStats]) -> tuple[Lookups, msgspec.Raw]:
+    def _digest(
+        self, now: float, pools: list[PoolStats]
+    ) -> tuple[Lookups, msgspec.Raw, dict[str, msgspec.Raw]]:
         from kvmeta.server.ops_routes import pool_view
 
         self.rates.update(now, pools)
         rates = self.rates.rates
-        rows = [
-            status_pool(
-                pool_view(st), rates.get((st.pool.dialect, st.pool.rank, st.pool.namespace))
-            )
-            for st in pools
-        ]
-        return Lookups.of(pools), msgspec.Raw(msgspec.json.encode(rows))
+        rows = [status_pool(pool_view(st), rates.get(st.pool)) for st in pools]
+        tenants: dict[str, list[dict[str, Any]]] = {}
+        for st, row in zip(pools, rows, strict=True):
+            if st.pool.tenant:
+                tenants.setdefault(st.pool.tenant, []).append(row)
+        by_tenant = {t: msgspec.Raw(msgspec.json.encode(r)) for t, r in tenants.items()}
+        return Lookups.of(pools), msgspec.Raw(msgspec.json.encode(rows)), by_tenant
 
     async def run(self) -> None:
         """Sample forever (cancelled at shutdown)."""
@@ -384,8 +397,13 @@ def _role(durability: dict[str, float]) -> str | None:
     return "primary" if primaries == 1 else f"{int(primaries)} primaries"
 
 
+_NO_ROWS = msgspec.Raw(b"[]")
+# A tenant's token sees no server-wide history (request rates of every tenant together).
+_NO_HISTORY = msgspec.Raw(msgspec.json.encode(StatusRing().history()))
+
+
 def status_pool(view: dict[str, Any], rates: tuple[float, float] | None) -> dict[str, Any]:
-    view["tenant"] = None  # tenants do not exist yet
+    view["tenant"] = view.get("tenant") or None  # the default tenant shows as "-"
     view["evictions_per_s"] = rates[0] if rates else None
     view["refused_per_s"] = rates[1] if rates else None
     return view
@@ -402,6 +420,7 @@ async def status(state: StatusState, req: Request, rank: int) -> Response:
     if state.pools_at is None or now - state.pools_at[0] > 2 * SAMPLE_SECONDS + 1:
         await state.sample_pools(now, time.time())
     ok, reason = await ops.ready()
+    scope = scope_of(req)
     return json_response(
         {
             "server": settings_view(ops.settings, ops.backend),
@@ -409,8 +428,8 @@ async def status(state: StatusState, req: Request, rank: int) -> Response:
             "uptime_seconds": round(now - ops.started, 3),
             "time": round(time.time(), 3),
             "pools_at": state.pools_at[1] if state.pools_at else None,
-            "pools": state._pools,
-            "history": state._history,
+            "pools": state.pools_for(scope),
+            "history": state._history if scope.all_access else _NO_HISTORY,
         }
     )
 

@@ -1,8 +1,9 @@
 """Dialect V: vLLM's HF3FS connector routes (``/rank/{rank}/initialize``, ``/keys/*``, ``/clear``),
 plus kvmeta's operator routes for the rank registry (``/v1/vllm``).
 
-Wire shapes only. Each worker rank is its own pool ``PoolId("v", rank, "")``, apart from SGLang's
-pools of the same rank numbers; the key-centric view vLLM expects (a key is present when every
+Wire shapes only. Each worker rank is its own pool ``PoolId("v", rank, "", tenant)``, apart from
+SGLang's pools of the same rank numbers, and each tenant (``access.tenant_of``: the token's) has
+its own registry of ranks; the key-centric view vLLM expects (a key is present when every
 worker rank stored it) is ``service.v_exists``. ``ROUTES`` is the route table; each handler is
 ``handler(service, request, rank)``.
 
@@ -24,6 +25,7 @@ import msgspec
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
+from kvmeta.server.access import tenant_of, vllm_pool
 from kvmeta.server.app import (
     NO_CONTENT,
     App,
@@ -275,12 +277,13 @@ async def initialize(service: Service, req: Request, rank: int) -> Response:
     worker = check_initialize(rank, **fields)
     if worker is None:
         return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
+    tenant = tenant_of(req)
     try:
-        result = await service.v_register(rank, worker.num_pages, worker.world_size)
+        result = await service.v_register(rank, worker.num_pages, worker.world_size, tenant)
     except InvalidRequest as exc:  # a service limit such as --max-pages
         raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
     if result.conflict:
-        warnings.append(size_conflict(PoolId("v", rank, ""), result))
+        warnings.append(size_conflict(PoolId("v", rank, "", tenant), result))
     message = worker_message(rank, result.num_pages, result.requested)
     return reply(json_response({"message": message}), warnings)
 
@@ -290,7 +293,7 @@ async def batch_allocate(service: Service, req: Request, _: int) -> Response:
     keys = body.keys
     if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
         keys = [k if isinstance(k, str) else k[0] for k in keys]
-    out = await service.reserve(PoolId("v", body.rank, ""), keys)  # type: ignore[arg-type]
+    out = await service.reserve(vllm_pool(req, body.rank), keys)  # type: ignore[arg-type]
     results = list(zip(keys, map(_second, out), strict=True))
     return reply(json_response({"rank": body.rank, "results": results}), warnings)
 
@@ -298,7 +301,7 @@ async def batch_allocate(service: Service, req: Request, _: int) -> Response:
 async def confirm_write(service: Service, req: Request, _: int) -> Response:
     body, warnings = CONFIRM.decode(req.body)
     refused = await service.confirm(
-        PoolId("v", body.rank, ""), body.confirmations, body.pages_to_release
+        vllm_pool(req, body.rank), body.confirmations, body.pages_to_release
     )
     if refused:
         warnings.append(confirm_refused(refused))
@@ -307,20 +310,20 @@ async def confirm_write(service: Service, req: Request, _: int) -> Response:
 
 async def batch_exists(service: Service, req: Request, _: int) -> Response:
     body, warnings = EXISTS.decode(req.body)
-    out = await service.v_exists(body.keys)
+    out = await service.v_exists(body.keys, tenant_of(req))
     PREFIX_HITS.record_vllm(out)
     return reply(json_response({"exists": out}), warnings)
 
 
 async def get_locations(service: Service, req: Request, _: int) -> Response:
     body, warnings = LOCATIONS.decode(req.body)
-    out = await service.get(PoolId("v", body.rank, ""), body.keys)
+    out = await service.get(vllm_pool(req, body.rank), body.keys)
     return reply(json_response({"locations": out}), warnings)
 
 
 async def clear(service: Service, req: Request, _: int) -> Response:
     # The body is ignored, as in the reference: vLLM's /clear takes no parameters.
-    await service.v_clear()
+    await service.v_clear(tenant_of(req))
     return NO_CONTENT
 
 
@@ -329,13 +332,14 @@ async def clear(service: Service, req: Request, _: int) -> Response:
 
 
 async def vllm_index(service: Service, req: Request, _: int) -> Response:
-    return json_response((await service.v_index()).view())
+    return json_response((await service.v_index(tenant_of(req))).view())
 
 
 async def remove_rank(service: Service, req: Request, rank: int) -> Response:
     # The body is ignored: the rank is in the path.
-    dropped = await service.v_remove(rank)
-    index = await service.v_index()
+    tenant = tenant_of(req)
+    dropped = await service.v_remove(rank, tenant)
+    index = await service.v_index(tenant)
     return json_response(
         {
             "rank": rank,
@@ -352,8 +356,9 @@ async def world_size(service: Service, req: Request, _: int) -> Response:
     size = check_world_size_body(
         {} if body.world_size is _UNSET else {"world_size": body.world_size}
     )
-    await service.v_set_world_size(size)
-    index = await service.v_index()
+    tenant = tenant_of(req)
+    await service.v_set_world_size(size, tenant)
+    index = await service.v_index(tenant)
     return reply(
         json_response(
             {"world_size": size, "required": index.required, "message": completeness(index)}

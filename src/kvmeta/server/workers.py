@@ -97,6 +97,12 @@ class _Supervisor:
             if proc.pid is not None and proc.exitcode is None:
                 os.kill(proc.pid, signal.SIGTERM)
 
+    def on_hangup(self, signum: int, frame: FrameType | None) -> None:
+        """SIGHUP: each worker re-reads the tokens file (--auth-file)."""
+        for proc, _ in self.workers.values():
+            if proc.pid is not None and proc.exitcode is None:
+                os.kill(proc.pid, signal.SIGHUP)
+
     def reap(self) -> int:
         """Wait for workers; restart crashed ones unless stopping. Returns the exit code."""
         status = 0
@@ -136,6 +142,7 @@ def run_workers(settings: Settings, serve_one: ServeOne) -> int:
     settings = replace(settings, port=sockets[0].getsockname()[1])
     supervisor = _Supervisor(settings, serve_one, sockets)
     previous = {s: signal.signal(s, supervisor.on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    previous[signal.SIGHUP] = signal.signal(signal.SIGHUP, supervisor.on_hangup)
     try:
         for index in range(settings.workers):
             supervisor.spawn(index)
