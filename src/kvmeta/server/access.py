@@ -90,6 +90,9 @@ ROUTE_RULES: dict[tuple[str, str], Rule] = {
     ("GET", "/v1/vllm"): Rule("admin"),
     ("POST", "/v1/vllm/ranks/{rank}/remove"): Rule("admin", True),
     ("POST", "/v1/vllm/world_size"): Rule("admin"),
+    # router reads (each pool the request names is checked by the handler, like a body's rank)
+    ("POST", "/v1/prefix_match"): Rule("read"),
+    ("GET", "/v1/dump"): Rule("read"),
     # operator routes: pools and status show the token's own tenant only
     ("GET", "/ready"): Rule(ANY),
     ("GET", "/openapi.json"): Rule(ANY),

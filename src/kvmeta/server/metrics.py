@@ -193,7 +193,6 @@ class RequestMetrics:
 # Leading-hit lengths (keys) of one exists call: 0 (nothing to load), then powers of two up
 # to 1024 (engines ask 64-256 keys a call; 4 * the largest batch seen in the wild).
 PREFIX_BUCKETS: tuple[int, ...] = (0, 1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 1024)
-_V_ALL = ("v", "all", "")  # vLLM's batch_exists: completeness across every required rank
 _PREFIX_ROW = 2 + len(PREFIX_BUCKETS) + 1  # asked, leading, buckets (last one: +Inf)
 
 
@@ -208,8 +207,9 @@ class PrefixHits:
 
     def __init__(self) -> None:
         # pool key -> [keys asked, leading hits, bucket counts...]; a SGLang pool's key is its
-        # PoolId (no per-call label strings), vLLM's batch_exists is ``_V_ALL``.
+        # PoolId (no per-call label strings), vLLM's batch_exists is ("v", "all", "", tenant).
         self.pools: dict[tuple[Any, ...], list[int]] = {}
+        self._v_all: dict[str, tuple[str, str, str, str]] = {}
 
     def record(self, pool: tuple[Any, ...], exists: list[bool]) -> None:
         # One C-speed scan to the first miss; an answer that ends with a hit may have none,
@@ -227,12 +227,21 @@ class PrefixHits:
         row[1] += lead
         row[2 + bisect.bisect_left(PREFIX_BUCKETS, lead)] += 1
 
-    def record_vllm(self, exists: list[bool]) -> None:
-        self.record(_V_ALL, exists)
+    def record_vllm(self, exists: list[bool], tenant: str = "") -> None:
+        """vLLM's batch_exists: completeness across every required rank of ``tenant``."""
+        key = self._v_all.get(tenant)
+        if key is None:
+            key = self._v_all[tenant] = ("v", "all", "", tenant)
+        self.record(key, exists)
 
-    def copy(self) -> dict[tuple[str, str, str], list[int]]:
-        """Rows by (dialect, rank, namespace) labels, copied to render elsewhere."""
-        return {(str(k[0]), str(k[1]), str(k[2])): list(row) for k, row in self.pools.items()}
+    def copy(self, tenant: str | None = None) -> dict[tuple[str, str, str, str], list[int]]:
+        """Rows by (dialect, rank, namespace, tenant) labels, copied to render elsewhere; only
+        ``tenant``'s rows when one is given (a tenant's view of /metrics)."""
+        return {
+            (str(k[0]), str(k[1]), str(k[2]), str(k[3])): list(row)
+            for k, row in self.pools.items()
+            if tenant is None or k[3] == tenant
+        }
 
 
 # The server's one instance: the dialect handlers record, ``/metrics`` renders (per process,
@@ -241,7 +250,7 @@ PREFIX_HITS = PrefixHits()
 
 
 def _prefix_metrics(
-    rows: dict[tuple[str, str, str], list[int]], max_pools: int | None
+    rows: dict[tuple[str, str, str, str], list[int]], max_pools: int | None
 ) -> Iterator[Metric]:
     asked = CounterMetricFamily(
         "kvmeta_prefix_keys_asked",
@@ -261,13 +270,14 @@ def _prefix_metrics(
     )
     ordered = sorted(rows.items())
     if max_pools is not None and len(ordered) > max_pools:
-        summed: dict[str, list[int]] = {}
+        summed: dict[tuple[str, str], list[int]] = {}
         for labels, row in ordered[max_pools:]:
-            agg = summed.setdefault(labels[0], [0] * _PREFIX_ROW)
+            agg = summed.setdefault((labels[0], labels[3]), [0] * _PREFIX_ROW)
             for i, n in enumerate(row):
                 agg[i] += n
         ordered = ordered[:max_pools] + [
-            ((dialect, OTHER, OTHER), row) for dialect, row in sorted(summed.items())
+            ((dialect, OTHER, OTHER, tenant), row)
+            for (dialect, tenant), row in sorted(summed.items())
         ]
     bounds = [str(b) for b in PREFIX_BUCKETS] + ["+Inf"]
     for labels, row in ordered:
@@ -295,7 +305,8 @@ class _Snapshot:
         self.info: dict[str, str] = {}
         self.ready = True
         self.max_pools: int | None = None
-        self.prefix: dict[tuple[str, str, str], list[int]] = {}
+        self.prefix: dict[tuple[str, str, str, str], list[int]] = {}
+        self.tenant: str | None = None  # a tenant's view: only its prefix rows
 
     def collect(self) -> Iterator[Metric]:
         info = GaugeMetricFamily("kvmeta_info", "server build and settings", labels=list(self.info))
@@ -451,7 +462,7 @@ async def render_metrics_async(snapshot: _Snapshot) -> bytes:
     """``render_metrics`` in a thread (with 10^4 pools it takes seconds of pure Python); the
     route counters are copied first, on the loop, as they keep changing."""
     snapshot.requests = [rs.copy() for rs in snapshot.requests]
-    snapshot.prefix = PREFIX_HITS.copy()
+    snapshot.prefix = PREFIX_HITS.copy(None if snapshot.server_wide else snapshot.tenant)
     return await asyncio.to_thread(render_metrics, snapshot)
 
 

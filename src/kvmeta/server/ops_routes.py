@@ -202,6 +202,7 @@ async def metrics(state: OpsState, req: Request, rank: int) -> Response:
         ready=ok,
         max_pools=state.settings.metrics_max_pools,
         server_wide=tenant is None,
+        tenant=tenant,
     )
     return Response(200, await render_metrics_async(snapshot), CONTENT_TYPE)
 

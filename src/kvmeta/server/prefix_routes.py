@@ -20,6 +20,7 @@ import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.errors import InvalidRequest
+from kvmeta.server.access import sglang_pool, vllm_pool
 from kvmeta.server.app import (
     App,
     BodyDecoder,
@@ -49,11 +50,12 @@ _KEYS = msgspec.Meta(description="page keys in prefix order (the first page of t
 
 
 def pool_id(req: Request, dialect: str, rank: int, namespace: str) -> PoolId:
-    """The pool a router request names. The one place such a ``PoolId`` is made, so a
-    per-caller scope (a tenant) is applied to every router read alike."""
+    """The pool a router request names, in the caller's tenant; ``Forbidden`` when the token's
+    scope does not cover it. The one place such a ``PoolId`` is made, so every router read is
+    scoped alike."""
     if dialect == "vllm":
-        return PoolId("v", rank, "")
-    return PoolId("s", rank, normalize_namespace(namespace))
+        return vllm_pool(req, rank)
+    return sglang_pool(req, rank, normalize_namespace(namespace))
 
 
 class PrefixPool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -311,7 +311,7 @@ async def confirm_write(service: Service, req: Request, _: int) -> Response:
 async def batch_exists(service: Service, req: Request, _: int) -> Response:
     body, warnings = EXISTS.decode(req.body)
     out = await service.v_exists(body.keys, tenant_of(req))
-    PREFIX_HITS.record_vllm(out)
+    PREFIX_HITS.record_vllm(out, tenant_of(req))
     return reply(json_response({"exists": out}), warnings)
 
 
