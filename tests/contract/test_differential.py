@@ -213,7 +213,7 @@ class Differential(RuleBasedStateMachine):
             release.append(data.draw(st.sampled_from(release)))  # the same page twice
         if data.draw(st.integers(0, 4)) == 0:
             release.append(data.draw(pages))  # any page: stored, free, another's
-        if data.draw(st.integers(0, 9)) == 0:
+        if data.draw(st.integers(0, 4)) == 0:
             bad = data.draw(st.sampled_from([-1, SMALL, 99]))  # out of range: refused
             if data.draw(st.booleans()):
                 pairs.append((data.draw(KEY), bad))
