@@ -57,6 +57,8 @@ POOLS = [
     PoolId("s", 1, "a b/{c}"),  # a namespace that needs quoting in Redis key names
     PoolId("v", 0, ""),
     PoolId("v", 1, ""),  # vLLM rank pools; rank 2 exists only once v_register creates it
+    PoolId("s", 0, "kv", "t1"),  # another tenant's pools: same rank, namespace and keys
+    PoolId("v", 0, "", "t1"),
 ]
 NEVER = PoolId("s", 3, "never")  # never initialised: every call is refused the same way
 BIG_POOL = PoolId("s", 7, "big")
@@ -65,6 +67,7 @@ KEY = st.sampled_from(KEYS)
 POOL = st.sampled_from([*POOLS, *POOLS, NEVER])
 RANK = st.integers(0, 2)
 WORLD = st.sampled_from([None, 1, 2, 3])
+TENANT = st.sampled_from(["", "", "t1"])  # each tenant has its own vLLM registry
 # Multiples of 0.5 s (exact in binary and in Lua's %.6f), so time lands exactly on deadlines too.
 STEP = st.sampled_from([0.5, 1.0, 2.0, 3.0, 5.0, RELEASE_GRACE, 15.0, 30.0])
 START = 1000.0
@@ -214,7 +217,7 @@ class Differential(RuleBasedStateMachine):
             release.append(data.draw(st.sampled_from(release)))  # the same page twice
         if data.draw(st.integers(0, 4)) == 0:
             release.append(data.draw(pages))  # any page: stored, free, another's
-        if data.draw(st.integers(0, 9)) == 0:
+        if data.draw(st.integers(0, 4)) == 0:
             bad = data.draw(st.sampled_from([-1, SMALL, 99]))  # out of range: refused
             if data.draw(st.booleans()):
                 pairs.append((data.draw(KEY), bad))
@@ -279,26 +282,26 @@ class Differential(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ vLLM index
 
-    @rule(rank=RANK, size=st.sampled_from([SMALL, SMALL, 3]), world=WORLD)
-    def v_register(self, rank: int, size: int, world: int | None) -> None:
-        self.both("v_register", rank, size, world)
+    @rule(rank=RANK, size=st.sampled_from([SMALL, SMALL, 3]), world=WORLD, tenant=TENANT)
+    def v_register(self, rank: int, size: int, world: int | None, tenant: str) -> None:
+        self.both("v_register", rank, size, world, tenant)
 
-    @rule(keys=st.lists(KEY, min_size=1, max_size=6))
-    def v_exists(self, keys: list[str]) -> None:
-        self.both("v_exists", keys)
+    @rule(keys=st.lists(KEY, min_size=1, max_size=6), tenant=TENANT)
+    def v_exists(self, keys: list[str], tenant: str) -> None:
+        self.both("v_exists", keys, tenant)
 
-    @rule()
-    def v_clear(self) -> None:
-        self.both("v_clear")
+    @rule(tenant=TENANT)
+    def v_clear(self, tenant: str) -> None:
+        self.both("v_clear", tenant)
 
-    @rule(rank=RANK)
-    def v_remove(self, rank: int) -> None:
-        self.both("v_remove", rank)
-        self.writers = [w for w in self.writers if w.pool != PoolId("v", rank, "")]
+    @rule(rank=RANK, tenant=TENANT)
+    def v_remove(self, rank: int, tenant: str) -> None:
+        self.both("v_remove", rank, tenant)
+        self.writers = [w for w in self.writers if w.pool != PoolId("v", rank, "", tenant)]
 
-    @rule(world=WORLD)
-    def v_set_world_size(self, world: int | None) -> None:
-        self.both("v_set_world_size", world)
+    @rule(world=WORLD, tenant=TENANT)
+    def v_set_world_size(self, world: int | None, tenant: str) -> None:
+        self.both("v_set_world_size", world, tenant)
 
     # ------------------------------------------------------------------ after every step
 
@@ -306,7 +309,8 @@ class Differential(RuleBasedStateMachine):
     def agree(self) -> None:
         self.steps += 1
         assert self.run(self.memory.stats()) == self.run(self.red.stats())
-        assert self.run(self.memory.v_index()) == self.run(self.red.v_index())
+        for tenant in ("", "t1"):
+            assert self.run(self.memory.v_index(tenant)) == self.run(self.red.v_index(tenant))
         for pool in self.memory.store.pools.values():
             check_pool(pool)
         self.same_allocator()

@@ -134,8 +134,8 @@ async def run_async(op: Op[T], backend: Any) -> T:
 
 
 class Operations:
-    """Every operation of both dialects as an ``Op``. Stateless apart from the limits, so one
-    instance serves any number of drivers."""
+    """Every operation of both dialects as an ``Op``. Stateless apart from the limits and the
+    tenants' page quotas, so one instance serves any number of drivers."""
 
     def __init__(
         self,

@@ -144,6 +144,12 @@ def test_the_first_tenant_record_makes_the_segment_say_format_3(tmp_path: Path) 
     assert decode_frames(data).records == [NewPool(S0, 8), Commit(S0, [("a", 0)]), NewPool(T0, 8)]
 
 
+def test_a_segment_whose_first_record_is_a_tenants_starts_with_format_3(tmp_path: Path) -> None:
+    data = _journal(tmp_path, [[TenantWorldSize("team-a", 2)], [WorldSize(1)]])
+    assert data[4] == 3
+    assert decode_frames(data).records == [TenantWorldSize("team-a", 2), WorldSize(1)]
+
+
 def test_recovery_keeps_tenants_apart(tmp_path: Path) -> None:
     records: list[Record] = [
         NewPool(S0, 8),
