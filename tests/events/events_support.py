@@ -151,3 +151,21 @@ def hashed(stored: dict[str, set[str]]) -> dict[str, set[Any]]:
         for pool, keys in stored.items()
         if keys
     }
+
+
+def complete(messages: list[tuple[bytes, int, bytes]], replay_endpoint: str | None) -> list[Any]:
+    """The live messages plus any the subscriber missed while joining (a SUB socket gets only
+    what is sent after it connected), from the replay socket: every batch from 0, in order."""
+    assert replay_endpoint is not None
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        replayed = replay(ctx, replay_endpoint, 0)
+    finally:
+        ctx.term()
+    merged = {seq: (topic, seq, payload) for topic, seq, payload in replayed}
+    for topic, seq, payload in messages:
+        assert merged.get(seq, (topic, seq, payload)) == (topic, seq, payload)
+        merged[seq] = (topic, seq, payload)
+    seqs = sorted(merged)
+    assert seqs == list(range(len(seqs))), "a batch is missing"
+    return [merged[seq] for seq in seqs]

@@ -14,7 +14,7 @@ import pytest
 import requests
 
 from tests.compat.stock_clients import load, load_events, sglang_hash_function
-from tests.events.events_support import Subscriber, endpoints, hashed, rebuild
+from tests.events.events_support import Subscriber, complete, endpoints, hashed, rebuild
 from tests.support import ServerProcess
 
 NAMESPACES = ("kv", "mamba")
@@ -130,12 +130,10 @@ def test_sglang_events_decode_with_both_engines_classes_and_rebuild_the_pools(
         sub.wait_for(events_server)
     finally:
         sub.close()
-    # (Batch 0 is the start's resync, sent as the subscriber joined: it may or may not see it.)
-    seqs = [seq for _, seq, _ in sub.messages if seq > 0]
-    assert seqs == list(range(1, len(seqs) + 1))
+    messages = complete(sub.messages, ends.replay)
     reasons = set()
     chained = 0
-    for topic, _, payload in sub.messages:
+    for topic, _, payload in messages:
         assert topic.decode() == ends.topic
         stock = msgspec.msgpack.decode(payload, type=sglang_events.KVEventBatch)
         # vLLM's classes read them too (its block hashes are ``bytes | int``).
@@ -162,9 +160,9 @@ def test_sglang_events_decode_with_both_engines_classes_and_rebuild_the_pools(
             assert event.parent_block_hash == want_parent
             assert all(prefix_of[b] == a for a, b in zip(keys, keys[1:], strict=False))
             chained += len(keys) > 1
-    assert reasons == {"capacity", "delete", "clear"}
+    assert reasons == {"restart-recovery", "capacity", "delete", "clear"}
     assert chained > 0
-    assert rebuild(sub.messages) == hashed(sglang_state(events_server.url, used))
+    assert rebuild(messages) == hashed(sglang_state(events_server.url, used))
 
 
 def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
@@ -194,8 +192,9 @@ def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
     finally:
         sub.close()
         client._session.close()
+    messages = complete(sub.messages, ends.replay)
     reasons = set()
-    for _, _, payload in sub.messages:
+    for _, _, payload in messages:
         batch = msgspec.msgpack.decode(payload, type=vllm_events.KVEventBatch)
         raw = msgspec.msgpack.decode(payload)[1]
         for event, plain in zip(batch.events, raw, strict=True):
@@ -207,21 +206,23 @@ def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
             assert event.medium == "EXTERNAL"
             if isinstance(event, vllm_events.BlockRemoved):
                 reasons.add(plain["reason"])
-    assert reasons == {"capacity", "clear", "drop"}
+    assert reasons == {"restart-recovery", "capacity", "clear", "drop"}
     keys = sorted(set(used))
     found = stock.Hf3fsGlobalMetadataClient(events_server.url).get_key_locations(0, keys)
     locations = {k for k, page in zip(keys, found, strict=True) if page is not None}
-    assert rebuild(sub.messages) == hashed({"v:0": locations})
+    assert rebuild(messages) == hashed({"v:0": locations})
 
 
 def test_array_format_puts_the_engines_fields_first(
     sglang_events: types.ModuleType, sglang_int64: Any
 ) -> None:
     server = ServerProcess(
-        "--in-memory", "--events", "tcp://127.0.0.1:0", "--events-format", "array"
-    ).start()
+        "--in-memory", "--events", "tcp://127.0.0.1:0", "--events-format", "array",
+        "--events-replay", "tcp://127.0.0.1:0",
+    ).start()  # fmt: skip
     try:
-        sub = Subscriber(endpoints(server).pub).start()
+        ends = endpoints(server)
+        sub = Subscriber(ends.pub).start()
         try:
             url = server.url
             requests.post(f"{url}/0/initialize", json={"num_pages": 4}, timeout=30)
@@ -237,11 +238,12 @@ def test_array_format_puts_the_engines_fields_first(
             )
             requests.post(f"{url}/0/delete_keys", json={"keys": keys[:1]}, timeout=30)
             sub.wait_for(server)
+            messages = complete(sub.messages, ends.replay)
         finally:
             sub.close()
     finally:
         server.stop()
-    events = [e for _, seq, p in sub.messages if seq > 0 for e in msgspec.msgpack.decode(p)[1]]
+    events = [e for _, seq, p in messages if seq > 0 for e in msgspec.msgpack.decode(p)[1]]
     stored, removed = events
     shared = ("block_hashes", "parent_block_hash", "token_ids", "block_size", "lora_id", "medium")
     assert sglang_events.BlockStored.__struct_fields__[:6] == shared

@@ -45,8 +45,10 @@ logger = logging.getLogger(__name__)
 # keys per resync BlockStored event.
 _MAX_EVENTS = 1024
 _DUMP_PAGE = 2048
-# Prefix keys remembered from reserves, all pools together (about 250 bytes each).
+# Prefix keys remembered from reserves, all pools together (about 250 bytes each), and how
+# many are noted between two compactions of their tables (``Publisher._compact``).
 _PREFIX_CAP = 1 << 17
+_COMPACT_EVERY = 1 << 14
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change (one encode, one send) for a millisecond of lag.
 _GATHER = 0.002
@@ -123,10 +125,14 @@ class Publisher:
         except zmq.ZMQError:
             self.close()
             raise
-        self._pending: list[Change] = []
+        # Events made from the changes reported since the last batch (made at once, while the
+        # keys are fresh in the CPU caches; sent together).
+        self._pending: list[Event] = []
+        self._pending_blocks = 0
         self._first_at = 0.0
         self._first_wall = 0.0
         self._holding = False
+        self._scheduled = False  # a flush is due (call_later)
         self._loop: asyncio.AbstractEventLoop | None = None
         self._prefixes: dict[PoolId, dict[str, str | None]] = {}
         self._noted = 0
@@ -137,15 +143,23 @@ class Publisher:
         self._loop = loop
         if self.replay is not None:
             self.replay.start(loop)
+        self._schedule()  # changes reported before the loop was known
 
     def on_changes(self, changes: list[Change]) -> None:
-        """The backend's change listener: queue, and send at the end of this loop pass."""
+        """The backend's change listener: make the events now, send them within ``_GATHER``."""
         if not self._pending:
             self._first_at = time.perf_counter()
             self._first_wall = time.time()
-            if not self._holding and self._loop is not None:
-                self._loop.call_later(_GATHER, self.flush)
-        self._pending += changes
+        for change in changes:
+            self._pending_blocks += self._events_of(change, self._pending)
+        if not self._scheduled:
+            self._schedule()
+
+    def _schedule(self) -> None:
+        if self._holding or self._loop is None or not self._pending:
+            return
+        self._scheduled = True
+        self._loop.call_later(_GATHER, self.flush)
 
     def note_reserve(self, pool: PoolId, pairs: Iterable[tuple[str, str | None]]) -> None:
         """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs)."""
@@ -155,29 +169,35 @@ class Publisher:
         before = len(known)
         known.update(pairs)
         self._noted += len(known) - before
-        if self._noted > _PREFIX_CAP:
-            self._forget_oldest()
+        if self._noted > _COMPACT_EVERY:
+            self._compact()
 
-    def _forget_oldest(self) -> None:
-        total = 0
-        for known in self._prefixes.values():
-            drop = len(known) // 2
-            for key in list(islice(known, drop)):
-                del known[key]
-            total += len(known)
-        self._noted = total
+    def _compact(self) -> None:
+        """Copy the prefix tables (most entries are popped by their confirm soon after: a
+        dict that had many keys deleted keeps its size and gets slower to probe; a copy is
+        as small as what is left), and forget the oldest half of any pool over the cap."""
+        total = sum(len(known) for known in self._prefixes.values())
+        fresh: dict[PoolId, dict[str, str | None]] = {}
+        for pool, known in self._prefixes.items():
+            if not known:
+                continue
+            if total > _PREFIX_CAP:
+                known = dict(islice(known.items(), len(known) // 2, None))
+            else:
+                known = dict(known)
+            fresh[pool] = known
+        self._prefixes = fresh
+        self._noted = 0
 
     # ------------------------------------------------------------------ output
 
     def flush(self) -> None:
         """Send everything queued (also called at shutdown)."""
+        self._scheduled = False
         if self._holding or not self._pending:
             return
-        changes, self._pending = self._pending, []
-        events: list[Event] = []
-        blocks = 0
-        for change in changes:
-            blocks += self._events_of(change, events)
+        events, self._pending = self._pending, []
+        blocks, self._pending_blocks = self._pending_blocks, 0
         self._send(events, blocks, self._first_at, self._first_wall)
 
     def _send(self, events: list[Event], blocks: int, since: float, ts: float = 0.0) -> None:
@@ -288,8 +308,7 @@ class Publisher:
             self.stats.resyncs += 1
         finally:
             self._holding = False
-            if self._pending and self._loop is not None:
-                self._loop.call_soon(self.flush)
+            self.flush()  # what changed meanwhile, right after the resync
         logger.info(
             "events: resync published %d pools, %d keys in %.3f s (run %s)",
             pools,
