@@ -144,7 +144,7 @@ def _help_blocks(text: str) -> dict[str, str]:
     return blocks
 
 
-@pytest.mark.parametrize("mode", ["", "run", "sweep", "core"])
+@pytest.mark.parametrize("mode", ["", "run", "sweep", "core", "noisy"])
 def test_bench_help_lists_choices_and_defaults_for_every_flag(mode: str) -> None:
     proc = _bench(*filter(None, [mode]), "--help", timeout=60)
     assert proc.returncode == 0, proc.stderr
@@ -154,7 +154,7 @@ def test_bench_help_lists_choices_and_defaults_for_every_flag(mode: str) -> None
         if name == "-h":
             continue
         assert "default" in block, f"{name}: {block}"
-    assert "{run,sweep,core}" in blocks["mode"]
+    assert "{run,sweep,core,noisy}" in blocks["mode"]
     assert "{s,v}" in blocks["--dialect"] and "default: s" in blocks["--dialect"]
     assert "{durable,memory,redis}" in blocks["--launch"]
     assert "{tcp,unix}" in blocks["--redis-transport"]

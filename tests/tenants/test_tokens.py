@@ -219,3 +219,24 @@ def test_kvmeta_status_shows_the_tenant_column_when_there_are_tenants() -> None:
     lines = format_table("http://h:1", doc).splitlines()
     assert lines[1].startswith("TENANT") and lines[2].startswith("teamA ")
     assert lines[3].startswith("- ")
+
+
+@pytest.mark.slow
+def test_sighup_reaches_every_worker(
+    tmp_path: Path, redis_url: str, tenant_server: Callable[..., ServerProcess]
+) -> None:
+    path = write_tokens(tmp_path / "tokens.toml", tokens_toml())
+    server = tenant_server("--backend", redis_url, "--workers", "2", auth_file=path)
+    deadline = time.monotonic() + 60
+    while server.log.count("kvmeta listening") < 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    new = "worker-reload-token-012345"
+    tokens = dict(TOKENS, new=(new, "teamC", ["read"], None, None))
+    write_tokens(path, tokens_toml(tokens=tokens))
+    server.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    while server.log.count("tokens file") < 2 + 2 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert server.log.count("reloaded") == 2, server.log
+    # Fresh connections land on either worker: every one knows the new token.
+    assert {Client(server.url, new).get("/ready").status_code for _ in range(20)} == {200}
+    assert server.proc.poll() is None  # type: ignore[union-attr]
