@@ -101,14 +101,14 @@ def _exercise(server: ServerProcess) -> None:
     server.post("/keys/batch_exists", {"keys": ["x", "y", "z"]})
 
     text = requests.get(server.url + "/metrics", timeout=10).text
-    s = 'dialect="s",namespace="kv",rank="0"'
+    s = 'dialect="s",namespace="kv",rank="0",tenant=""'
     assert _metric(text, "kvmeta_prefix_keys_asked_total", s) == 9
     assert _metric(text, "kvmeta_prefix_leading_hits_total", s) == 5  # 3 + 0 + 2
     assert _metric(text, "kvmeta_prefix_hit_length_bucket", s + ',le="0"') == 1
     assert _metric(text, "kvmeta_prefix_hit_length_bucket", s + ',le="2"') == 2
     assert _metric(text, "kvmeta_prefix_hit_length_bucket", s + ',le="4"') == 3
     assert _metric(text, "kvmeta_prefix_hit_length_count", s) == 3
-    v_all = 'dialect="v",namespace="",rank="all"'
+    v_all = 'dialect="v",namespace="",rank="all",tenant=""'
     assert _metric(text, "kvmeta_prefix_keys_asked_total", v_all) == 3
     assert _metric(text, "kvmeta_prefix_leading_hits_total", v_all) == 2
 

@@ -116,6 +116,20 @@ CASES: dict[tuple[str, str], Case] = {
     ("POST", "/v1/vllm/world_size"): Case(
         "admin", NO_TARGET, _fixed("/v1/vllm/world_size", {"world_size": None}), True
     ),
+    # router reads
+    ("POST", "/v1/prefix_match"): Case(
+        "read",
+        SGLANG_TARGETS,
+        lambda t: (
+            "/v1/prefix_match",
+            {"pools": [{"rank": t.rank, "namespace": t.namespace, "keys": ["k"]}]},
+        ),
+    ),
+    ("GET", "/v1/dump"): Case(
+        "read",
+        SGLANG_TARGETS,
+        lambda t: (f"/v1/dump?rank={t.rank}&namespace={t.namespace}", None),
+    ),
     # operator routes
     ("GET", "/ready"): Case("any", NO_TARGET, _fixed("/ready")),
     ("GET", "/openapi.json"): Case("any", NO_TARGET, _fixed("/openapi.json")),
