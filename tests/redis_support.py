@@ -45,10 +45,19 @@ def _server_binary() -> str:
 REDIS_SERVER = _server_binary()
 
 
+# A Cluster node also listens on its port + 10000 (the cluster bus), so it refuses a port above
+# this; the kernel hands out ephemeral ports up to 60999.
+_MAX_NODE_PORT = 55535
+
+
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+    """A free loopback port, low enough for a Cluster node (see ``_MAX_NODE_PORT``)."""
+    while True:
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = int(sock.getsockname()[1])
+        if port <= _MAX_NODE_PORT:
+            return port
 
 
 class RedisServer:
