@@ -89,7 +89,7 @@ def test_numbers_equal_pools_on_a_quiet_server(server: ServerProcess) -> None:
     assert len(status["pools"]) == len(pools["pools"]) == 3
     for mine, theirs in zip(status["pools"], pools["pools"], strict=True):
         assert {k: mine[k] for k in theirs} == theirs
-        assert mine["tenant"] == ""  # the default tenant
+        assert mine["tenant"] == ""  # the default tenant (the page shows "-")
         assert mine["evictions_per_s"] == 0.0 and mine["refused_per_s"] == 0.0
     by_rank = {(p["rank"], p["namespace"]): p for p in status["pools"]}
     assert by_rank[(0, "kv")]["stored"] == 6 and by_rank[(0, "kv")]["reserved"] == 4

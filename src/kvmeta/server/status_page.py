@@ -403,7 +403,6 @@ _NO_HISTORY = msgspec.Raw(msgspec.json.encode(StatusRing().history()))
 
 
 def status_pool(view: dict[str, Any], rates: tuple[float, float] | None) -> dict[str, Any]:
-    view.setdefault("tenant", "")  # as in /v1/pools; the page shows the default tenant as "-"
     view["evictions_per_s"] = rates[0] if rates else None
     view["refused_per_s"] = rates[1] if rates else None
     return view

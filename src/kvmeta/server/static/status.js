@@ -94,7 +94,7 @@ function renderPools(pools) {
     const occ = el("td");
     occ.append(bar, " " + (p.occupancy * 100).toFixed(1) + "%");
     occ.dataset.field = "occupancy";
-    tr.append(el("td", p.tenant || "-"), el("td", p.dialect === "v" ? "vllm" : "sglang"),
+    tr.append(el("td", p.tenant ? p.tenant : "-"), el("td", p.dialect === "v" ? "vllm" : "sglang"),
       el("td", String(p.rank)), el("td", p.namespace));
     for (const f of ["num_pages", "free", "reserved", "stored"]) {
       const td = el("td", String(p[f]), "n");
