@@ -97,9 +97,9 @@ def test_pool_rates_between_samples() -> None:
     rates.update(10.0, [_stats(0, 0, 0)])
     assert rates.rates == {}
     rates.update(12.0, [_stats(0, 10, 4), _stats(1, 5, 5)])
-    assert rates.rates == {PoolId("s", 0, "kv"): (5.0, 2.0)}  # rank 1 is new: no rate yet
+    assert rates.rates == {("s", 0, "kv", ""): (5.0, 2.0)}  # rank 1 is new: no rate yet
     rates.update(14.0, [_stats(0, 0, 0), _stats(1, 5, 9)])  # rank 0 cleared: zero, not negative
-    assert rates.rates == {PoolId("s", 0, "kv"): (0.0, 0.0), PoolId("s", 1, "kv"): (0.0, 2.0)}
+    assert rates.rates == {("s", 0, "kv", ""): (0.0, 0.0), ("s", 1, "kv", ""): (0.0, 2.0)}
 
 
 def test_assets_ship_as_package_data() -> None:

@@ -27,7 +27,6 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import msgspec
 
-from kvmeta._types import PoolId
 from kvmeta.server.access import scope_of
 from kvmeta.server.app import Route, json_response
 from kvmeta.server.http import Request, Response
@@ -211,7 +210,7 @@ class StatusRing:
         }
 
 
-PoolKey = PoolId  # (the tenant included: two tenants' pools are two rows)
+PoolKey = tuple[str, int, str, str]  # (dialect, rank, namespace, tenant)
 
 
 class PoolRates:
@@ -224,7 +223,7 @@ class PoolRates:
 
     def update(self, now: float, pools: Sequence[PoolStats]) -> None:
         current = {
-            st.pool: (
+            (st.pool.dialect, st.pool.rank, st.pool.namespace, st.pool.tenant): (
                 st.counters.get("evictions", 0),
                 st.counters.get("reservations_refused", 0),
             )
@@ -344,11 +343,16 @@ class StatusState:
 
         self.rates.update(now, pools)
         rates = self.rates.rates
-        rows = [status_pool(pool_view(st), rates.get(st.pool)) for st in pools]
+        rows = []
         tenants: dict[str, list[dict[str, Any]]] = {}
-        for st, row in zip(pools, rows, strict=True):
-            if st.pool.tenant:
-                tenants.setdefault(st.pool.tenant, []).append(row)
+        for st in pools:
+            pool = st.pool
+            row = status_pool(
+                pool_view(st), rates.get((pool.dialect, pool.rank, pool.namespace, pool.tenant))
+            )
+            rows.append(row)
+            if pool.tenant:
+                tenants.setdefault(pool.tenant, []).append(row)
         by_tenant = {t: msgspec.Raw(msgspec.json.encode(r)) for t, r in tenants.items()}
         return Lookups.of(pools), msgspec.Raw(msgspec.json.encode(rows)), by_tenant
 
