@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import inspect
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -10,7 +9,6 @@ from typing import Any
 import pytest
 import requests
 
-from kvmeta.store.memory import MemoryStore
 from tests.support import ServerProcess
 
 OPERATOR = "operator-token-0123456789"  # --auth-token: all access, tenant ""
@@ -27,7 +25,6 @@ TOKENS: dict[str, tuple[str, str, list[str], str | None, list[str] | None]] = {
 
 # True once the vLLM registry is per tenant in the stores (``v_register(..., tenant)``); until
 # then a tenant's token cannot register vLLM ranks of its own (see the tests that use it).
-VLLM_TENANTS = "tenant" in inspect.signature(MemoryStore.v_register).parameters
 
 
 def tokens_toml(extra_tenants: str = "", tokens: dict[str, Any] | None = None) -> str:

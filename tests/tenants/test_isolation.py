@@ -16,12 +16,9 @@ import requests
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
 from kvmeta.client.vllm import Hf3fsGlobalMetadataClient as VllmClient
 from tests.support import ServerProcess
-from tests.tenants.conftest import OPERATOR, VLLM_TENANTS, Client, token
+from tests.tenants.conftest import OPERATOR, Client, token
 
 BACKENDS = ["memory", "durable", "redis"]
-_NEEDS_STORES = pytest.mark.xfail(
-    not VLLM_TENANTS, reason="the tenant is not in the stores' pool identity yet", strict=True
-)
 
 
 def _backend_args(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
@@ -32,11 +29,7 @@ def _backend_args(backend: str, request: pytest.FixtureRequest, tmp_path: Path) 
     return ["--backend", request.getfixturevalue("redis_url")]
 
 
-def _params(needs_stores: set[str]) -> list[object]:
-    return [pytest.param(b, marks=_NEEDS_STORES if b in needs_stores else ()) for b in BACKENDS]
-
-
-@pytest.mark.parametrize("backend", _params({"redis"}))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_sglang_tenants_with_the_same_pool_names_are_apart(
     backend: str,
     request: pytest.FixtureRequest,
@@ -96,13 +89,11 @@ def test_pools_survive_a_restart_apart(
     server = tenant_server("--data-dir", data, "--fsync", "always")
     a = Hf3fsGlobalMetadataClient(server.url, auth_token=token("a_admin"))
     b = Hf3fsGlobalMetadataClient(server.url, auth_token=token("b_admin"))
-    if not VLLM_TENANTS:
-        pytest.xfail("the journal and snapshot do not carry the tenant yet")
     assert a.exists(0, ["key-a_admin", "key-b_admin"], "kv") == [True, False]
     assert b.exists(0, ["key-a_admin", "key-b_admin"], "kv") == [False, True]
 
 
-@pytest.mark.parametrize("backend", _params(set(BACKENDS)))
+@pytest.mark.parametrize("backend", BACKENDS)
 def test_vllm_tenants_have_their_own_registries(
     backend: str,
     request: pytest.FixtureRequest,

@@ -23,7 +23,7 @@ from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from tests.support import ServerProcess
-from tests.tenants.conftest import TOKENS, VLLM_TENANTS, Client, token
+from tests.tenants.conftest import TOKENS, Client, token
 
 pytestmark = pytest.mark.slow
 
@@ -202,8 +202,7 @@ def _create_everything(url: str) -> None:
                     {"keys": [["k", None]], "namespace": ns},
                 )
             r = client.post(f"/rank/{rank}/initialize", {"num_pages": 8})
-            if name == "op" or VLLM_TENANTS:
-                assert r.status_code == 200, r.text
+            assert r.status_code == 200, r.text
 
 
 @pytest.mark.parametrize("route", sorted(CASES), ids=lambda r: f"{r[0]} {r[1]}")
@@ -225,7 +224,6 @@ def test_route_matrix(
     before = {cell: ask(*cell) for cell in cells}
     _create_everything(server.url)
     problems: list[str] = []
-    pending: list[str] = []  # a tenant's own vLLM registry (not in the stores yet)
     for cell in cells:
         name, target = cell
         status, body = ask(*cell)
@@ -234,8 +232,7 @@ def test_route_matrix(
         if allowed:
             if not 200 <= status < 300:
                 text = f"{where}: expected 2xx, got {status} {body[:200]}"
-                tenant_vllm = case.vllm_registry and name != "op"
-                (pending if tenant_vllm and not VLLM_TENANTS else problems).append(text)
+                problems.append(text)
             continue
         if status != 403:
             problems.append(f"{where}: expected 403, got {status} {body[:200]}")
@@ -246,5 +243,3 @@ def test_route_matrix(
         elif "outside this token's scope" not in body or TOKENS[name][1] not in body:
             problems.append(f"{where}: the 403 does not name the token's scope: {body}")
     assert not problems, "\n".join(problems)
-    if pending:
-        pytest.xfail("needs per-tenant vLLM registries in the stores:\n" + "\n".join(pending))
