@@ -238,14 +238,7 @@ def _start_events(
             f"{settings.events_replay}): {exc}. Pick a free port or stop what holds it",
             "events",
         ) from None
-    try:
-        backend.set_change_listener(publisher.on_changes)
-    except NotImplementedError:
-        publisher.close()
-        raise ConfigError(
-            f"`--events` is not available with the {backend.name} backend in this build",
-            "events",
-        ) from None
+    backend.set_change_listener(publisher.on_changes)
     publisher.start(loop)
     service.reserve_observer = publisher.note_reserve
     from kvmeta.server import metrics
