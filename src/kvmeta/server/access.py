@@ -22,8 +22,6 @@ file is logged (without any token) and the old table kept.
 from __future__ import annotations
 
 import asyncio
-import base64
-import binascii
 import hmac
 import logging
 import math
@@ -35,6 +33,7 @@ from typing import Any
 
 from kvmeta._types import PoolId
 from kvmeta.errors import ConfigError, Forbidden, QuotaExceeded, Unauthorized
+from kvmeta.server.auth import presented_token
 from kvmeta.server.http import Request, Response
 from kvmeta.server.tokens import ALL_ACCESS, Scope, TenantQuota, digest, load_tokens
 
@@ -173,22 +172,6 @@ _WRONG = (
     "tokens file (--auth-file) and is not its --auth-token"
 )
 _MAX_REMEMBERED = 4096
-
-
-def presented_token(header: bytes) -> bytes:
-    """The token a header carries (the Bearer credential or the Basic password), or b""."""
-    scheme, _, value = header.strip().partition(b" ")
-    scheme = scheme.lower()
-    value = value.strip()
-    if scheme == b"bearer":
-        return value
-    if scheme == b"basic":
-        try:
-            decoded = base64.b64decode(value, validate=True)
-        except (binascii.Error, ValueError):
-            return b""
-        return decoded.partition(b":")[2]
-    return b""
 
 
 class Access:

@@ -16,7 +16,7 @@ import hmac
 from kvmeta.errors import Unauthorized
 from kvmeta.server.http import Request
 
-__all__ = ["TokenAuth"]
+__all__ = ["TokenAuth", "presented_token"]
 
 _MISSING = (
     "Authentication required: send `Authorization: Bearer <token>`, or put the token in the "
@@ -50,22 +50,23 @@ class TokenAuth:
             header, self._basic_empty_user
         ):
             return
-        if not hmac.compare_digest(self._presented(header), self._token):
+        if not hmac.compare_digest(presented_token(header), self._token):
             self.failures += 1
             raise Unauthorized(_WRONG)
 
-    @staticmethod
-    def _presented(header: bytes) -> bytes:
-        """The token a header carries (the Bearer credential or the Basic password)."""
-        scheme, _, value = header.strip().partition(b" ")
-        scheme = scheme.lower()
-        value = value.strip()
-        if scheme == b"bearer":
-            return value
-        if scheme == b"basic":
-            try:
-                decoded = base64.b64decode(value, validate=True)
-            except (binascii.Error, ValueError):
-                return b""
-            return decoded.partition(b":")[2]
-        return b""
+
+def presented_token(header: bytes) -> bytes:
+    """The token an ``Authorization`` header carries (the Bearer credential or the Basic
+    password), or b"" (also used by ``server.access`` for tokens files)."""
+    scheme, _, value = header.strip().partition(b" ")
+    scheme = scheme.lower()
+    value = value.strip()
+    if scheme == b"bearer":
+        return value
+    if scheme == b"basic":
+        try:
+            decoded = base64.b64decode(value, validate=True)
+        except (binascii.Error, ValueError):
+            return b""
+        return decoded.partition(b":")[2]
+    return b""
