@@ -56,3 +56,8 @@ def test_batch_form_equals_the_per_key_form(engine_hash: Any) -> None:
         assert sglang_hashes(batch) == [engine_hash(k) for k in batch]
     assert sglang_hashes(["0123456789abcde f" + "0" * 8]) == [sglang_hash("0123456789abcde f")]
     assert sglang_hashes([]) == []
+    # 64-character keys that are not all hex, or hex only in their head, or spaced.
+    head = hexes[0][:16]
+    odd64 = [head + "z" * 48, head + " " * 48, "0x" + hexes[1][:62], hexes[2].upper()]
+    for batch in ([*hexes[:4], odd] for odd in odd64):
+        assert sglang_hashes(batch) == [sglang_hash(k) for k in batch]

@@ -232,9 +232,9 @@ class Publisher:
             self._stored_runs(pool, keys, out)
             return len(keys)
         if change.kind == REMOVED:
-            hashes: list[BlockHash]
+            hashes: Sequence[BlockHash]
             if pool.dialect == "s":
-                hashes = list(sglang_hashes(keys))
+                hashes = sglang_hashes(keys)
             else:
                 hashes = list(map(str.encode, keys))
             out.append(enc.removed(pool, hashes, change.reason))
@@ -272,7 +272,7 @@ class Publisher:
     def _emit_run(
         self, pool: PoolId, run: Sequence[str], parent: str | None, out: list[Event]
     ) -> None:
-        hashes: list[BlockHash] = list(sglang_hashes(run))
+        hashes: Sequence[BlockHash] = sglang_hashes(run)
         parent_hash = None if parent is None else sglang_hash(parent)
         out.append(self.encoder.stored(pool, hashes, parent_hash, run, parent))
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import hashlib
 import struct
+import sys
+from array import array
 from collections.abc import Sequence
 from operator import itemgetter
 from typing import Union
@@ -63,20 +65,33 @@ def sglang_hash(key: str) -> int:
 
 
 _HEAD = itemgetter(slice(None, 16))
+_SWAP = sys.byteorder == "little"
 
 
 def sglang_hashes(keys: Sequence[str]) -> list[int]:
-    """``sglang_hash`` of each key. SGLang's keys are hex strings of 16+ digits: their heads
-    are decoded in one pass (the 8-byte big-endian signed reading of 16 hex digits is exactly
-    the wrapped int64); any other key sends the whole call down the per-key path."""
-    heads = "".join(map(_HEAD, keys))
+    """``sglang_hash`` of each key. SGLang's keys are SHA-256 hex strings (64 digits): all of
+    them are decoded in one pass and every 32nd-byte group's first 8 bytes read as big-endian
+    int64 (exactly the wrapped int64 of the first 16 digits). Other hex keys of 16+ digits
+    have their heads decoded in one pass; any other key sends the call down the per-key path."""
     n = len(keys)
+    whole = "".join(keys)
+    if len(whole) == 64 * n:
+        try:
+            raw = bytes.fromhex(whole)
+        except ValueError:
+            raw = b""
+        if len(raw) == 32 * n:  # (fromhex skips whitespace: a spaced key lands here short)
+            words = array("q", raw)
+            if _SWAP:
+                words.byteswap()
+            return words[::4].tolist()
+    heads = "".join(map(_HEAD, keys))
     if len(heads) == 16 * n:
         try:
             raw = bytes.fromhex(heads)
         except ValueError:
             raw = b""
-        if len(raw) == 8 * n:  # (fromhex skips whitespace: a spaced key lands here short)
+        if len(raw) == 8 * n:
             return list(struct.unpack(f">{n}q", raw))
     return [sglang_hash(k) for k in keys]
 
