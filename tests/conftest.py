@@ -14,6 +14,7 @@ from tests.redis_support import (  # noqa: F401  (shared fixtures)
     redis_sentinel_url,
     redis_server,
     redis_url,
+    replica_pair,
 )
 from tests.support import ServerProcess
 

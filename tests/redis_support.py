@@ -159,6 +159,34 @@ def redis_url(redis_server: RedisServer) -> str:
     return redis_server.url
 
 
+class ReplicaPair:
+    """A primary and one replica of it (plain replication, no Sentinel): the tests of
+    ``--min-replicas-ack`` stop the replica (SIGSTOP) to see writes refused."""
+
+    def __init__(self) -> None:
+        self.primary = RedisServer().start()
+        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port)).start()
+        deadline = time.monotonic() + 30
+        while self.replica.client().info("replication").get("master_link_status") != "up":
+            assert time.monotonic() < deadline, "replica did not connect"
+            time.sleep(0.1)
+
+    def close(self) -> None:
+        if self.replica.proc is not None and self.replica.proc.poll() is None:
+            os.kill(self.replica.pid, signal.SIGCONT)
+        self.replica.close()
+        self.primary.close()
+
+
+@pytest.fixture
+def replica_pair() -> Iterator[ReplicaPair]:
+    made = ReplicaPair()
+    try:
+        yield made
+    finally:
+        made.close()
+
+
 # ---------------------------------------------------------------------------- HA topologies
 #
 # A cluster and a Sentinel group built from the same binary, without valkey-cli: the tests

@@ -10,8 +10,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
-from collections.abc import Iterator
 from typing import Any
 
 import pytest
@@ -31,7 +29,7 @@ from kvmeta.store.changes import (
     Change,
 )
 from kvmeta.store.redis import RedisBackend, pool_keys
-from tests.redis_support import RedisServer
+from tests.redis_support import ReplicaPair
 
 POOL = PoolId("s", 0, "feed")
 
@@ -283,48 +281,23 @@ def test_a_failed_call_releases_the_changes_it_held(redis_url: str) -> None:
     asyncio.run(go())
 
 
-class _Pair:
-    def __init__(self) -> None:
-        self.primary = RedisServer().start()
-        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port)).start()
-        deadline = time.monotonic() + 30
-        while self.replica.client().info("replication").get("master_link_status") != "up":
-            assert time.monotonic() < deadline, "replica did not connect"
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        if self.replica.proc is not None and self.replica.proc.poll() is None:
-            os.kill(self.replica.pid, signal.SIGCONT)
-        self.replica.close()
-        self.primary.close()
-
-
-@pytest.fixture
-def pair() -> Iterator[_Pair]:
-    made = _Pair()
-    try:
-        yield made
-    finally:
-        made.close()
-
-
 @pytest.mark.slow
-def test_a_write_answered_not_replicated_is_never_announced(pair: _Pair) -> None:
+def test_a_write_answered_not_replicated_is_never_announced(replica_pair: ReplicaPair) -> None:
     async def go() -> None:
         backend, feed = await _started(
-            pair.primary.url, min_replicas_ack=1, replica_ack_timeout=0.3
+            replica_pair.primary.url, min_replicas_ack=1, replica_ack_timeout=0.3
         )
         try:
             await backend.initialize(POOL, 1)
             await _store(backend, POOL, ["a"])
             assert feed.take() == [Change(POOL, STORED, ("a",))]
-            os.kill(pair.replica.pid, signal.SIGSTOP)
+            os.kill(replica_pair.replica.pid, signal.SIGSTOP)
             with pytest.raises(NotReplicated):
                 await backend.delete(POOL, ["a"])
             with pytest.raises(NotReplicated):
                 await backend.clear(POOL)
             assert feed.changes == []
-            os.kill(pair.replica.pid, signal.SIGCONT)
+            os.kill(replica_pair.replica.pid, signal.SIGCONT)
             await _store(backend, POOL, ["b"])
             assert feed.take() == [Change(POOL, STORED, ("b",))]
         finally:

@@ -17,7 +17,7 @@ import requests
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotReplicated
 from kvmeta.store.redis import RedisBackend
-from tests.redis_support import RedisServer, SentinelGroup, free_port
+from tests.redis_support import RedisServer, ReplicaPair, SentinelGroup, free_port
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -106,53 +106,32 @@ def test_a_name_the_sentinels_do_not_monitor_is_named(doomed_group: SentinelGrou
     _run(go())
 
 
-class _Pair:
-    """A primary and one replica of it (plain replication, no Sentinel)."""
-
-    def __init__(self) -> None:
-        self.primary = RedisServer().start()
-        self.replica = RedisServer("--replicaof", "127.0.0.1", str(self.primary.port)).start()
-        deadline = time.monotonic() + 30
-        while self.replica.client().info("replication").get("master_link_status") != "up":
-            assert time.monotonic() < deadline, "replica did not connect"
-            time.sleep(0.1)
-
-    def close(self) -> None:
-        if self.replica.proc is not None and self.replica.proc.poll() is None:
-            os.kill(self.replica.pid, signal.SIGCONT)
-        self.replica.close()
-        self.primary.close()
-
-
-@pytest.fixture
-def pair() -> Iterator[_Pair]:
-    made = _Pair()
-    try:
-        yield made
-    finally:
-        made.close()
-
-
-def test_min_replicas_ack_waits_for_the_replica_and_refuses_without_it(pair: _Pair) -> None:
+def test_min_replicas_ack_waits_for_the_replica_and_refuses_without_it(
+    replica_pair: ReplicaPair,
+) -> None:
     """Backend level: with the replica up every change is acknowledged by it; with the replica
     frozen (SIGSTOP) a change answers NotReplicated, a read still answers."""
 
     async def go() -> None:
-        backend = RedisBackend(pair.primary.url, min_replicas_ack=1, replica_ack_timeout=0.3)
+        backend = RedisBackend(
+            replica_pair.primary.url, min_replicas_ack=1, replica_ack_timeout=0.3
+        )
         await backend.start()
         try:
             await _cycle(backend, "a")
-            os.kill(pair.replica.pid, signal.SIGSTOP)
+            os.kill(replica_pair.replica.pid, signal.SIGSTOP)
             with pytest.raises(NotReplicated):
                 await backend.get(POOL, ["a"])  # a read lease is a change: it waits too
             assert await backend.exists(POOL, ["a"]) == [True]  # no change: no WAIT
             with pytest.raises(NotReplicated) as info:
                 await backend.reserve(POOL, ["b"])
             text = str(info.value)
-            assert f"127.0.0.1:{pair.primary.port}" in text or pair.primary.url in text
+            assert (
+                f"127.0.0.1:{replica_pair.primary.port}" in text or replica_pair.primary.url in text
+            )
             assert "0 of 1 replica(s) acknowledged reserve within 0.3s" in text
             assert "safe to retry" in text
-            os.kill(pair.replica.pid, signal.SIGCONT)
+            os.kill(replica_pair.replica.pid, signal.SIGCONT)
             [(stored, page_b)] = await backend.reserve(POOL, ["b"])  # the retry joins
             assert not stored
             assert await backend.confirm(POOL, [("b", page_b)], []) == 0
@@ -163,11 +142,11 @@ def test_min_replicas_ack_waits_for_the_replica_and_refuses_without_it(pair: _Pa
 
 
 def test_a_server_with_min_replicas_ack_answers_503_not_204_without_the_replica(
-    pair: _Pair, tmp_path: Path
+    replica_pair: ReplicaPair, tmp_path: Path
 ) -> None:
     server = ServerProcess(
         "--backend",
-        pair.primary.url,
+        replica_pair.primary.url,
         "--min-replicas-ack",
         "1",
         "--replica-ack-timeout",
@@ -180,13 +159,13 @@ def test_a_server_with_min_replicas_ack_answers_503_not_204_without_the_replica(
         body = {"keys": [["k", None]]}
         out = requests.post(base + "/0/reserve_and_allocate_page_indices", json=body, timeout=10)
         [[_hit, page]] = out.json()["indices"]
-        os.kill(pair.replica.pid, signal.SIGSTOP)
+        os.kill(replica_pair.replica.pid, signal.SIGSTOP)
         confirm = {"written_keys_to_confirm": [["k", page]]}
         resp = requests.post(base + "/0/confirm_write", json=confirm, timeout=10)
         assert resp.status_code == 503, resp.text
         assert "0 of 1 replica(s) acknowledged confirm" in resp.text
         assert "may not survive a failover" in resp.text
-        os.kill(pair.replica.pid, signal.SIGCONT)
+        os.kill(replica_pair.replica.pid, signal.SIGCONT)
         resp = requests.post(base + "/0/confirm_write", json=confirm, timeout=10)
         assert resp.status_code == 204, resp.text
         got = requests.post(base + "/0/get_page_indices", json={"keys": ["k"]}, timeout=10)
