@@ -189,6 +189,7 @@ class Access:
         self.reloads = 0
         self.reload_failures = 0
         self.public: set[str] = set()
+        self._sighup = False  # the running loop reloads on SIGHUP (install_sighup)
 
     # ------------------------------------------------------------------ tokens
 
@@ -248,18 +249,34 @@ class Access:
         )
         return True
 
-    async def watch_sighup(self) -> None:
-        """Reload on SIGHUP while the server runs (a background task)."""
-        loop = asyncio.get_running_loop()
+    def install_sighup(self) -> bool:
+        """Reload on SIGHUP from now on, when called on the server's running loop: at once,
+        in the same step that read the file, so no SIGHUP sent after the server said it
+        listens can be missed (or, in a worker, fall to a handler inherited from the parent).
+        False without a running loop (an app built for inspection) or signal support."""
+        if self._sighup:
+            return True
+        try:
+            loop = asyncio.get_running_loop()
+        except RuntimeError:
+            return False
         try:
             loop.add_signal_handler(signal.SIGHUP, self.reload)
         except (NotImplementedError, RuntimeError, ValueError):  # pragma: no cover
             logger.warning("SIGHUP reload of the tokens file is not available here")
+            return False
+        self._sighup = True
+        return True
+
+    async def watch_sighup(self) -> None:
+        """Keep the SIGHUP reload while the server runs (a background task); removed at stop."""
+        if not self.install_sighup():
             return
         try:
             await asyncio.Event().wait()
         finally:
-            loop.remove_signal_handler(signal.SIGHUP)
+            asyncio.get_running_loop().remove_signal_handler(signal.SIGHUP)
+            self._sighup = False
 
     # ------------------------------------------------------------------ per route
 

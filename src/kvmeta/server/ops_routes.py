@@ -262,6 +262,7 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
         # metrics wrapper outside it counts the 403s and 429s per route.
         state.access.public = app.public_patterns()
         app.wrap_handlers(state.access.wrap)
+        state.access.install_sighup()  # before the server listens (see its docstring)
         app.background.append(state.access.watch_sighup)
         service.tenant_max_pages = state.access.max_pages
     app.wrap_handlers(InitWatcher().wrap)

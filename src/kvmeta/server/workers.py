@@ -58,6 +58,10 @@ def _worker_main(
             return
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
+    # Forked with the supervisor's SIGHUP handler, which would send SIGHUP on to the workers
+    # started before this one: ignore it until the worker's loop takes SIGHUP over (a worker
+    # reads the tokens file after this point, so it misses no reload).
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
         serve_one(settings, sockets)
     except KvmetaError as exc:
