@@ -23,9 +23,6 @@ TOKENS: dict[str, tuple[str, str, list[str], str | None, list[str] | None]] = {
     "b_admin": ("tenant-b-admin-0123456", "teamB", ["read", "write", "admin"], None, None),
 }
 
-# True once the vLLM registry is per tenant in the stores (``v_register(..., tenant)``); until
-# then a tenant's token cannot register vLLM ranks of its own (see the tests that use it).
-
 
 def tokens_toml(extra_tenants: str = "", tokens: dict[str, Any] | None = None) -> str:
     lines = [extra_tenants]

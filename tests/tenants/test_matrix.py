@@ -47,7 +47,6 @@ class Case(NamedTuple):
     right: str  # read | write | admin | any | operator (the all-access token only)
     targets: list[Target]
     build: Build
-    vllm_registry: bool = False  # needs the tenant's own vLLM registry
 
 
 def _s(op: str, body: Callable[[Target], dict[str, Any]]) -> Build:
@@ -85,36 +84,33 @@ CASES: dict[tuple[str, str], Case] = {
     ("POST", "/{rank}/clear"): Case("admin", SGLANG_TARGETS, _s("clear", lambda t: {})),
     # vLLM HF3FS
     ("POST", "/rank/{rank}/initialize"): Case(
-        "write", RANK_TARGETS, lambda t: (f"/rank/{t.rank}/initialize", {"num_pages": 8}), True
+        "write", RANK_TARGETS, lambda t: (f"/rank/{t.rank}/initialize", {"num_pages": 8})
     ),
     ("POST", "/keys/batch_allocate"): Case(
         "write",
         RANK_TARGETS,
         lambda t: ("/keys/batch_allocate", {"rank": t.rank, "keys": ["k"]}),
-        True,
     ),
     ("POST", "/keys/confirm_write"): Case(
         "write",
         RANK_TARGETS,
         lambda t: ("/keys/confirm_write", {"rank": t.rank, "confirmations": []}),
-        True,
     ),
     ("POST", "/keys/batch_exists"): Case(
-        "read", NO_TARGET, _fixed("/keys/batch_exists", {"keys": ["k"]}), True
+        "read", NO_TARGET, _fixed("/keys/batch_exists", {"keys": ["k"]})
     ),
     ("POST", "/keys/get_locations"): Case(
         "read",
         RANK_TARGETS,
         lambda t: ("/keys/get_locations", {"rank": t.rank, "keys": ["k"]}),
-        True,
     ),
-    ("POST", "/clear"): Case("admin", NO_TARGET, _fixed("/clear"), True),
-    ("GET", "/v1/vllm"): Case("admin", NO_TARGET, _fixed("/v1/vllm"), True),
+    ("POST", "/clear"): Case("admin", NO_TARGET, _fixed("/clear")),
+    ("GET", "/v1/vllm"): Case("admin", NO_TARGET, _fixed("/v1/vllm")),
     ("POST", "/v1/vllm/ranks/{rank}/remove"): Case(
-        "admin", RANK_TARGETS, lambda t: (f"/v1/vllm/ranks/{t.rank}/remove", None), True
+        "admin", RANK_TARGETS, lambda t: (f"/v1/vllm/ranks/{t.rank}/remove", None)
     ),
     ("POST", "/v1/vllm/world_size"): Case(
-        "admin", NO_TARGET, _fixed("/v1/vllm/world_size", {"world_size": None}), True
+        "admin", NO_TARGET, _fixed("/v1/vllm/world_size", {"world_size": None})
     ),
     # router reads
     ("POST", "/v1/prefix_match"): Case(
@@ -134,7 +130,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/ready"): Case("any", NO_TARGET, _fixed("/ready")),
     ("GET", "/openapi.json"): Case("any", NO_TARGET, _fixed("/openapi.json")),
     ("GET", "/metrics"): Case("admin", NO_TARGET, _fixed("/metrics")),
-    ("GET", "/v1/pools"): Case("admin", NO_TARGET, _fixed("/v1/pools"), True),
+    ("GET", "/v1/pools"): Case("admin", NO_TARGET, _fixed("/v1/pools")),
     ("GET", "/v1/status"): Case("admin", NO_TARGET, _fixed("/v1/status")),
     ("GET", "/v1/check"): Case("operator", NO_TARGET, _fixed("/v1/check")),
     ("GET", "/"): Case("any", NO_TARGET, _fixed("/")),
