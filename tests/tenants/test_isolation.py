@@ -1,8 +1,5 @@
 """Two tenants with the same rank and namespace never see each other's keys, on every backend,
 through kvmeta's own clients (Bearer) and the engines' way of passing a token (URL password).
-
-The tenant is part of the pool identity in every store; until the stores carry it (journal,
-snapshot, Redis keys, per-tenant vLLM registries) the cases that need it are expected to fail.
 """
 
 from __future__ import annotations
@@ -18,25 +15,22 @@ from kvmeta.client.vllm import Hf3fsGlobalMetadataClient as VllmClient
 from tests.support import ServerProcess
 from tests.tenants.conftest import OPERATOR, Client, token
 
-BACKENDS = ["memory", "durable", "redis"]
 
-
-def _backend_args(backend: str, request: pytest.FixtureRequest, tmp_path: Path) -> list[str]:
-    if backend == "memory":
-        return ["--in-memory"]
-    if backend == "durable":
-        return ["--data-dir", str(tmp_path / "data"), "--fsync", "never"]
-    return ["--backend", request.getfixturevalue("redis_url")]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_sglang_tenants_with_the_same_pool_names_are_apart(
-    backend: str,
+@pytest.fixture(params=["memory", "durable", "redis"])
+def server(
     request: pytest.FixtureRequest,
     tmp_path: Path,
     tenant_server: Callable[..., ServerProcess],
-) -> None:
-    server = tenant_server(*_backend_args(backend, request, tmp_path))
+) -> ServerProcess:
+    """A server with the tenants' tokens file, once per backend."""
+    if request.param == "memory":
+        return tenant_server("--in-memory")
+    if request.param == "durable":
+        return tenant_server("--data-dir", str(tmp_path / "data"), "--fsync", "never")
+    return tenant_server("--backend", request.getfixturevalue("redis_url"))
+
+
+def test_sglang_tenants_with_the_same_pool_names_are_apart(server: ServerProcess) -> None:
     a = Hf3fsGlobalMetadataClient(server.url, auth_token=token("a_admin"))
     b = Hf3fsGlobalMetadataClient(server.url, auth_token=token("b_admin"))
     default = Hf3fsGlobalMetadataClient(server.url, auth_token=OPERATOR)
@@ -93,14 +87,7 @@ def test_pools_survive_a_restart_apart(
     assert b.exists(0, ["key-a_admin", "key-b_admin"], "kv") == [False, True]
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_vllm_tenants_have_their_own_registries(
-    backend: str,
-    request: pytest.FixtureRequest,
-    tmp_path: Path,
-    tenant_server: Callable[..., ServerProcess],
-) -> None:
-    server = tenant_server(*_backend_args(backend, request, tmp_path))
+def test_vllm_tenants_have_their_own_registries(server: ServerProcess) -> None:
     a = VllmClient(server.url, auth_token=token("a_admin"))
     b = VllmClient(server.url, auth_token=token("b_admin"))
     a.initialize(0, 16)
