@@ -16,6 +16,7 @@ import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId
 from kvmeta.config import Settings
+from kvmeta.server.access import sglang_pool, vllm_pool
 from kvmeta.server.app import RouteHandler
 from kvmeta.server.http import Request, Response
 
@@ -38,7 +39,9 @@ class InitWatcher:
     initialises it again: two engines on one pool overwrite each other's pages.
 
     Hosts, not ports: stock clients open a new connection per call. Only successful
-    initialisations are remembered, so the table is bounded by the number of pools.
+    initialisations are remembered, so the table is bounded by the number of pools. The pool is
+    named the way the handler named it (in the token's tenant): two tenants with the same rank
+    and namespace own two pools, and their engines may well run on different hosts.
     """
 
     def __init__(self) -> None:
@@ -65,9 +68,9 @@ class InitWatcher:
         if dialect == "v":
             if fields.role == "scheduler":
                 return
-            pool = PoolId("v", rank, "")
+            pool = vllm_pool(request, rank)
         else:
-            pool = PoolId("s", rank, fields.namespace)
+            pool = sglang_pool(request, rank, fields.namespace)
         host = str(request.peer[0]) if request.peer else "unknown"
         first = self.first_host.setdefault(pool, host)
         if first != host:
