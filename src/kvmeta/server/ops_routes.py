@@ -20,6 +20,7 @@ import msgspec
 
 from kvmeta import __version__
 from kvmeta.config import Settings
+from kvmeta.server import prefix_routes, status_page
 from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
 from kvmeta.server.auth import TokenAuth
@@ -33,10 +34,11 @@ from kvmeta.server.metrics import (
 from kvmeta.server.openapi import build_document
 from kvmeta.server.oplog import InitWatcher
 from kvmeta.server.tokens import Scope
+from kvmeta.server.views import pool_view, settings_view
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend, PoolStats
 
-__all__ = ["ROUTES", "OpsState", "install", "pool_view"]
+__all__ = ["ROUTES", "OpsState", "install"]
 
 
 class OpsState:
@@ -87,57 +89,6 @@ class OpsState:
             doc = build_document(self.app.routes(), __version__, self.auth is not None)
             self._openapi = msgspec.json.encode(doc)
         return self._openapi
-
-
-def _rate(hits: int, misses: int) -> float | None:
-    total = hits + misses
-    return round(hits / total, 4) if total else None
-
-
-def pool_view(st: PoolStats) -> dict[str, Any]:
-    """One pool as ``/v1/pools`` shows it."""
-    c = st.counters
-    return {
-        "tenant": st.pool.tenant,
-        "dialect": st.pool.dialect,
-        "rank": st.pool.rank,
-        "namespace": st.pool.namespace,
-        "num_pages": st.num_pages,
-        "free": st.free,
-        "reserved": st.reserved,
-        "stored": st.stored,
-        "occupancy": round(st.stored / st.num_pages, 4) if st.num_pages else 0.0,
-        "hit_rate": _rate(c.get("get_hits", 0), c.get("get_misses", 0)),
-        "exists_hit_rate": _rate(c.get("exists_hits", 0), c.get("exists_misses", 0)),
-        "size_conflicts": st.size_conflicts,
-        "counters": c,
-    }
-
-
-def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
-    """Settings an operator wants next to the pools (never the token)."""
-    return {
-        "version": __version__,
-        "backend": backend.describe,
-        "epoch": backend.epoch,  # changes when the backend's state may have been lost
-        # A shared backend keeps all state itself: no local data directory or fsync applies.
-        "durability": backend.name
-        if settings.backend
-        else ("in-memory" if settings.in_memory else settings.data_dir),
-        "fsync": None if settings.backend else settings.fsync,
-        "reservation_ttl": settings.reservation_ttl,
-        "read_lease": settings.read_lease,
-        "auth": bool(settings.auth_token or settings.auth_file),
-        "tenants": bool(settings.auth_file),
-        "tls": bool(settings.ssl_certfile),
-        "limits": {
-            "max_body_bytes": settings.max_body_bytes,
-            "max_keys": settings.max_keys,
-            "max_key_length": settings.max_key_length,
-            "max_namespace_length": settings.max_namespace_length,
-            "max_pages": settings.max_pages,
-        },
-    }
 
 
 async def check_pools(backend: Backend, lock: asyncio.Lock | None = None) -> dict[str, Any]:
@@ -248,8 +199,6 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
 
     Call it last in ``build_app``: handlers added afterwards are not instrumented.
     """
-    from kvmeta.server import prefix_routes, status_page
-
     state = OpsState(app, service, settings)
     add_routes(app, state)
     prefix_routes.add_routes(app, service)

@@ -32,6 +32,7 @@ from kvmeta.server.app import Route, json_response
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import LATENCY_BUCKETS, RouteStats
 from kvmeta.server.tokens import Scope
+from kvmeta.server.views import pool_view, settings_view
 from kvmeta.store.base import PoolStats
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -339,8 +340,6 @@ class StatusState:
     def _digest(
         self, now: float, pools: list[PoolStats]
     ) -> tuple[Lookups, msgspec.Raw, dict[str, msgspec.Raw]]:
-        from kvmeta.server.ops_routes import pool_view
-
         self.rates.update(now, pools)
         rates = self.rates.rates
         rows = []
@@ -415,8 +414,6 @@ def status_pool(view: dict[str, Any], rates: tuple[float, float] | None) -> dict
 async def status(state: StatusState, req: Request, rank: int) -> Response:
     """Pools as the last sample saw them (at most ``SAMPLE_SECONDS`` old, ``pools_at`` says
     when); read now only when no recent sample has them (a shared backend nobody watched)."""
-    from kvmeta.server.ops_routes import settings_view
-
     ops = state.ops
     now = time.monotonic()
     state.watched_until = now + WATCH_SECONDS
