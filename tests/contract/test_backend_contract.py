@@ -206,7 +206,8 @@ def test_a_released_page_cools_before_it_is_handed_out_again(backend: Sync) -> N
     backend.initialize(S0, 1)
     ((_, page),) = backend.reserve(S0, ["a"])
     backend.confirm(S0, [], [page, page])  # named twice: released once
-    assert _stats(backend, S0) == (1, 0, 0)
+    assert _stats(backend, S0) == (0, 0, 0)  # FREE, but cooling: no reserve can take it
+    assert backend.stats()[0].cooling == 1
     assert backend.reserve(S0, ["b"]) == [(False, -1)]  # within RELEASE_GRACE
     backend.confirm(S0, [], [page])  # a retried copy of the release changes nothing
     assert backend.stats()[0].counters["releases"] == 1

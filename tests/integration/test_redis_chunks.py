@@ -172,7 +172,7 @@ def test_writers_served_between_clear_chunks_stay_correct(
         assert await b.get(POOL, ["w-in-flight", "after"]) == [in_flight[0][1], after[0][1]]
         (stats,) = await b.stats()
         assert stats.counters["clears"] == 1
-        assert stats.free + stats.reserved + stats.stored == 3000
+        assert stats.free + stats.cooling + stats.reserved + stats.stored == 3000
         assert (await b.check()).problems == []
 
     asyncio.run(_with_backend(redis_url, run))

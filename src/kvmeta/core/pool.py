@@ -302,7 +302,14 @@ class Pool:
 
     @property
     def free_count(self) -> int:
+        """FREE pages, cooling ones included (see ``cooling_count``)."""
         return self.num_pages - len(self._stored) - len(self._reserved)
+
+    @property
+    def cooling_count(self) -> int:
+        """FREE pages held back from the allocator until a read lease or the release grace
+        ends: a reserve cannot take them yet. Exact right after ``expire(now)``."""
+        return len(self._cooling)
 
     def stored_items(self) -> list[tuple[str, int]]:
         """STORED (key, page) pairs, coldest first. O(stored)."""

@@ -346,6 +346,7 @@ def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[
             agg = summed[group] = PoolStats(st.pool, 0, 0, 0, 0, {}, 0)
         agg.num_pages += st.num_pages
         agg.free += st.free
+        agg.cooling += st.cooling
         agg.reserved += st.reserved
         agg.stored += st.stored
         agg.size_conflicts += st.size_conflicts
@@ -360,7 +361,10 @@ def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[
 def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
     size = GaugeMetricFamily("kvmeta_pool_size_pages", "pages in the pool", labels=_POOL_LABELS)
     pages = GaugeMetricFamily(
-        "kvmeta_pool_pages", "pages by state", labels=[*_POOL_LABELS, "state"]
+        "kvmeta_pool_pages",
+        "pages by state (free: a reserve takes them without evicting; cooling: freed, not "
+        "handed out again until a read lease or the release grace ends)",
+        labels=[*_POOL_LABELS, "state"],
     )
     keys = GaugeMetricFamily("kvmeta_pool_keys", "keys stored in the pool", labels=_POOL_LABELS)
     conflicts = CounterMetricFamily(
@@ -384,7 +388,12 @@ def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
     }
     for labels, st in pools:
         size.add_metric(labels, st.num_pages)
-        for state, value in (("free", st.free), ("reserved", st.reserved), ("stored", st.stored)):
+        for state, value in (
+            ("free", st.free),
+            ("cooling", st.cooling),
+            ("reserved", st.reserved),
+            ("stored", st.stored),
+        ):
             pages.add_metric([*labels, state], value)
         keys.add_metric(labels, st.stored)
         conflicts.add_metric(labels, st.size_conflicts)

@@ -157,6 +157,7 @@ SCHEMAS: dict[str, Schema] = {
             "namespace": STR,
             "num_pages": INT,
             "free": INT,
+            "cooling": INT,
             "reserved": INT,
             "stored": INT,
             "occupancy": NUM,

@@ -29,6 +29,7 @@ def pool_view(st: PoolStats) -> dict[str, Any]:
         "namespace": st.pool.namespace,
         "num_pages": st.num_pages,
         "free": st.free,
+        "cooling": st.cooling,
         "reserved": st.reserved,
         "stored": st.stored,
         "occupancy": round(st.stored / st.num_pages, 4) if st.num_pages else 0.0,

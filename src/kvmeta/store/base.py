@@ -42,7 +42,12 @@ class InitResult:
 
 @dataclass
 class PoolStats:
-    """One pool's occupancy and event counts, for /v1/pools, metrics and ``kvmeta status``."""
+    """One pool's occupancy and event counts, for /v1/pools, metrics and ``kvmeta status``.
+
+    The page counts add up to ``num_pages``: ``free`` is what a reserve can take without
+    evicting, and ``cooling`` the FREE pages held back until a read lease (or the grace after
+    a release) ends, which a reserve cannot take yet.
+    """
 
     pool: PoolId
     num_pages: int
@@ -51,6 +56,7 @@ class PoolStats:
     stored: int
     counters: dict[str, int] = field(default_factory=dict)
     size_conflicts: int = 0
+    cooling: int = 0  # released or freed pages not handed out again yet (not in ``free``)
 
 
 @dataclass(frozen=True)

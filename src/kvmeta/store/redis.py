@@ -1032,15 +1032,17 @@ class RedisBackend:
                 continue  # listed before it was created (see _sadd_pool)
             n, reserved, stored = int(reply[1]), int(reply[2]), int(reply[3])
             meta = {_text(reply[4][i]): int(reply[4][i + 1]) for i in range(0, len(reply[4]), 2)}
+            cooling = int(reply[5])
             out.append(
                 PoolStats(
                     pool=pid,
                     num_pages=n,
-                    free=n - reserved - stored,
+                    free=n - reserved - stored - cooling,
                     reserved=reserved,
                     stored=stored,
                     counters={name: meta.get("c:" + name, 0) for name in _COUNTERS},
                     size_conflicts=meta.get("conflicts", 0),
+                    cooling=cooling,
                 )
             )
         return out

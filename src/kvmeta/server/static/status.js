@@ -96,7 +96,7 @@ function renderPools(pools) {
     occ.dataset.field = "occupancy";
     tr.append(el("td", p.tenant ? p.tenant : "-"), el("td", p.dialect === "v" ? "vllm" : "sglang"),
       el("td", String(p.rank)), el("td", p.namespace));
-    for (const f of ["num_pages", "free", "reserved", "stored"]) {
+    for (const f of ["num_pages", "free", "cooling", "reserved", "stored"]) {
       const td = el("td", String(p[f]), "n");
       td.dataset.field = f;
       tr.append(td);

@@ -1,5 +1,6 @@
 -- stats: one pool's occupancy after lease expiry, and its meta hash (counters, conflicts).
--- KEYS the pool's keys.  Returns [0, n, reserved, stored, [meta field, value, ...]] or [1].
+-- KEYS the pool's keys.  Returns [0, n, reserved, stored, [meta field, value, ...], cooling]
+-- or [1]; cooling: FREE pages not handed out yet (read-leased or just released).
 -- ARGV[1] (tests only, absent in production) the time in seconds: see now_s.
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
@@ -10,4 +11,4 @@ local c = {}
 expire(k, now_s(ARGV[1]), c)
 flush(k, c)
 return cjson.encode({ 0, st.n, reserved_count(k), redis.call('HLEN', k.stored),
-         redis.call('HGETALL', k.meta) })
+         redis.call('HGETALL', k.meta), redis.call('ZCARD', k.cool) })
