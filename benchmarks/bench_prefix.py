@@ -344,8 +344,20 @@ def main() -> None:
         help="the server kvmeta bench --launch starts (default: memory)",
     )
     parser.add_argument("--src", help="run the server from this source tree's src/ (default: ours)")
+    parser.add_argument(
+        "--phases",
+        default="idle,normal,saturation",
+        help="which phases to run, comma-separated (default: all three; normal needs "
+        "saturation or --load-rate)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args()
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - {"idle", "normal", "saturation"}
+    if unknown or not phases:
+        parser.error(f"--phases takes idle, normal and saturation, got {args.phases!r}")
+    if "normal" in phases and "saturation" not in phases and not args.load_rate:
+        parser.error("--phases normal without saturation needs --load-rate")
 
     results: dict[str, Any] = {
         "keys": args.keys,
@@ -359,27 +371,32 @@ def main() -> None:
         bodies = fill(client, args.keys, args.sequences)
         found = json.loads(client.post(ROUTE, bodies[0])[1])["matches"][0]
         assert found["length"] == args.keys, found
-        prefill_engine_pool(server.url)
+        if phases != ["idle"]:
+            prefill_engine_pool(server.url)
 
         measure(client, bodies, 1.0, 0)  # warm-up
-        results["idle"], _, _ = prefix_phase(client, server, bodies, args.duration, args.rate)
-        # CPU per call: back to back, nothing else running.
-        cpu0 = procstat.cpu_seconds(server.pid)
-        backend = server.backend_pid
-        redis0 = procstat.cpu_seconds(backend) if backend else 0.0
-        calls = len(measure(client, bodies, args.duration / 2, 0))
-        results["idle"]["server_cpu_us_per_call"] = round(
-            (procstat.cpu_seconds(server.pid) - cpu0) / calls * 1e6, 1
-        )
-        if backend:
-            results["idle"]["redis_cpu_us_per_call"] = round(
-                (procstat.cpu_seconds(backend) - redis0) / calls * 1e6, 1
+        if "idle" in phases:
+            results["idle"], _, _ = prefix_phase(client, server, bodies, args.duration, args.rate)
+            # CPU per call: back to back, nothing else running.
+            cpu0 = procstat.cpu_seconds(server.pid)
+            backend = server.backend_pid
+            redis0 = procstat.cpu_seconds(backend) if backend else 0.0
+            calls = len(measure(client, bodies, args.duration / 2, 0))
+            results["idle"]["server_cpu_us_per_call"] = round(
+                (procstat.cpu_seconds(server.pid) - cpu0) / calls * 1e6, 1
             )
-
-        results["saturation"] = loaded_phase(client, server, bodies, args, 0.0)
-        capacity = results["saturation"]["engine"]["requests_per_s"]
-        load_rate = args.load_rate or round(capacity / 2)
-        results["normal"] = loaded_phase(client, server, bodies, args, load_rate)
+            if backend:
+                results["idle"]["redis_cpu_us_per_call"] = round(
+                    (procstat.cpu_seconds(backend) - redis0) / calls * 1e6, 1
+                )
+        if "saturation" in phases:
+            results["saturation"] = loaded_phase(client, server, bodies, args, 0.0)
+        if "normal" in phases:
+            capacity = (
+                results["saturation"]["engine"]["requests_per_s"] if "saturation" in results else 0
+            )
+            load_rate = args.load_rate or round(capacity / 2)
+            results["normal"] = loaded_phase(client, server, bodies, args, load_rate)
         client.close()
 
     print(
@@ -392,6 +409,8 @@ def main() -> None:
         f"{'server cores':>13} {'loadavg':>8}"
     )
     for phase in ("idle", "normal", "saturation"):
+        if phase not in results:
+            continue
         r = results[phase]
         e = r.get("engine") or {}
         engine = f"{e['p50_us']}/{e['p99_us']}" if e else "-"
@@ -401,13 +420,16 @@ def main() -> None:
             f"{e.get('requests_per_s', 0):>13.0f} {engine:>18} {r['server_cpu_cores']:>13.2f} "
             f"{r['loadavg_1m']:>8.2f}"
         )
-    idle = results["idle"]
-    print(f"server CPU per call (idle, back to back): {idle['server_cpu_us_per_call']} us", end="")
-    print(
-        f"; redis-server: {idle['redis_cpu_us_per_call']} us"
-        if "redis_cpu_us_per_call" in idle
-        else ""
-    )
+    idle = results.get("idle")
+    if idle:
+        print(
+            f"server CPU per call (idle, back to back): {idle['server_cpu_us_per_call']} us", end=""
+        )
+        print(
+            f"; redis-server: {idle['redis_cpu_us_per_call']} us"
+            if "redis_cpu_us_per_call" in idle
+            else ""
+        )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")
 
