@@ -343,6 +343,13 @@ def main() -> None:
         default="memory",
         help="the server kvmeta bench --launch starts (default: memory)",
     )
+    parser.add_argument(
+        "--redis-transport",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="--launch redis: reach the private redis-server over loopback TCP (default) or a "
+        "unix socket",
+    )
     parser.add_argument("--src", help="run the server from this source tree's src/ (default: ours)")
     parser.add_argument(
         "--phases",
@@ -364,9 +371,13 @@ def main() -> None:
         "clients": args.clients,
         "rate": args.rate,
         "launch": args.launch,
+        "redis_transport": args.redis_transport if args.launch == "redis" else None,
         "src": args.src,
     }
-    with LaunchedServer(args.launch, ["--read-lease=0"], args.src) as server:
+    launched = LaunchedServer(
+        args.launch, ["--read-lease=0"], args.src, transport=args.redis_transport
+    )
+    with launched as server:
         client = HttpClient(server.url)
         bodies = fill(client, args.keys, args.sequences)
         found = json.loads(client.post(ROUTE, bodies[0])[1])["matches"][0]
