@@ -361,10 +361,10 @@ class RedisBackend:
         no LRU touch, no lease); the pool's existence is read only when no key matched.
 
         Not a Lua script: one, with the keys as one JSON argument, saved the worker about as
-        much CPU as packing the ``HMGET`` fields as ``resp.Strings`` does, but cost Redis 2.5x
-        the CPU of the plain ``HMGET`` (decoding the keys and passing 256 fields and replies
-        between Lua and Redis), and Redis is the one process every kvmeta server shares
-        (benchmarks/README.md, "Prefix lookup")."""
+        much CPU as packing the ``HMGET`` fields as ``resp.Strings`` does, but cost Redis 2.5
+        to 6 times the time of the plain ``HMGET`` (decoding the keys, passing 256 fields and
+        replies between Lua and Redis), and Redis is the one process every kvmeta server
+        shares (benchmarks/README.md, "Router endpoints")."""
         n = 0
         if keys:
             stored = pool_keys(pool)[1]
