@@ -1,32 +1,46 @@
-"""Latency of ``POST /v1/prefix_match`` (256 keys) alone and under the engines' load.
+"""Latency of ``POST /v1/prefix_match`` (256 keys) with no load, at a normal load and at
+saturation.
 
-    python benchmarks/bench_prefix.py [--keys 256] [--clients 3] [--duration 10] [--rate 200]
+    python benchmarks/bench_prefix.py [--launch memory|durable|redis] [--keys 256] [--clients 3]
+        [--duration 10] [--rate 200] [--load-rate REQ_PER_S] [--src DIR]
 
 Launches ``kvmeta serve --read-lease 0`` on a free port (``--launch``: in memory, durable, or
 on a private redis-server, as ``kvmeta bench --launch`` does), fills a router pool (rank
 1, namespace kv) with sequences of ``--keys`` keys, and asks prefix_match for whole sequences
-(the worst case: every key is present, so the walk never stops early). Two phases:
+(the worst case: every key is present, so the walk never stops early) at ``--rate`` calls/s,
+one at a time on one connection, in three phases:
 
-- quiet: back-to-back calls on one connection; the server's CPU per call (from /proc);
-- loaded: the same calls at ``--rate`` per second while ``kvmeta bench``'s engine cycle
-  (SGLang, batch 64, ``--clients`` client processes, pool prefilled so every reserve evicts)
-  runs on rank 0: the server's normal load.
+- idle: nothing else runs. Then the same calls back to back, for the CPU per call of the
+  server and (``--launch redis``) of redis-server.
+- saturation: ``--clients`` processes run ``kvmeta bench``'s engine cycle (SGLang, batch 64,
+  on rank 0, pool prefilled so every reserve evicts) in a closed loop: each sends its next
+  request as soon as the last is answered, so the server never waits for work. Its request
+  rate is the server's capacity on this machine.
+- normal: the same engine cycle paced at ``--load-rate`` requests/s in total (default: half
+  the saturation rate just measured), each client on a fixed schedule: the server is busy
+  about half the time, as a server sized for its load is. The target (p99 <= 1 ms) is for
+  this phase: a closed loop is an overload by construction, where every request queues
+  behind the others, whatever their cost.
 
 Reported per phase: client-side p50/p99 (wall time on this machine, scheduling of every
-process on it included) and the server-side p50/p99 of the route's handler time, interpolated
-in the ``/metrics`` latency histogram (``kvmeta_http_request_duration_seconds``), with the share
-of calls within 1 ms (the target: p99 <= 1 ms). On a 2-core machine the clients, the server and
-this script compete for the CPUs: the server-side figure is the one that carries over.
+process on it included), the server-side p50/p99 of the route's handler time, interpolated
+in the ``/metrics`` latency histogram (``kvmeta_http_request_duration_seconds``), the share of
+calls within 1 ms, the engine cycle's achieved request rate and p50/p99, and the server's CPU
+use in cores. On a 2-core machine the clients, the server and this script compete for the
+CPUs: the server-side figure is the one that carries over. ``--src`` runs the server from
+another source tree (a before/after comparison with the same script).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
+import os
+import queue
 import re
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -35,9 +49,14 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
 
 from kvmeta.bench import procstat  # noqa: E402
-from kvmeta.bench.driver import BenchConfig, BenchResult, run_bench  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
-from kvmeta.bench.workload import HttpClient  # noqa: E402
+from kvmeta.bench.workload import (  # noqa: E402
+    HttpClient,
+    KeyChain,
+    cycle_for,
+    initialize_pool,
+    prefill,
+)
 
 ROUTE = "/v1/prefix_match"
 _BUCKET_RE = re.compile(r"^kvmeta_http_request_duration_seconds_bucket\{(.*)\} (\S+)$", re.M)
@@ -142,6 +161,155 @@ def summary(lat: list[float]) -> dict[str, float]:
     }
 
 
+# ---------------------------------------------------------------------------- the engine load
+
+ENGINE_RANK = 0
+ENGINE_POOL_PAGES = 65536  # kvmeta bench's default pool
+
+
+def _engine_client(
+    url: str,
+    seed: str,
+    per_s: float,
+    stop: Any,
+    out: mp.Queue[tuple[list[tuple[float, float]], str]],
+) -> None:
+    """Run the SGLang batch-64 cycle on ``ENGINE_RANK`` until ``stop`` is set: ``per_s``
+    requests/s on a fixed schedule (a late request is sent at once, never skipped, so the rate
+    holds unless the server cannot keep up), or a closed loop when ``per_s`` is 0. Reports
+    (start time, latency) of every request: ``perf_counter`` is the system's monotonic clock,
+    shared by the processes, so the parent cuts out its measured window."""
+    client = HttpClient(url)
+    chain = KeyChain(seed)
+    cycle = cycle_for("s")
+    perf = time.perf_counter
+    done: list[tuple[float, float]] = []
+    gap = 1.0 / per_s if per_s else 0.0
+    nxt = perf()
+    error = ""
+
+    def timed(path: str, body: object) -> object:
+        nonlocal nxt
+        if gap:
+            pause = nxt - perf()
+            if pause > 0:
+                time.sleep(pause)
+            nxt += gap
+        t0 = perf()
+        reply = client.call(path, body)
+        done.append((t0, perf() - t0))
+        return reply
+
+    try:
+        while not stop.is_set():
+            cycle(ENGINE_RANK, timed, chain.batch(64))
+    except Exception as exc:  # noqa: BLE001 - reported to the parent, which raises
+        error = f"{type(exc).__name__}: {exc}"
+    finally:
+        client.close()
+    out.put((done, error))
+
+
+class EngineLoad:
+    """``clients`` engine-cycle processes at ``rate`` requests/s in total (0: closed loop)."""
+
+    def __init__(self, url: str, clients: int, rate: float, seed: str) -> None:
+        ctx = mp.get_context("spawn")
+        self.stop = ctx.Event()
+        self.out: mp.Queue[tuple[list[tuple[float, float]], str]] = ctx.Queue()
+        per_s = rate / clients if rate else 0.0
+        self.procs = [
+            ctx.Process(
+                target=_engine_client,
+                args=(url, f"{seed}-{i}", per_s, self.stop, self.out),
+                daemon=True,
+            )
+            for i in range(clients)
+        ]
+        for proc in self.procs:
+            proc.start()
+
+    def finish(self, t0: float, t1: float) -> dict[str, float]:
+        """Stop the clients; the requests started in ``[t0, t1)``: rate, p50 and p99."""
+        self.stop.set()
+        t1 = max(t1, t0 + 1e-9)  # a window cut short by an error: nothing in it
+        window: list[float] = []
+        errors = []
+        for _ in self.procs:
+            try:
+                done, error = self.out.get(timeout=120)
+            except queue.Empty:
+                raise RuntimeError("an engine-cycle client did not report") from None
+            window += [lat for start, lat in done if t0 <= start < t1]
+            if error:
+                errors.append(error)
+        for proc in self.procs:
+            proc.join(30)
+        if errors:
+            raise RuntimeError(f"an engine-cycle client failed: {errors[0]}")
+        window.sort()
+        n = len(window)
+        return {
+            "requests_per_s": round(n / (t1 - t0), 1),
+            "p50_us": round(window[n // 2] * 1e6) if n else 0,
+            "p99_us": round(window[min(n - 1, int(0.99 * n))] * 1e6) if n else 0,
+        }
+
+
+def prefill_engine_pool(url: str) -> None:
+    client = HttpClient(url)
+    try:
+        initialize_pool(client, "s", ENGINE_RANK, ENGINE_POOL_PAGES)
+        prefill(client, "s", ENGINE_RANK, ENGINE_POOL_PAGES, KeyChain(f"fill-{time.time_ns()}"))
+    finally:
+        client.close()
+
+
+# ---------------------------------------------------------------------------- phases
+
+
+def prefix_phase(
+    client: HttpClient, server: LaunchedServer, bodies: list[bytes], seconds: float, rate: float
+) -> tuple[dict[str, Any], float, float]:
+    """prefix_match calls at ``rate`` for ``seconds``: their latencies and the server's CPU use
+    (cores); returns the report and the window's start and end."""
+    before = handler_buckets(client)
+    cpu0 = procstat.cpu_seconds(server.pid)
+    t0 = time.perf_counter()
+    lat = measure(client, bodies, seconds, rate)
+    t1 = time.perf_counter()
+    cpu = procstat.cpu_seconds(server.pid) - cpu0
+    after = handler_buckets(client)
+    report = {
+        **summary(lat),
+        "server_p50_us": round(percentile_of(before, after, 0.5) * 1e6, 1),
+        "server_p99_us": round(percentile_of(before, after, 0.99) * 1e6, 1),
+        "within_1ms": round(within(before, after, 0.001), 4),
+        "server_cpu_cores": round(cpu / (t1 - t0), 2),
+        # Other processes on the machine count too: the 1-minute load average at the end.
+        "loadavg_1m": round(os.getloadavg()[0], 2),
+    }
+    return report, t0, t1
+
+
+def loaded_phase(
+    client: HttpClient,
+    server: LaunchedServer,
+    bodies: list[bytes],
+    args: argparse.Namespace,
+    rate: float,
+) -> dict[str, Any]:
+    """The prefix calls while the engine cycle runs at ``rate`` requests/s (0: closed loop)."""
+    load = EngineLoad(server.url, args.clients, rate, f"prefix-{time.time_ns()}")
+    t0 = t1 = 0.0
+    try:
+        time.sleep(args.warmup)  # the clients start (spawn) and settle
+        report, t0, t1 = prefix_phase(client, server, bodies, args.duration, args.rate)
+    finally:
+        engine = load.finish(t0, t1)
+    return {**report, "engine": engine, "engine_rate_asked": rate or None}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         prog="bench_prefix.py",
@@ -157,7 +325,17 @@ def main() -> None:
         "--duration", type=float, default=10.0, help="seconds per phase (default: 10)"
     )
     parser.add_argument(
-        "--rate", type=float, default=200.0, help="calls/s under load (default: 200)"
+        "--rate", type=float, default=200.0, help="prefix_match calls/s (default: 200)"
+    )
+    parser.add_argument(
+        "--load-rate",
+        type=float,
+        default=0.0,
+        help="the normal phase's engine requests/s in total (default: half the saturation "
+        "phase's rate, measured just before)",
+    )
+    parser.add_argument(
+        "--warmup", type=float, default=3.0, help="seconds of engine load before measuring"
     )
     parser.add_argument(
         "--launch",
@@ -165,103 +343,103 @@ def main() -> None:
         default="memory",
         help="the server kvmeta bench --launch starts (default: memory)",
     )
+    parser.add_argument(
+        "--redis-transport",
+        choices=("tcp", "unix"),
+        default="tcp",
+        help="--launch redis: reach the private redis-server over loopback TCP (default) or a "
+        "unix socket",
+    )
+    parser.add_argument("--src", help="run the server from this source tree's src/ (default: ours)")
+    parser.add_argument(
+        "--phases",
+        default="idle,normal,saturation",
+        help="which phases to run, comma-separated (default: all three; normal needs "
+        "saturation or --load-rate)",
+    )
     parser.add_argument("--json", metavar="PATH", help="also write the results here")
     args = parser.parse_args()
+    phases = [p.strip() for p in args.phases.split(",") if p.strip()]
+    unknown = set(phases) - {"idle", "normal", "saturation"}
+    if unknown or not phases:
+        parser.error(f"--phases takes idle, normal and saturation, got {args.phases!r}")
+    if "normal" in phases and "saturation" not in phases and not args.load_rate:
+        parser.error("--phases normal without saturation needs --load-rate")
 
     results: dict[str, Any] = {
         "keys": args.keys,
         "clients": args.clients,
         "rate": args.rate,
         "launch": args.launch,
+        "redis_transport": args.redis_transport if args.launch == "redis" else None,
+        "src": args.src,
     }
-    with LaunchedServer(args.launch, ["--read-lease=0"]) as server:
+    launched = LaunchedServer(
+        args.launch, ["--read-lease=0"], args.src, transport=args.redis_transport
+    )
+    with launched as server:
         client = HttpClient(server.url)
         bodies = fill(client, args.keys, args.sequences)
         found = json.loads(client.post(ROUTE, bodies[0])[1])["matches"][0]
         assert found["length"] == args.keys, found
+        if phases != ["idle"]:
+            prefill_engine_pool(server.url)
 
         measure(client, bodies, 1.0, 0)  # warm-up
-        before, cpu0 = handler_buckets(client), procstat.cpu_seconds(server.pid)
-        quiet = measure(client, bodies, args.duration / 2, 0)
-        cpu = procstat.cpu_seconds(server.pid) - cpu0
-        after = handler_buckets(client)
-        results["quiet"] = {
-            **summary(quiet),
-            "server_p50_us": round(percentile_of(before, after, 0.5) * 1e6, 1),
-            "server_p99_us": round(percentile_of(before, after, 0.99) * 1e6, 1),
-            "within_1ms": round(within(before, after, 0.001), 4),
-            "server_cpu_us_per_call": round(cpu / len(quiet) * 1e6, 1),
-        }
-
-        cfg = BenchConfig(
-            url=server.url,
-            clients=args.clients,
-            duration=args.duration + 4.0,
-            warmup=1.0,
-            server_pid=server.pid,
-            seed=f"prefix-{time.time_ns()}",
-        )
-        background: list[BenchResult] = []
-        thread = threading.Thread(target=lambda: background.append(run_bench(cfg)), daemon=True)
-        thread.start()
-        # Measure once the engine cycle runs (its prefill is done): rank 0 answers exists.
-        deadline = time.monotonic() + 300
-        seen = None
-        while time.monotonic() < deadline:
-            _, raw = client.get("/v1/pools")
-            pools = {(p["dialect"], p["rank"]): p for p in json.loads(raw)["pools"]}
-            engine = pools.get(("s", 0))
-            count = (
-                None
-                if engine is None
-                else engine["counters"]["exists_hits"] + engine["counters"]["exists_misses"]
+        if "idle" in phases:
+            results["idle"], _, _ = prefix_phase(client, server, bodies, args.duration, args.rate)
+            # CPU per call: back to back, nothing else running.
+            cpu0 = procstat.cpu_seconds(server.pid)
+            backend = server.backend_pid
+            redis0 = procstat.cpu_seconds(backend) if backend else 0.0
+            calls = len(measure(client, bodies, args.duration / 2, 0))
+            results["idle"]["server_cpu_us_per_call"] = round(
+                (procstat.cpu_seconds(server.pid) - cpu0) / calls * 1e6, 1
             )
-            if count and seen is not None and count > seen:
-                break
-            seen = count
-            time.sleep(0.5)
-        time.sleep(1.5)  # past the cycle's warm-up
-        before = handler_buckets(client)
-        loaded = measure(client, bodies, args.duration, args.rate)
-        after = handler_buckets(client)
-        thread.join(120)
-        results["loaded"] = {
-            **summary(loaded),
-            "server_p50_us": round(percentile_of(before, after, 0.5) * 1e6, 1),
-            "server_p99_us": round(percentile_of(before, after, 0.99) * 1e6, 1),
-            "within_1ms": round(within(before, after, 0.001), 4),
-        }
-        if background:
-            bg = background[0]
-            results["engine_load"] = {
-                "requests_per_s": round(bg.requests_per_s),
-                "p50_us": round(bg.latency_p50_us),
-                "p99_us": round(bg.latency_p99_us),
-                "cpu_us_per_request": bg.cpu_us_per_request,
-            }
+            if backend:
+                results["idle"]["redis_cpu_us_per_call"] = round(
+                    (procstat.cpu_seconds(backend) - redis0) / calls * 1e6, 1
+                )
+        if "saturation" in phases:
+            results["saturation"] = loaded_phase(client, server, bodies, args, 0.0)
+        if "normal" in phases:
+            capacity = (
+                results["saturation"]["engine"]["requests_per_s"] if "saturation" in results else 0
+            )
+            load_rate = args.load_rate or round(capacity / 2)
+            results["normal"] = loaded_phase(client, server, bodies, args, load_rate)
         client.close()
 
     print(
         f"prefix_match on --launch {args.launch}, {args.keys} keys, all present (the walk "
-        "never stops early)"
+        f"never stops early), {args.rate:g} calls/s"
     )
     print(
-        f"{'phase':8} {'calls':>6} {'client p50':>11} {'client p99':>11} "
-        f"{'server p50':>11} {'server p99':>11} {'<=1ms':>7}"
+        f"{'load':10} {'calls':>6} {'client p50':>11} {'client p99':>11} {'server p50':>11} "
+        f"{'server p99':>11} {'<=1ms':>7} {'engine req/s':>13} {'engine p50/p99 us':>18} "
+        f"{'server cores':>13} {'loadavg':>8}"
     )
-    for phase in ("quiet", "loaded"):
+    for phase in ("idle", "normal", "saturation"):
+        if phase not in results:
+            continue
         r = results[phase]
+        e = r.get("engine") or {}
+        engine = f"{e['p50_us']}/{e['p99_us']}" if e else "-"
         print(
-            f"{phase:8} {r['calls']:>6} {r['p50_us']:>9.0f}us {r['p99_us']:>9.0f}us "
-            f"{r['server_p50_us']:>9.0f}us {r['server_p99_us']:>9.0f}us {r['within_1ms']:>7.2%}"
+            f"{phase:10} {r['calls']:>6} {r['p50_us']:>9.0f}us {r['p99_us']:>9.0f}us "
+            f"{r['server_p50_us']:>9.0f}us {r['server_p99_us']:>9.0f}us {r['within_1ms']:>7.2%} "
+            f"{e.get('requests_per_s', 0):>13.0f} {engine:>18} {r['server_cpu_cores']:>13.2f} "
+            f"{r['loadavg_1m']:>8.2f}"
         )
-    print(f"server CPU per call (quiet): {results['quiet']['server_cpu_us_per_call']} us")
-    if "engine_load" in results:
-        e = results["engine_load"]
+    idle = results.get("idle")
+    if idle:
         print(
-            f"engine load meanwhile: {e['requests_per_s']} req/s (SGLang batch 64, {args.clients} "
-            f"clients), p50 {e['p50_us']} us, p99 {e['p99_us']} us, {e['cpu_us_per_request']} us "
-            "server CPU per request"
+            f"server CPU per call (idle, back to back): {idle['server_cpu_us_per_call']} us", end=""
+        )
+        print(
+            f"; redis-server: {idle['redis_cpu_us_per_call']} us"
+            if "redis_cpu_us_per_call" in idle
+            else ""
         )
     if args.json:
         Path(args.json).write_text(json.dumps(results, indent=2) + "\n")

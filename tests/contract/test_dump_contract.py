@@ -1,16 +1,22 @@
 """``Backend.dump`` and ``Backend.prefix_length`` on every backend (the router reads): paged
 stored keys with a SCAN-like guarantee, and the leading run of stored keys, both without any
-effect on the LRU order or the pool's counters."""
+effect on the LRU order, the read leases or the pool's counters. On Redis a prefix lookup is one
+``HMGET`` per pool, its keys packed at once (``resp.Strings``)."""
 
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
+import redis
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, NotInitialized
+from kvmeta.store.redis import RedisBackend
+from kvmeta.store.resp import Strings
 from tests.contract.conftest import Sync
 from tests.unit.store.durable_support import crash, cycle, open_backend
 
@@ -152,6 +158,129 @@ def test_prefix_length_touches_neither_lru_nor_counters(backend: Sync) -> None:
     assert _counters(backend, S0) == before
     backend.reserve(S0, ["d"])  # evicts the coldest: still "a"
     assert backend.exists(S0, ["a", "b", "c"]) == [False, True, True]
+
+
+def test_prefix_length_stops_at_the_first_miss_whatever_follows(backend: Sync) -> None:
+    backend.initialize(S0, 64)
+    _store(backend, S0, ["a", "b", "c", "d"])
+    backend.delete(S0, ["b"])
+    assert backend.prefix_length(S0, ["a", "b", "c", "d"]) == 1
+    assert backend.prefix_length(S0, ["c", "d", "a"]) == 3
+    # Duplicates count each time they are present; a repeat after the miss does not.
+    assert backend.prefix_length(S0, ["a", "a", "c", "a"]) == 4
+    assert backend.prefix_length(S0, ["a", "zz", "a", "c"]) == 1
+
+
+def test_a_reserved_but_unconfirmed_key_is_not_present(backend: Sync) -> None:
+    backend.initialize(S0, 64)
+    backend.reserve(S0, ["r1", "r2"])
+    # Nothing stored at all: a length of 0 in a pool that exists (not "no such pool").
+    assert backend.prefix_length(S0, ["r1", "r2"]) == 0
+    _store(backend, S0, ["a"])
+    assert backend.prefix_length(S0, ["a", "r1"]) == 1
+
+
+def test_prefix_length_over_thousands_of_keys(backend: Sync) -> None:
+    """More keys than one Lua ``unpack`` or one packing chunk holds: the run continues past
+    every 1000th key and stops at a miss anywhere."""
+    backend.initialize(S0, 2600)
+    keys = [f"long-{i:05d}" for i in range(2500)]
+    for start in range(0, len(keys), 500):
+        _store(backend, S0, keys[start : start + 500])
+    assert backend.prefix_length(S0, keys) == 2500
+    for miss in (999, 1000, 1001, 1999, 2000, 2499):
+        asked = keys[:miss] + ["absent"] + keys[miss:]
+        assert backend.prefix_length(S0, asked) == miss, miss
+
+
+def test_prefix_length_changes_no_stats_and_grants_no_read_lease(
+    make_backend: Callable[..., Sync],
+) -> None:
+    """Pool stats and counters are the same before and after, and a key matched and then
+    deleted frees its page at once (a ``get`` would have leased it: the page cools)."""
+    b = make_backend(lease=60.0)
+    b.initialize(S0, 1)
+    _store(b, S0, ["a"])
+    (before,) = [s for s in b.stats() if s.pool == S0]
+    assert b.prefix_length(S0, ["a", "a", "b"]) == 2
+    (after,) = [s for s in b.stats() if s.pool == S0]
+    assert after == before
+    assert b.delete(S0, ["a"]) == 1
+    [(_, page)] = b.reserve(S0, ["b"])
+    assert page == 0  # not cooling: the router's read leased nothing
+
+
+# ---------------------------------------------------------------------- prefix_length on Redis
+
+
+class _Recording(RedisBackend):
+    """Records every command sent: what a prefix lookup costs on the wire."""
+
+    sent: list[tuple[Any, ...]]
+
+    async def _call(
+        self, key: str, command: tuple[Any, ...], what: str, wait: tuple[Any, ...] | None
+    ) -> Any:
+        self.sent.append(command)
+        return await super()._call(key, command, what, wait)
+
+
+def test_redis_prefix_length_is_one_hmget_of_the_keys_packed_at_once(redis_url: str) -> None:
+    """One ``HMGET`` with the keys packed as ``resp.Strings`` (a few C-level string operations
+    instead of one packing step per key, most of a worker's CPU per call with 256 keys), and
+    the pool's ``HEXISTS`` only when nothing matched: read commands only, no script."""
+
+    async def main() -> None:
+        b = _Recording(redis_url)
+        b.sent = []
+        await b.start()
+        try:
+            await b.initialize(S0, 512)
+            keys = [f"{i:064x}" for i in range(256)]
+            for start in range(0, 256, 64):
+                pages = [p for _, p in await b.reserve(S0, keys[start : start + 64])]
+                await b.confirm(S0, list(zip(keys[start : start + 64], pages, strict=True)), [])
+            for asked, want, commands in (
+                (keys, 256, ["HMGET"]),
+                ([*keys[:100], "absent", *keys[100:]], 100, ["HMGET"]),
+                (["absent", *keys], 0, ["HMGET", "HEXISTS"]),
+                ([], 0, ["HEXISTS"]),
+            ):
+                b.sent = []
+                assert await b.prefix_length(S0, asked) == want
+                assert [c[0] for c in b.sent] == commands
+                if asked:
+                    assert isinstance(b.sent[0][-1], Strings)
+                    assert list(b.sent[0][-1]) == asked
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_redis_prefix_length_answers_where_writes_are_refused(redis_url: str) -> None:
+    """A primary short of ``min-replicas-to-write`` refuses writes (and any script or function
+    not declared read-only); a router's lookup is read commands only and still answers."""
+
+    async def main() -> None:
+        b = RedisBackend(redis_url)
+        await b.start()
+        try:
+            await b.initialize(S0, 8)
+            [(_, page)] = await b.reserve(S0, ["a"])
+            await b.confirm(S0, [("a", page)], [])
+            with redis.Redis.from_url(redis_url) as admin:
+                admin.config_set("min-replicas-to-write", 1)
+                try:
+                    assert await b.prefix_length(S0, ["a", "b"]) == 1
+                    with pytest.raises(NotInitialized):
+                        await b.prefix_length(MISSING, ["a"])
+                finally:
+                    admin.config_set("min-replicas-to-write", 0)
+        finally:
+            await b.close()
+
+    asyncio.run(main())
 
 
 def test_the_durable_backend_dumps_what_it_recovered(tmp_path: Path) -> None:
