@@ -471,13 +471,17 @@ def test_cluster_failover_drill(
 def test_sentinel_failover_drill(
     tmp_path: Path, servers: Callable[[str], list[ServerProcess]], scenario: str
 ) -> None:
-    # down-after-milliseconds 3000, not the fixture's 1000: on a loaded 2-core machine a node
-    # just promoted (every client reconnecting to it, the other replica resyncing from it) can
-    # leave a Sentinel PING unanswered for over a second; with 1000 the Sentinels then failed
-    # over that live primary as well, and the node they replaced kept saying master (without a
-    # replica: every write 503) for ~10 s until they demoted it. That second failover is not the
-    # drill's scenario. Detection takes 2 s longer; the bound below still catches a kvmeta
-    # server that does not follow the Sentinels.
+    # down-after-milliseconds 3000, not the fixture's 1000, for a loaded 2-core machine:
+    # - a node just promoted (every client reconnecting, the other replica resyncing from it) can
+    #   leave a Sentinel PING unanswered for over a second; with 1000 the Sentinels then failed
+    #   over that live primary too, and the node they replaced kept saying master (without a
+    #   replica: every write 503) for ~10 s until they demoted it;
+    # - lagging-replicas stops the replicas for LAG = 1.5 s, longer than 1000: the Sentinels
+    #   flagged them down when the primary died;
+    # - a replica cut off from its dead primary for more than 10 x down-after (+ the time the
+    #   primary has been seen down) is never promoted: 10 s left no margin for a late detection.
+    # Detection takes 2 s longer; RECOVERY_BOUND still catches a kvmeta server that does not
+    # follow the Sentinels (it would never recover), and the line printed shows the time.
     with SentinelGroup(replicas=2, down_after_ms=3000).start() as group:
         procs = servers(group.url)
         hot = {"s:kv", "s:small", *(f"v:{r}" for r in V_RANKS)}
