@@ -297,9 +297,11 @@ def _tail(node: Node, lines: int = 8) -> str:
     return f"\n--- {node.name} ({node.logfile}):\n" + "\n".join(text)
 
 
-def _wait_for(what: str, done: Callable[[], bool], nodes: Sequence[Node]) -> None:
+def _wait_for(
+    what: str, done: Callable[[], bool], nodes: Sequence[Node], timeout: float = STARTUP_TIMEOUT
+) -> None:
     """Poll ``done`` until it holds; on timeout raise naming ``what`` and the log files."""
-    deadline = time.monotonic() + STARTUP_TIMEOUT
+    deadline = time.monotonic() + timeout
     last: BaseException | None = None
     while time.monotonic() < deadline:
         try:
@@ -309,9 +311,7 @@ def _wait_for(what: str, done: Callable[[], bool], nodes: Sequence[Node]) -> Non
             last = exc
         time.sleep(0.1)
     logs = ", ".join(str(n.logfile) for n in nodes) + "".join(_tail(n) for n in nodes)
-    raise TopologyError(
-        f"timed out after {STARTUP_TIMEOUT}s waiting for {what} ({last}); logs: {logs}"
-    )
+    raise TopologyError(f"timed out after {timeout}s waiting for {what} ({last}); logs: {logs}")
 
 
 class _Topology:
@@ -334,6 +334,17 @@ class _Topology:
         for node in self.nodes:
             node.kill(signal.SIGKILL)
         self._dir.cleanup()
+
+    @staticmethod
+    def _has_online_replica(primary: Node) -> bool:
+        info = primary.info("replication")
+        if info.get("role") != "master":
+            return False
+        return any(
+            isinstance(v, dict) and v.get("state") == "online"
+            for k, v in info.items()
+            if k.startswith("slave")
+        )
 
     def _wait_replicated(self, primary: Node) -> None:
         """Block until every replica of ``primary`` has its writes so far (``WAIT``)."""
@@ -490,6 +501,21 @@ class RedisCluster(_Topology):
             node.call("FLUSHALL")
             self._wait_replicated(node)
 
+    def wait_writable(self, key: str, timeout: float = 2 * STARTUP_TIMEOUT) -> Node:
+        """Block until the primary serving ``key`` has a replica online (``WAIT 1`` can be met
+        there) and every live node says cluster_state:ok; return that primary."""
+        found: list[Node] = []
+
+        def writable() -> bool:
+            live = [n for n in self.nodes if n.alive()]
+            if any(n.cluster_state() != "ok" for n in live):
+                return False
+            found[:] = [self.primary_for(key)]
+            return self._has_online_replica(found[0])
+
+        _wait_for(f"a primary with a replica online for {key!r}", writable, self.nodes, timeout)
+        return found[0]
+
     def client(self) -> redis.cluster.RedisCluster:
         """A cluster-aware client (slot routing) for inspecting data in tests."""
         live = self._live()
@@ -519,6 +545,17 @@ def _as_dict(value: Any) -> dict[str, Any]:
     return {str(k): v for k, v in zip(value[::2], value[1::2], strict=True)}
 
 
+# A Sentinel whose timer fires late by more than its tilt-trigger (2 s by default) enters TILT
+# mode: it takes no action for 30 s. On a loaded 2-core machine the whole machine stalls that
+# long now and then (seen in the drill's logs: all three Sentinels entering TILT at the same
+# instants), and a primary killed then is not failed over for 30 s; worse, its replicas have been
+# cut off from it for longer than 10 x down-after-milliseconds by the time the Sentinels act, so
+# they refuse to promote any of them ("-failover-abort-no-good-slave", forever). The tests are
+# about kvmeta following a failover, not about Sentinel's protection against its own clock, so
+# they raise the trigger (``SENTINEL DEBUG tilt-trigger``, Redis/Valkey >= 7).
+TILT_TRIGGER_MS = 10_000
+
+
 class SentinelGroup(_Topology):
     """One primary, its replica(s) and three Sentinels monitoring them as ``kvmeta``.
 
@@ -533,6 +570,7 @@ class SentinelGroup(_Topology):
         replicas: int = 1,
         down_after_ms: int = 1000,
         failover_timeout_ms: int = 3000,
+        tilt_trigger_ms: int = TILT_TRIGGER_MS,
     ) -> None:
         """``replicas``: 2 keeps ``WAIT 1`` satisfiable after one failover."""
         super().__init__()
@@ -540,6 +578,7 @@ class SentinelGroup(_Topology):
         self.replica_count = replicas
         self.down_after_ms = down_after_ms
         self.failover_timeout_ms = failover_timeout_ms
+        self.tilt_trigger_ms = tilt_trigger_ms
         self.data: list[Node] = []
         self.sentinels: list[Node] = []
 
@@ -576,6 +615,7 @@ class SentinelGroup(_Topology):
             sentinel = Node(self.root, f"sentinel{i}", [], conf=conf).start()
             self.nodes.append(sentinel)
             self.sentinels.append(sentinel)
+            sentinel.call("SENTINEL", "DEBUG", "tilt-trigger", self.tilt_trigger_ms)
 
         def all_seen() -> bool:
             for s in self.sentinels:
@@ -604,6 +644,30 @@ class SentinelGroup(_Topology):
                 if node.port == int(port):
                     return node
         raise TopologyError(f"no Sentinel names a primary; logs under {self.root}")
+
+    def wait_writable(self, timeout: float = 2 * STARTUP_TIMEOUT) -> Node:
+        """Block until a majority of the Sentinels names one primary that says ROLE master and
+        has a replica online (``WAIT 1`` can be met there); return it. After a failover the
+        Sentinels reconfigure the other replicas, and a node they replaced while it was alive
+        keeps saying master until they demote it, seconds later."""
+        found: list[Node] = []
+
+        def writable() -> bool:
+            named = [
+                int(s.call("SENTINEL", "GET-MASTER-ADDR-BY-NAME", self.NAME)[1])
+                for s in self.sentinels
+                if s.alive()
+            ]
+            port, votes = max(((p, named.count(p)) for p in set(named)), key=lambda x: x[1])
+            if votes * 2 <= len(self.sentinels):
+                return False
+            node = next(n for n in self.data if n.port == port)
+            found[:] = [node]
+            return node.alive() and self._has_online_replica(node)
+
+        what = "a primary named by a majority of the Sentinels with a replica online"
+        _wait_for(what, writable, self.nodes, timeout)
+        return found[0]
 
     def replicas(self) -> list[Node]:
         """The live data nodes other than the current primary."""

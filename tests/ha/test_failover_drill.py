@@ -4,10 +4,11 @@ from both engines' released clients; the primary that owns the hot pool is kille
 With ``--min-replicas-ack 1`` a confirm is acknowledged only once a replica has it, so a
 promoted replica must still hold every acknowledged key, no page may hold two keys, and no key
 may point at bytes another writer put in its page (each writer writes its key's bytes into a
-simulated page file before it confirms, as the engines do). The numbers (time until requests
-succeed again, 5xx replies during the window) are printed on one line per topology and
-scenario: a plain kill, and a kill while the replicas are stopped (writes in flight, waiting
-for a replica's acknowledgement, when the primary dies).
+simulated page file before it confirms, as the engines do). The numbers (time until a confirm
+is acknowledged again through every kvmeta server, and through the first; 5xx replies during
+the window) are printed on one line per topology and scenario: a plain kill, and a kill while
+the replicas are stopped (writes in flight, waiting for a replica's acknowledgement, when the
+primary dies).
 
 Each topology has TWO replicas per primary: after one failover the promoted primary still has a
 replica, so ``WAIT 1`` can be met and writes resume (with one replica they would be refused
@@ -16,6 +17,7 @@ with 503 until the dead node came back, which is the documented behaviour, not a
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import os
 import re
@@ -25,6 +27,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -43,7 +46,10 @@ HOT_PAGES = 1 << 15
 SMALL_PAGES = 48  # evicts all the time: what matters here is that no page holds two keys
 V_PAGES = 1 << 14
 V_RANKS = (0, 1)
+# Debug logs: each re-resolution step of the servers (what every Sentinel answered, the ROLE of
+# the node named), printed with the Sentinels' own logs when the drill fails.
 SERVER_FLAGS = ("--min-replicas-ack", "1", "--failover-timeout", "10", "--read-lease", "5")
+SERVER_FLAGS += ("--log-level", "debug")
 
 WARM_UP = 4.0  # seconds of load before the kill
 AFTER = 5.0  # seconds of load after requests succeed again
@@ -52,7 +58,9 @@ GIVE_UP = 40.0
 LAG = 1.5  # seconds the replicas are stopped before the kill (lagging-replicas)
 SCENARIOS = ["kill", "lagging-replicas"]
 
-_STATUS = re.compile(r"\b(\d{3}) (?:Server|Client) Error")
+# "503 Server Error" (raise_for_status), or urllib3's "too many 503 error responses" when a
+# client without retries gets a status its Retry lists
+_STATUS = re.compile(r"\b(\d{3}) (?:Server|Client) Error|too many (\d{3}) error responses")
 
 
 def key_bytes(key: str) -> bytes:
@@ -66,6 +74,8 @@ class Op:
     done: float
     ok: bool
     status: int | None  # HTTP status of a failed reply, None for a connection error
+    server: str  # the kvmeta server's URL
+    confirm: bool  # an acknowledged confirm when ok (a read may succeed on a deposed primary)
 
 
 @dataclass
@@ -127,19 +137,22 @@ class Drill:
         return made
 
     def _call(self, pool: str, fn: Callable[..., Any], *args: Any) -> tuple[bool, Any]:
+        server = str(getattr(getattr(fn, "__self__", None), "base_url", ""))
+        confirm = fn.__name__.startswith("confirm")
         sent = time.monotonic()
         try:
             out = fn(*args)
         except RuntimeError as exc:
             match = _STATUS.search(str(exc))
-            status = int(match.group(1)) if match else None
+            status = int(match.group(1) or match.group(2)) if match else None
             with self.ledger.lock:
-                self.ledger.ops.append(Op(pool, sent, time.monotonic(), False, status))
+                op = Op(pool, sent, time.monotonic(), False, status, server, confirm)
+                self.ledger.ops.append(op)
                 if status is not None and status < 500:
                     self.ledger.unexpected.append(f"{pool} {fn.__name__}: {exc}")
             return False, None
         with self.ledger.lock:
-            self.ledger.ops.append(Op(pool, sent, time.monotonic(), True, None))
+            self.ledger.ops.append(Op(pool, sent, time.monotonic(), True, None, server, confirm))
         return True, out
 
     def set_up(self) -> None:
@@ -215,7 +228,10 @@ class Drill:
                         self.ledger.wrong_bytes.append(f"{pool} {key}->{page}")
             self._call(pool, c.batch_key_exists, keys)
 
-    def run(self, kill: Callable[[], object]) -> dict[str, Any]:
+    def run(self, kill: Callable[[], object], settle: Callable[[], object]) -> dict[str, Any]:
+        """Load, ``kill``, wait for recovery, load ``AFTER`` more seconds, then ``settle`` (wait
+        until the primary serving the hot pool has a replica again, so ``WAIT 1`` can be met)
+        before the verification reads every acknowledged key back."""
         self.set_up()
         threads = [threading.Thread(target=self.sglang_loop, args=(w,)) for w in range(3)]
         threads += [threading.Thread(target=self.vllm_loop, args=(r,)) for r in V_RANKS]
@@ -225,32 +241,43 @@ class Drill:
             time.sleep(WARM_UP)
             kill()  # returns once the process is dead (reaped)
             killed_at = time.monotonic()
+            print(f"\nprimary killed at {datetime.now().strftime('%H:%M:%S.%f')[:-3]}")
             recovered = self._wait_recovered(killed_at)
             time.sleep(AFTER)
         finally:
             self.stop.set()
             for t in threads:
                 t.join(60)
+        began = time.monotonic()
+        settle()
+        print(f"topology settled {time.monotonic() - began:.2f}s after the load stopped")
         return self._measure(killed_at, recovered)
 
-    def _wait_recovered(self, killed_at: float) -> float | None:
-        """Seconds from the kill until a hot-pool request sent after it succeeded."""
+    def _wait_recovered(self, killed_at: float) -> dict[str, float | None]:
+        """Per kvmeta server: seconds from the kill until a hot-pool confirm sent to it after
+        the kill was acknowledged (None: none was within ``GIVE_UP``). A confirm, not any
+        request: a read can succeed on a primary the Sentinels already replaced, a confirm
+        needs a primary whose replica acknowledges it. Waits for every server: each has its
+        own view of the topology, and the verification asks both."""
         deadline = killed_at + GIVE_UP
+        found: dict[str, float | None] = {s.url: None for s in self.servers}
+        seen = 0
         while time.monotonic() < deadline:
             with self.ledger.lock:
-                done = [
-                    o.done
-                    for o in self.ledger.ops
-                    if o.ok and o.pool in self.hot_labels and o.sent > killed_at
-                ]
-            if done:
-                return min(done) - killed_at
+                new, seen = self.ledger.ops[seen:], len(self.ledger.ops)
+            for o in new:
+                if o.ok and o.confirm and o.pool in self.hot_labels and o.sent > killed_at:
+                    first = found.get(o.server, 0.0)
+                    if first is None or o.done - killed_at < first:
+                        found[o.server] = o.done - killed_at
+            if all(v is not None for v in found.values()):
+                break
             time.sleep(0.05)
-        return None
+        return found
 
     # ------------------------------------------------------------------ verdict
 
-    def _measure(self, killed_at: float, recovered: float | None) -> dict[str, Any]:
+    def _measure(self, killed_at: float, recovered: dict[str, float | None]) -> dict[str, Any]:
         ops = self.ledger.ops
         window = [o for o in ops if o.done > killed_at]
         failed_after = [o.done for o in window if not o.ok]
@@ -282,7 +309,9 @@ class Drill:
             ]
         checks = [requests.get(s.url + "/v1/check", timeout=120).json() for s in self.servers]
         return {
-            "recovery_s": recovered,
+            # until requests succeed again on every server (the slower one), and on the first
+            "recovery_s": None if None in recovered.values() else max(recovered.values()),
+            "first_recovery_s": min((v for v in recovered.values() if v is not None), default=None),
             "last_error_s": (max(failed_after) - killed_at) if failed_after else 0.0,
             "acked": sum(len(a) for a in self.ledger.acked.values()),
             "lost": lost,
@@ -303,17 +332,20 @@ class Drill:
 
 
 def _report(topology: str, r: dict[str, Any]) -> None:
-    rec = "never" if r["recovery_s"] is None else f"{r['recovery_s']:.2f}s"
+    def seconds(value: float | None) -> str:
+        return "never" if value is None else f"{value:.2f}s"
+
     print(
-        f"\nFAILOVER DRILL {topology}: recovery={rec} last_error={r['last_error_s']:.2f}s "
+        f"\nFAILOVER DRILL {topology}: recovery={seconds(r['recovery_s'])} "
+        f"first={seconds(r['first_recovery_s'])} last_error={r['last_error_s']:.2f}s "
         f"acked={r['acked']} lost={len(r['lost'])} two_keys={r['two_keys']} "
         f"wrong_bytes={len(r['wrong_bytes'])} 5xx={r['5xx']} conn_errors={r['conn_errors']} "
         f"requests={r['requests']} check_ok={all(c['ok'] for c in r['check'])}"
     )
 
 
-def _assert(r: dict[str, Any], logs: str) -> None:
-    assert r["recovery_s"] is not None, f"requests never succeeded again:\n{logs}"
+def _assert(r: dict[str, Any]) -> None:
+    assert r["recovery_s"] is not None, f"requests never succeeded again on every server: {r}"
     assert r["recovery_s"] <= RECOVERY_BOUND, r
     assert r["lost"] == [], r["lost"][:20]
     assert r["two_keys"] == 0
@@ -323,18 +355,43 @@ def _assert(r: dict[str, Any], logs: str) -> None:
     assert r["unexpected"] == [], r["unexpected"][:20]
 
 
-def _killer(primary: Node, replicas: list[Node], scenario: str) -> Callable[[], None]:
+@contextlib.contextmanager
+def _logs_on_failure(procs: list[ServerProcess], nodes: list[Node]) -> Iterator[None]:
+    """On any failure (an assertion, or a stock client's error while verifying), print what
+    the kvmeta servers and the Redis/Sentinel nodes logged (pytest shows it with the failure):
+    a failover that was slow on a loaded CI machine can only be explained from their
+    timestamps."""
+    try:
+        yield
+    except BaseException:
+        for i, proc in enumerate(procs):
+            print(f"\n--- kvmeta server {i} ({proc.url}):\n{proc.log[-12000:]}")
+        for node in nodes:
+            try:
+                text = node.logfile.read_text(errors="replace").splitlines()[-60:]
+            except OSError:
+                continue
+            print(f"\n--- {node.name} {node.addr}:\n" + "\n".join(text))
+        raise
+
+
+def _killer(find: Callable[[], tuple[Node, list[Node]]], scenario: str) -> Callable[[], None]:
     """``kill``: SIGKILL the primary. ``lagging-replicas``: stop its replicas (SIGSTOP) for
     ``LAG`` seconds of load first. A stopped replica sends no acknowledgement, so with
     ``--min-replicas-ack 1`` every write of that window is still waiting on ``WAIT`` (past
     ``--replica-ack-timeout``) when the primary dies: nothing of it may have been answered 204,
     and kvmeta's retry on the promoted replica must be idempotent (the replication stream that
     sat unread in the stopped replica's socket buffer reaches it on SIGCONT, so the promoted
-    replica may already hold the write)."""
+    replica may already hold the write).
 
-    assert len(replicas) == 2, replicas  # both replicas of the doomed primary
+    ``find`` names the primary and its replicas at the moment of the kill, not before the
+    warm-up: on a loaded machine the Sentinels may have failed over a primary that stalled
+    during the warm-up, and the drill must kill the node that serves now."""
 
     def kill() -> None:
+        primary, replicas = find()
+        assert len(replicas) == 2, replicas  # both replicas of the doomed primary
+        print(f"\nkilling {primary} (replicas {replicas})")
         if scenario == "kill":
             primary.kill(signal.SIGKILL)
             return
@@ -392,12 +449,20 @@ def test_cluster_failover_drill(
             hot |= {f"v:{r}" for r in V_RANKS}
         procs = servers(cluster.url)
         drill = Drill(procs, tmp_path, small_ns, hot)
-        try:
-            result = drill.run(_killer(owner, cluster.replicas_of(owner), scenario))
-        finally:
-            drill.close()
-        _report(f"cluster {scenario}", result)
-        _assert(result, "\n".join(p.log[-3000:] for p in procs))
+
+        def find() -> tuple[Node, list[Node]]:
+            primary = cluster.primary_for(pool_keys(HOT)[0])
+            return primary, cluster.replicas_of(primary)
+
+        with _logs_on_failure(procs, cluster.nodes):
+            try:
+                result = drill.run(
+                    _killer(find, scenario), lambda: cluster.wait_writable(pool_keys(HOT)[0])
+                )
+            finally:
+                drill.close()
+            _report(f"cluster {scenario}", result)
+            _assert(result)
 
 
 @pytest.mark.slow
@@ -406,13 +471,29 @@ def test_cluster_failover_drill(
 def test_sentinel_failover_drill(
     tmp_path: Path, servers: Callable[[str], list[ServerProcess]], scenario: str
 ) -> None:
-    with SentinelGroup(replicas=2).start() as group:
+    # down-after-milliseconds 3000, not the fixture's 1000, for a loaded 2-core machine:
+    # - a node just promoted (every client reconnecting, the other replica resyncing from it) can
+    #   leave a Sentinel PING unanswered for over a second; with 1000 the Sentinels then failed
+    #   over that live primary too, and the node they replaced kept saying master (without a
+    #   replica: every write 503) for ~10 s until they demoted it;
+    # - lagging-replicas stops the replicas for LAG = 1.5 s, longer than 1000: the Sentinels
+    #   flagged them down when the primary died;
+    # - a replica cut off from its dead primary for more than 10 x down-after (+ the time the
+    #   primary has been seen down) is never promoted: 10 s left no margin for a late detection.
+    # Detection takes 2 s longer; RECOVERY_BOUND still catches a kvmeta server that does not
+    # follow the Sentinels (it would never recover), and the line printed shows the time.
+    with SentinelGroup(replicas=2, down_after_ms=3000).start() as group:
         procs = servers(group.url)
         hot = {"s:kv", "s:small", *(f"v:{r}" for r in V_RANKS)}
         drill = Drill(procs, tmp_path, "small", hot)
-        try:
-            result = drill.run(_killer(group.primary(), group.replicas(), scenario))
-        finally:
-            drill.close()
-        _report(f"sentinel {scenario}", result)
-        _assert(result, "\n".join(p.log[-3000:] for p in procs))
+
+        def find() -> tuple[Node, list[Node]]:
+            return group.primary(), group.replicas()
+
+        with _logs_on_failure(procs, group.nodes):
+            try:
+                result = drill.run(_killer(find, scenario), group.wait_writable)
+            finally:
+                drill.close()
+            _report(f"sentinel {scenario}", result)
+            _assert(result)

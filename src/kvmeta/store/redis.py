@@ -163,6 +163,7 @@ _BUDGET_BATCH = 64  # pool sizes read concurrently by ``budget``
 _FIRST_DELAY = 0.05
 _MAX_DELAY = 0.5
 _MAX_REDIRECTS = 16  # MOVED/ASK hops for one call before it counts as a failure to retry
+_MAX_RECHECKS = 3  # primaries one unacknowledged write may move to (see ``Topology.recheck``)
 # The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
 # counter added to ``PoolCounters`` is reported here at once (the Lua bumps it by name).
 _COUNTERS = tuple(f.name for f in dataclasses.fields(PoolCounters))
@@ -650,8 +651,10 @@ class RedisBackend:
         ``MOVED`` -> the new owner at once; ``ASK`` -> ``ASKING`` + the command on the target;
         kvmeta's code missing on the node -> install it there; a failover, lost connection or
         ``TRYAGAIN`` -> re-learn the topology and retry, backing off, until
-        ``failover_timeout``. Every operation is idempotent, so a mutation whose reply was
-        lost may run again safely.
+        ``failover_timeout``; a write too few replicas acknowledged -> ask whether the node is
+        still the primary (``Topology.recheck``) and, if another one took over, run it there.
+        Every operation is idempotent, so a mutation whose reply was lost (or not
+        acknowledged) may run again safely.
         """
         topo = self._topo
         if topo is None:
@@ -661,6 +664,7 @@ class RedisBackend:
         asking: Node | None = None
         installed = False
         hops = 0
+        rechecks = 0
         where = self.target.shown
         node: Node | None = None
         while True:
@@ -705,7 +709,18 @@ class RedisBackend:
                 hops = 0
                 continue
             if wait is not None:
-                self._check_acks(where, what, acks)
+                try:
+                    self._check_acks(where, what, acks)
+                except NotReplicated:
+                    # Its replicas left it: a failover may have promoted one of them while
+                    # this node stalled (it still answers as a primary until demoted).
+                    rechecks += 1
+                    assert node is not None
+                    if rechecks <= _MAX_RECHECKS and await topo.recheck(node):
+                        self._stale_epoch = True
+                        hops = 0
+                        continue
+                    raise
             if self._stale_epoch and what not in _EPOCH_COMMANDS:
                 self._stale_epoch = False
                 await self._refresh_epoch()

@@ -184,6 +184,14 @@ class Topology:
     def moved(self, slot: int, host: str, port: int) -> Node:
         return self.node(host, port)
 
+    async def recheck(self, node: Node) -> bool:
+        """A write on ``node`` answered but too few replicas acknowledged it: is ``node`` still
+        a primary? True if re-learning the topology found another one for its keys (the
+        caller runs the write again there). A primary that stalled and came back after a
+        failover still says ``ROLE master`` and answers every command, so no connection error
+        would ever move the caller off it; its replicas left it, which is the only sign."""
+        return False
+
     def coverage(self) -> str | None:
         """Why the topology cannot serve every key (None: it can)."""
         return None
@@ -290,6 +298,10 @@ class ClusterTopology(Topology):
             self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
         return node
 
+    async def recheck(self, node: Node) -> bool:
+        await self.refresh()
+        return node not in self.primaries() and bool(self.primaries())
+
     def coverage(self) -> str | None:
         missing = sum(node is None for node in self._slots)
         return f"{missing} of 16384 slots have no primary" if missing else None
@@ -314,6 +326,8 @@ class SentinelTopology(Topology):
     def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
         super().__init__(target, read_timeout=read_timeout)
         self._primary: Node | None = None
+        self._last: Node | None = None  # the primary last in use (None: never one yet)
+        self._refreshing: asyncio.Task[None] | None = None
 
     def route(self, key: str) -> Node:
         if self._primary is None:
@@ -324,9 +338,40 @@ class SentinelTopology(Topology):
         return [] if self._primary is None else [self._primary]
 
     async def start(self) -> None:
-        await self.refresh(raise_errors=True)
+        await self._refresh(raise_errors=True)
 
     async def refresh(self, raise_errors: bool = False) -> None:
+        """Ask the Sentinels again. Every call failing over at once shares one round of
+        questions (one task): they would otherwise each open a connection to every Sentinel,
+        and a round that began before a newer one could finish after it and overwrite its
+        answer with an older one."""
+        if raise_errors:
+            await self._refresh(raise_errors=True)
+            return
+        if self.closed:
+            return
+        task = self._refreshing
+        if task is None or task.done():
+            task = self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+        try:
+            await asyncio.shield(task)  # a caller that gives up does not cancel the others'
+        except asyncio.CancelledError:
+            if not (self.closed and task.cancelled()):
+                raise  # the caller itself was cancelled
+
+    async def recheck(self, node: Node) -> bool:
+        await self.refresh()
+        return self._primary is not None and self._primary is not node
+
+    async def close(self) -> None:
+        self.closed = True
+        refreshing, self._refreshing = self._refreshing, None
+        if refreshing is not None:
+            refreshing.cancel()
+            await asyncio.gather(refreshing, return_exceptions=True)
+        await super().close()
+
+    async def _refresh(self, raise_errors: bool = False) -> None:
         if self.closed:
             return
         old = self._primary
@@ -338,30 +383,47 @@ class SentinelTopology(Topology):
             role = await asyncio.wait_for(node.call("ROLE"), CONNECT_TIMEOUT * 2)
         except (RedisError, OSError, asyncio.TimeoutError, BackendUnavailable) as exc:
             self.last_error = str(exc) or type(exc).__name__
-            self._primary = None
+            logger.debug("Sentinel primary %r: %s", self.target.master, self.last_error)
+            self._forget(old)
             if raise_errors:
                 raise BackendUnavailable(
                     f"Sentinel primary {self.target.master!r}: {self.last_error}"
                 ) from None
             return
         kind = role[0].decode() if isinstance(role[0], bytes) else str(role[0])
+        logger.debug("Sentinel primary %r: %s says ROLE %s", self.target.master, node.addr, kind)
         if kind != "master":
             # The Sentinels still name a node that was demoted (or not yet promoted): ask again.
             self.last_error = f"{node.addr} named by the Sentinels says ROLE {kind}"
             await node.drop()
-            self._primary = None
+            self._forget(old)
             if raise_errors:
                 raise BackendUnavailable(
                     f"Sentinel primary {self.target.master!r}: {self.last_error}"
                 )
             return
-        if old is not None and old is not node:
-            await old.drop()
+        last, self._last = self._last, node
+        if last is not None and last is not node:
+            await last.drop()
             logger.warning(
                 "Redis primary %r moved from %s to %s (Sentinel failover)",
                 self.target.master,
-                old.addr,
+                last.addr,
                 node.addr,
             )
+        elif old is None and last is node:
+            logger.info("Redis primary %r at %s answers again", self.target.master, node.addr)
         self._primary = node
         self.last_error = ""
+
+    def _forget(self, old: Node | None) -> None:
+        """No primary known until a later refresh finds one (requests retry meanwhile)."""
+        if old is not None:
+            logger.warning(
+                "Redis primary %r at %s lost (%s): asking the Sentinels until a majority "
+                "names a primary that says ROLE master",
+                self.target.master,
+                old.addr,
+                self.last_error,
+            )
+        self._primary = None

@@ -8,6 +8,7 @@ that is partitioned with an old primary from sending writes there alone.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections import Counter
 
 import redis.asyncio as aioredis
@@ -17,6 +18,8 @@ from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis_url import RedisTarget
 
 __all__ = ["resolve_primary"]
+
+logger = logging.getLogger("kvmeta.store.redis")
 
 
 async def _ask(target: RedisTarget, host: str, port: int, timeout: float) -> tuple[str, int] | str:
@@ -54,14 +57,15 @@ async def resolve_primary(target: RedisTarget, *, timeout: float) -> tuple[str, 
     """
     answers = await asyncio.gather(*(_ask(target, h, p, timeout) for h, p in target.hosts))
     votes = Counter(a for a in answers if isinstance(a, tuple))
-    if votes:
-        addr, count = votes.most_common(1)[0]
-        if count * 2 > len(target.hosts):
-            return addr
     said = ", ".join(
         f"{h}:{p} says {a[0]}:{a[1]}" if isinstance(a, tuple) else f"{h}:{p} {a}"
         for (h, p), a in zip(target.hosts, answers, strict=True)
     )
+    logger.debug("Sentinels for %r: %s", target.master, said)
+    if votes:
+        addr, count = votes.most_common(1)[0]
+        if count * 2 > len(target.hosts):
+            return addr
     raise BackendUnavailable(
         f"no majority of the {len(target.hosts)} Sentinels names a primary for "
         f"{target.master!r} ({said})"
