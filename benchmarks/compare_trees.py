@@ -74,6 +74,39 @@ def _median(results: list[dict[str, Any]], field: str) -> float | None:
     return statistics.median(values) if values else None
 
 
+def _paired(runs: dict[str, list[dict[str, Any]]], field: str, base: str, label: str) -> float:
+    """Median over rounds of ``label``'s value over ``base``'s in the same round: the runs of
+    one round are minutes apart at most, so this ratio drifts less with the machine's load
+    than the ratio of two medians."""
+    ratios = [
+        a[field] / b[field]
+        for a, b in zip(runs[label], runs[base], strict=True)
+        if a.get(field) and b.get(field)
+    ]
+    return statistics.median(ratios) if ratios else float("nan")
+
+
+def paired_report(runs: dict[str, list[dict[str, Any]]], redis: bool) -> str:
+    """Per-round ratios: each Redis side's redis-server CPU against the first side on the same
+    allocator, and each side's worker CPU against the embedded run of the same round."""
+    lines = ["median of per-round ratios (same round, so load drift cancels):"]
+    firsts: dict[str, str] = {}
+    for label in runs:
+        if label == EMBEDDED:
+            continue
+        malloc = label.rsplit("/", 1)[-1] if redis else ""
+        base = firsts.setdefault(malloc, label)
+        row = f"{label:>16}"
+        field = "backend_cpu_us_per_request" if redis else "cpu_us_per_request"
+        what = "redis-server CPU" if redis else "worker CPU"
+        row += f"  {what} {_paired(runs, field, base, label):.2f}x of {base}"
+        if EMBEDDED in runs:
+            worker = _paired(runs, "cpu_us_per_request", EMBEDDED, label)
+            row += f"; worker CPU {worker:.2f}x of embedded"
+        lines.append(row)
+    return "\n".join(lines)
+
+
 def report(runs: dict[str, list[dict[str, Any]]], redis: bool) -> str:
     lines = []
     embedded = _median(runs.get(EMBEDDED, []), "cpu_us_per_request")
@@ -165,6 +198,8 @@ def main() -> int:
             )
     print()
     print(report(runs, args.redis))
+    print()
+    print(paired_report(runs, args.redis))
     if args.json:
         Path(args.json).write_text(json.dumps(runs, indent=2))
     return 0
