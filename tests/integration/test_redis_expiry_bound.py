@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.redis import RedisBackend, pool_keys
 from tests.redis_support import RedisServer
 
 POOL = PoolId("s", 0, "bound")
@@ -110,3 +110,16 @@ def test_a_read_lease_protects_its_page_until_it_ends(redis_url: str) -> None:
         [(False, -1)],
         [(False, 0)],
     ]
+
+
+def test_check_reports_a_bound_past_a_lease_end(redis_server: RedisServer, redis_url: str) -> None:
+    async def body(backend: RedisBackend, now: list[float]) -> list[str]:
+        await backend.initialize(POOL, 4)
+        await backend.reserve(POOL, ["a"])  # its lease ends at 1010 s
+        assert (await backend.check()).problems == []
+        with redis_server.client() as client:
+            client.hset(pool_keys(POOL)[0], "exp", 1_020_000)
+        return (await backend.check()).problems
+
+    problems = _run(redis_url, body, reservation_ttl=10.0, read_lease=0.0)
+    assert len(problems) == 1 and "expiry bound 1020000 ms is past" in problems[0], problems
