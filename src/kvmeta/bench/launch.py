@@ -44,10 +44,17 @@ class Launch:
     workers: int = 1
     redis_transport: str = "tcp"
     src: str | None = None
+    # A malloc library the private redis-server runs with (LD_PRELOAD), e.g. libjemalloc.so.2.
+    redis_preload: str | None = None
 
     def server(self) -> LaunchedServer:
         return LaunchedServer(
-            self.mode, self.args, self.src, workers=self.workers, transport=self.redis_transport
+            self.mode,
+            self.args,
+            self.src,
+            workers=self.workers,
+            transport=self.redis_transport,
+            redis_preload=self.redis_preload,
         )
 
     def describe(self) -> dict[str, Any]:
@@ -85,9 +92,10 @@ class _RedisServer:
     """A private ``redis-server``: loopback TCP on a free port or a unix socket, no
     persistence, in ``directory``."""
 
-    def __init__(self, directory: str, transport: str) -> None:
+    def __init__(self, directory: str, transport: str, preload: str | None = None) -> None:
         self.directory = directory
         self.transport = transport
+        self.preload = preload
         self.url = ""
         self.proc: subprocess.Popen[bytes] | None = None
 
@@ -106,8 +114,13 @@ class _RedisServer:
             args += ["--appendonly", "no", "--dir", self.directory]
             if self.transport == "unix":
                 args += ["--unixsocket", sock]
+            env = {**os.environ, "LD_PRELOAD": self.preload} if self.preload else None
             self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                env=env,
             )
             self.url = f"redis://127.0.0.1:{port}" if port else f"unix://{sock}"
             if self._wait(port, sock, timeout):
@@ -150,6 +163,7 @@ class LaunchedServer:
         *,
         workers: int = 1,
         transport: str = "tcp",
+        redis_preload: str | None = None,
     ) -> None:
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
@@ -158,6 +172,7 @@ class LaunchedServer:
         self.src = src or _SRC  # another checkout's src/ serves before/after comparisons
         self.workers = workers
         self.transport = transport
+        self.redis_preload = redis_preload
         self.url = ""
         self.pid = 0
         self.backend_pid: int | None = None
@@ -187,7 +202,7 @@ class LaunchedServer:
             self.data_dir = os.path.join(self._tmp.name, "data")
             args += ["--data-dir", self.data_dir]
         else:
-            self._redis = _RedisServer(self._tmp.name, self.transport)
+            self._redis = _RedisServer(self._tmp.name, self.transport, self.redis_preload)
             try:
                 self._redis.start()
             except KvmetaError:

@@ -39,7 +39,9 @@ logger = logging.getLogger(__name__)
 LIBRARY_NAME = "kvmeta"
 # Bump when a function's name, KEYS/ARGV layout or reply shape changes incompatibly: a server of
 # an older format must not keep calling a library of a newer one (see ``install``).
-LIBRARY_FORMAT = 2  # 2: the change-feed flag argument (the test clock moved one ARGV on)
+# 2: the change-feed flag argument (the test clock moved one ARGV on); 3: meta 'exp', the
+# lower bound of lease ends every lease write keeps (a format-2 script would not lower it)
+LIBRARY_FORMAT = 3
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

@@ -73,22 +73,56 @@ local function pool_keys(p)
   return k
 end
 
--- The per-call pool state: page count, allocator high-water mark, LRU clock. nil: no pool.
+-- meta 'exp': a lower bound of every lease end in resq, reads and cool, in whole milliseconds
+-- (an integer, as every meta value). While the time is below it, no lease has ended and expire
+-- does nothing: a request's expiry costs no call at all instead of three, and the sets are
+-- scanned only when a lease may really have ended. Every write of a lease end lowers it
+-- (lease_end); expire raises it again to the earliest end left. NEVER: no lease at all.
+local NEVER = 9007199254740992
+
+-- The per-call pool state: page count, allocator high-water mark, LRU clock, expiry bound.
+-- nil: no pool.
 local function load_state(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick')
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp')
   if not v[1] then
     return nil
   end
   return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
-           next0 = tonumber(v[2]), tick0 = tonumber(v[3]) }
+           next0 = tonumber(v[2]), tick0 = tonumber(v[3]), exp = tonumber(v[4]),
+           exp0 = tonumber(v[4]) }
 end
 
+-- The bound for a lease ending at t seconds (as written: t is a fmt string or its number): a
+-- millisecond below it, so float rounding can never put the bound above the lease end.
+local function exp_of(t)
+  return math.floor(tonumber(t) * 1000) - 1
+end
+
+-- A lease ending at t (seconds) was written to resq, reads or cool: lower st's expiry bound.
+local function lease_end(st, t)
+  local e = exp_of(t)
+  if st.exp == nil or e < st.exp then
+    st.exp = e
+  end
+end
+
+-- The fields of st a call changed, in one HSET.
 local function save_state(k, st)
+  local w = {}
   if st.next ~= st.next0 then
-    redis.call('HSET', k.meta, 'next', string.format('%d', st.next))
+    w[#w + 1] = 'next'
+    w[#w + 1] = string.format('%d', st.next)
   end
   if st.tick ~= st.tick0 then
-    redis.call('HSET', k.meta, 'tick', string.format('%d', st.tick))
+    w[#w + 1] = 'tick'
+    w[#w + 1] = string.format('%d', st.tick)
+  end
+  if st.exp ~= st.exp0 and st.exp ~= nil then
+    w[#w + 1] = 'exp'
+    w[#w + 1] = string.format('%d', st.exp)
+  end
+  if #w > 0 then
+    redis.call('HSET', k.meta, unpack(w))
   end
 end
 
@@ -167,8 +201,19 @@ local function free_page(k, page, now)
 end
 
 -- Lease expiry up to now: every operation that uses time runs this first. Pages are handled
--- in the order of their deadlines, as core.pool, with a few batched calls per expiry.
-local function expire(k, now, c)
+-- in the order of their deadlines, as core.pool, with a few batched calls per expiry. st (the
+-- caller's load_state, or nil: meta's 'exp' is read here) carries the expiry bound: below it
+-- nothing can have ended and nothing is read.
+local function expire(k, now, c, st)
+  local bound
+  if st then
+    bound = st.exp
+  else
+    bound = tonumber(redis.call('HGET', k.meta, 'exp'))
+  end
+  if bound and now * 1000 < bound then
+    return
+  end
   local nows = fmt(now)
   local pages = redis.call('ZRANGEBYSCORE', k.resq, '-inf', nows)
   if #pages > 0 then
@@ -191,6 +236,20 @@ local function expire(k, now, c)
   if #cool > 0 then
     call_many('RPUSH', k.free, cool)
     redis.call('ZREMRANGEBYSCORE', k.cool, '-inf', nows)
+  end
+  -- The new bound: the earliest lease end left (resq's KEEP is +inf, never the first).
+  local e = NEVER
+  local function lower(first)
+    if first[2] and first[1] ~= KEEP then
+      e = math.min(e, exp_of(first[2]))
+    end
+  end
+  lower(redis.call('ZRANGE', k.resq, 0, 0, 'WITHSCORES'))
+  lower(redis.call('ZRANGE', k.reads, 0, 0, 'WITHSCORES'))
+  lower(redis.call('ZRANGE', k.cool, 0, 0, 'WITHSCORES'))
+  redis.call('HSET', k.meta, 'exp', string.format('%d', e))
+  if st then
+    st.exp, st.exp0 = e, e
   end
 end
 

@@ -29,15 +29,18 @@ for i, page in ipairs(release) do
 end
 local now = now_s(ARGV[3])
 local c = {}
-expire(k, now, c)
+expire(k, now, c, st)
 -- A pair commits when reserved says its key is RESERVED at its page; stored is read (once) only
 -- for the pairs that do not, to tell an idempotent repeat from a refusal. Commits are written
 -- in batches at the end (pk already names the key: nothing to write there); committed says
 -- what this call changed.
+-- Pages as the strings Redis holds: concatenation writes a whole number below 10^14 in
+-- plain digits (Lua's %.14g), without a string.format call per page.
 local keys, pages = {}, {}
+local plain = st.n <= 1e14
 for i, pair in ipairs(pairs_) do
   keys[i] = pair[1]
-  pages[i] = string.format('%d', pair[2])
+  pages[i] = plain and (pair[2] .. '') or string.format('%d', pair[2])
 end
 local res_at = hmget(k.reserved, keys)
 local committed = {} -- key -> page this call committed
@@ -50,7 +53,7 @@ for i, key in ipairs(keys) do
     st.tick = st.tick + 1
     w_stored[#w_stored + 1] = key
     w_stored[#w_stored + 1] = page
-    w_lru[#w_lru + 1] = string.format('%d', st.tick)
+    w_lru[#w_lru + 1] = st.tick
     w_lru[#w_lru + 1] = page
     w_pages[#w_pages + 1] = page
     w_keys[#w_keys + 1] = key
@@ -89,6 +92,7 @@ if #w_pages > 0 and redis.call('HLEN', k.holders) > 0 then
       local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
       if deadline > reading then
         redis.call('ZADD', k.reads, fmt(deadline), page)
+        lease_end(st, fmt(deadline))
       end
     end
   end
@@ -114,6 +118,7 @@ for _, p in ipairs(release) do
       until_ = reading
     end
     redis.call('ZADD', k.cool, fmt(until_), page)
+    lease_end(st, fmt(until_))
     released = released + 1
   end
   seen[page] = true

@@ -11,7 +11,7 @@ local req = cjson.decode(ARGV[1])
 local lease, keys = req[1], req[2]
 local now = now_s(ARGV[2])
 local c = {}
-expire(k, now, c)
+expire(k, now, c, st)
 local until_ = fmt(now + lease)
 local pages = hmget(k.stored, keys)
 local out = {}
@@ -22,7 +22,7 @@ for i = 1, #keys do
   if page then
     hits = hits + 1
     st.tick = st.tick + 1
-    lru[#lru + 1] = string.format('%d', st.tick)
+    lru[#lru + 1] = st.tick
     lru[#lru + 1] = page
     reads[#reads + 1] = until_
     reads[#reads + 1] = page
@@ -35,6 +35,7 @@ end
 call_many('ZADD', k.lru, lru)
 if lease > 0 then
   call_many('ZADD', k.reads, reads)
+  lease_end(st, until_)
 end
 bump(c, 'get_hits', hits)
 bump(c, 'get_misses', #keys - hits)

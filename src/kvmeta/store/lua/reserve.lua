@@ -30,12 +30,13 @@ local keys = req[2]
 local now = now_s(ARGV[3])
 local scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
-expire(k, now, c)
+expire(k, now, c, st)
 local deadline = fmt(now + req[1])
 local stored_p = hmget(k.stored, keys)
--- Nothing is RESERVED (KEEP aside) in a pool no writer is filling right now: skip the read.
+-- Nothing is RESERVED in a pool no writer is filling right now: skip the read. KEEP is
+-- written with the first reservation and never removed, so more than one entry means some.
 local reserved_p = {}
-if reserved_count(k) > 0 then
+if redis.call('HLEN', k.reserved) > 1 then
   reserved_p = hmget(k.reserved, keys)
 end
 -- Pages this call will need at most (a key evicted by an earlier one of the batch may need
@@ -99,7 +100,7 @@ local function move(page) -- to the warm end (a use)
   st.tick = st.tick + 1
   moved[#moved + 1] = page
   moved_at[page] = #moved
-  lru_w[#lru_w + 1] = string.format('%d', st.tick)
+  lru_w[#lru_w + 1] = st.tick
   lru_w[#lru_w + 1] = page
 end
 local moved_i = 1
@@ -146,7 +147,6 @@ local function evict(page)
   evicted[page] = true
   ev_keys[#ev_keys + 1] = key
   ev_pages[#ev_pages + 1] = page
-  bump(c, 'evictions', 1)
   return page
 end
 
@@ -201,13 +201,14 @@ end
 
 local new_res, seen = {}, {}
 local out = {}
+local hits, refused = 0, 0 -- counted here, bumped once below
 for i, key in ipairs(keys) do
   local page = (not gone[key]) and stored_p[i]
   if page then
     keep[page] = true
-    bump(c, 'reserve_hits', 1)
+    hits = hits + 1
     move(page) -- now: eviction below must see it warm
-    out[i] = '1,' .. page
+    out[2 * i - 1], out[2 * i] = '1', page
   else
     page = new_res[key] or reserved_p[i]
     if page then
@@ -218,12 +219,12 @@ for i, key in ipairs(keys) do
           redis.call('HINCRBY', k.holders, page, 1) -- absent meant one writer
         end
         redis.call('ZADD', k.resq, deadline, page)
+        lease_end(st, deadline)
       end
-      out[i] = '0,' .. page
+      out[2 * i - 1], out[2 * i] = '0', page
     else
       page = take_page()
       if page then
-        bump(c, 'reservations', 1)
         w_pk[#w_pk + 1] = page
         w_pk[#w_pk + 1] = key
         w_res[#w_res + 1] = key
@@ -232,10 +233,10 @@ for i, key in ipairs(keys) do
         w_resq[#w_resq + 1] = page
         new_res[key] = page
         seen[key] = true
-        out[i] = '0,' .. page
+        out[2 * i - 1], out[2 * i] = '0', page
       else
-        bump(c, 'reservations_refused', 1)
-        out[i] = '0,-1'
+        refused = refused + 1
+        out[2 * i - 1], out[2 * i] = '0', '-1'
       end
     end
   end
@@ -257,7 +258,12 @@ call_many('HSET', k.pk, w_pk)
 if #w_pk > 0 then
   call_many('HSET', k.reserved, w_res)
   call_many('ZADD', k.resq, w_resq)
+  lease_end(st, deadline)
 end
+bump(c, 'reserve_hits', hits)
+bump(c, 'reservations', (#w_pk) / 2)
+bump(c, 'reservations_refused', refused)
+bump(c, 'evictions', #ev_pages)
 save_state(k, st)
 flush(k, c)
 if #ev_keys > 0 and ARGV[2] == '1' then
