@@ -23,6 +23,17 @@ Make = Callable[..., ServerProcess]
 MAX_LATENCY = 1.0
 
 
+def stall_bound(took: float) -> float:
+    """The slowest ``exists`` allowed while an operator call took ``took`` seconds.
+
+    A call that blocks the event loop delays a concurrent request by about its whole duration;
+    one that yields delays it by one chunk. On a machine so loaded that the call itself takes
+    many seconds, a fixed bound fails for the load alone, so half the call's duration is allowed
+    too: still far below what a blocking call causes.
+    """
+    return max(MAX_LATENCY, 0.5 * took)
+
+
 class _Prober:
     """Sends ``exists`` in a loop on one keep-alive connection and keeps the slowest answer."""
 
@@ -91,7 +102,7 @@ def test_check_of_big_pools_does_not_stall_serving(make_server: Make) -> None:
     )
     assert resp.status_code == 200 and body["ok"] is True and body["checked"] == 2, body
     assert probe.count > 0
-    assert probe.worst < MAX_LATENCY, f"exists waited {probe.worst:.2f} s behind /v1/check"
+    assert probe.worst < stall_bound(took), f"exists waited {probe.worst:.2f} s behind /v1/check"
 
 
 @pytest.mark.slow
@@ -127,4 +138,4 @@ def test_metrics_of_20k_pools_is_capped_and_does_not_stall_serving(make_server: 
         f"{4.0 * (total - 256)}"
     ]
     assert len(resp.content) < 2_000_000
-    assert probe.worst < MAX_LATENCY, f"exists waited {probe.worst:.2f} s behind /metrics"
+    assert probe.worst < stall_bound(took), f"exists waited {probe.worst:.2f} s behind /metrics"
