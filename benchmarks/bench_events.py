@@ -37,8 +37,6 @@ import zmq  # noqa: E402
 from kvmeta.bench.driver import BenchConfig, run_bench  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
 
-_PASSES = 10
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -143,27 +141,25 @@ def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
-def inprocess(batch: int, pool_pages: int, cycles: int) -> dict[str, float]:
+def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[str, float]:
     """Server CPU per request of the S cycle without sockets (as ``kvmeta bench core``'s app
-    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends)
-    replayed on two identically prefilled apps, one with a publisher on a real PUB socket.
-    ``process_time`` counts every thread (ZeroMQ's I/O thread too). Best of 10 interleaved
-    passes each."""
+    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
+    ``core_bench.sglang_script``) replayed on two identically prefilled apps, one with a
+    publisher on a real PUB socket. The apps take turns every ``chunk`` cycles (about what the
+    real server does between two batches, 5 ms), the on app's turn ending with its batch sent,
+    so a machine that slows down meanwhile slows both alike. ``process_time`` counts every
+    thread (ZeroMQ's I/O thread too). Reported: the CPU of all turns per request, and the
+    median of the per-turn ratios."""
     import asyncio
 
-    from kvmeta.bench.core_bench import _keys
+    from kvmeta.bench.core_bench import sglang_script
     from kvmeta.config import Settings
     from kvmeta.events.publisher import Publisher
     from kvmeta.server.http import Request, render
     from kvmeta.server.runner import build_app, build_backend
     from kvmeta.service.ops import Service
 
-    enc, dec = msgspec.json.encode, msgspec.json.decode
-
-    def chain(keys: list[str]) -> list[list[str | None]]:
-        return [[k, p] for k, p in zip(keys, [None, *keys[:-1]], strict=True)]
-
-    def app_with(events: bool) -> tuple[Any, Publisher | None, Any]:
+    def app_with(events: bool) -> tuple[Any, Publisher | None]:
         settings = Settings(in_memory=True, read_lease=0.0)
         backend = build_backend(settings)
         service = Service(backend)
@@ -182,64 +178,45 @@ def inprocess(batch: int, pool_pages: int, cycles: int) -> dict[str, float]:
                 return render(stop.value, True)
             raise RuntimeError("suspended")
 
-        return call, pub, backend
+        return call, pub
 
-    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
-    recorder, _, _ = app_with(False)
-    recorder(*script[0])
-    fill = _keys(pool_pages, "fill")
-    for i in range(0, pool_pages, 8192):
-        chunk = fill[i : i + 8192]
-        body = enc({"keys": chain(chunk)})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-    setup = len(script)
-    for i in range(_PASSES * cycles):
-        keys = _keys(batch, f"c{i}")
-        script.append(("/0/exists", enc({"keys": keys})))
-        recorder(*script[-1])
-        body = enc({"keys": chain(keys)})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-        script.append(("/0/get_page_indices", enc({"keys": keys})))
-        recorder(*script[-1])
+    script, setup = sglang_script(batch, pool_pages, cycles, "events", chains=True)
 
-    async def measure() -> tuple[float, float]:
-        """Both apps in one loop, their passes interleaved (off, on, off, on ...), so a
-        machine that slows down meanwhile slows both."""
+    async def measure() -> tuple[list[float], list[float]]:
         apps = [app_with(False), app_with(True)]
-        for call, pub, _ in apps:
+        for call, pub in apps:
             if pub is not None:
                 pub.start(asyncio.get_running_loop())
             for path, body in script[:setup]:
                 call(path, body)
         await asyncio.sleep(0.05)
-        best = [float("inf"), float("inf")]
-        per_pass = 4 * cycles
-        for n in range(_PASSES):
-            part = script[setup + n * per_pass : setup + (n + 1) * per_pass]
-            for which, (call, pub, _) in enumerate(apps):
-                t0 = time.process_time()
-                for j, (path, body) in enumerate(part):
+        turns: list[list[float]] = [[], []]
+        step = 4 * chunk
+        clock = time.process_time
+        for start in range(setup, len(script) - step + 1, step):
+            part = script[start : start + step]
+            for which, (call, pub) in enumerate(apps):
+                t0 = clock()
+                for path, body in part:
                     call(path, body)
-                    if j % 16 == 15:  # a loop pass every 4 cycles, as under load
-                        await asyncio.sleep(0)
                 if pub is not None:
                     pub.flush()
-                best[which] = min(best[which], (time.process_time() - t0) / per_pass)
-        for _, pub, _ in apps:
+                turns[which].append(clock() - t0)
+            await asyncio.sleep(0)  # (a flush is never due: each turn sent its batch)
+        for _, pub in apps:
             if pub is not None:
                 pub.close()
-        return best[0] * 1e6, best[1] * 1e6
+        return turns[0], turns[1]
 
     off, on = asyncio.run(measure())
-    return {"off_us": off, "on_us": on, "added_percent": 100 * (on / off - 1)}
+    requests_ = 4 * chunk * len(off)
+    ratios = [b / a for a, b in zip(off, on, strict=True) if a > 0]
+    return {
+        "off_us": sum(off) / requests_ * 1e6,
+        "on_us": sum(on) / requests_ * 1e6,
+        "added_percent": 100 * (sum(on) / sum(off) - 1),
+        "median_turn_added_percent": 100 * (statistics.median(ratios) - 1),
+    }
 
 
 def capacity(seconds: float) -> dict[str, float]:
@@ -298,7 +275,7 @@ def main() -> None:
             cfg.duration = args.duration
             runs.append(one(args.launch, events, cfg))
     cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
-    app = inprocess(64, 65536, 400)
+    app = inprocess(64, 65536, 4000)
     if args.json:
         print(json.dumps({"runs": runs, "capacity": cap, "app": app}, indent=2))
         return
@@ -322,8 +299,9 @@ def main() -> None:
         f"us: {100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} %"
     )
     print(
-        f"app alone (no sockets, best of 10 interleaved passes): off {app['off_us']:.1f} us, "
-        f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} %"
+        f"app alone (no sockets, turns of 8 cycles interleaved): off {app['off_us']:.1f} us, "
+        f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} % "
+        f"(median of the turns {app['median_turn_added_percent']:+.1f} %)"
     )
     if cap:
         print(
