@@ -3,16 +3,19 @@
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
                                       [--repeat 2] [--capacity-seconds 3]
 
-For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other with
-``kvmeta bench``'s engine cycle (exists, reserve, confirm, get; batch 64, pool prefilled so
-every reserve evicts 64 keys): one plain, one with ``--events`` and a subscriber in this
-process that receives and decodes every batch. Reported per setting: requests/s, server CPU
-µs per request (utime + stime from /proc, steadier than wall time on a shared machine), and
-with events: the change -> subscriber lag (receive time minus the batch's ``ts``, which is when
-its first change reached the publisher: p50/p99/max), blocks (keys named by events) and
-events per second sustained (median of the 1 s bins of the busy span), and the server's own
-counters. Then the publisher alone (``--capacity-seconds``): changes of 64 keys fed as fast as
-it takes them, through a real PUB socket to a subscriber, for its ceiling in blocks/s.
+For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other (in
+alternating order: off-on, on-off, ...) with ``kvmeta bench``'s engine cycle (exists, reserve,
+confirm, get; batch 64, pool prefilled so every reserve evicts 64 keys): one plain, one with
+``--events`` and a subscriber in this process that receives and decodes every batch. Reported
+per setting: requests/s, server CPU µs per request (utime + stime from /proc, all threads,
+steadier than wall time on a shared machine), and with events: the change -> subscriber lag
+(receive time minus the batch's ``ts``, which is when its first change reached the publisher:
+p50/p99/max), blocks (keys named by events) and events per second sustained (median of the
+1 s bins of the busy span), and the server's own counters; the CPU added is given as the ratio
+of the medians and as the median of the pairs' ratios. Then the same requests through the app
+without sockets (``inprocess``), and the publisher alone (``--capacity-seconds``): changes of
+64 keys fed as fast as it takes them, through a real PUB socket to a subscriber, for its
+ceiling in blocks/s.
 """
 
 from __future__ import annotations
@@ -259,6 +262,24 @@ def capacity(seconds: float) -> dict[str, float]:
     return {"blocks_per_s": sent / took, "received_share": received / sent}
 
 
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Server CPU per request, events off vs on: medians of each, and the median of the
+    pairs' ratios (each pair ran back to back)."""
+    off = [r["cpu_us_per_request"] for r in runs if not r["events"]]
+    on = [r["cpu_us_per_request"] for r in runs if r["events"]]
+    pairs = []
+    for a, b in zip(runs[::2], runs[1::2], strict=True):
+        off_run, on_run = (b, a) if a["events"] else (a, b)
+        pairs.append(100 * (on_run["cpu_us_per_request"] / off_run["cpu_us_per_request"] - 1))
+    return {
+        "off_us": statistics.median(off),
+        "on_us": statistics.median(on),
+        "added_percent": 100 * (statistics.median(on) / statistics.median(off) - 1),
+        "pairs": pairs,
+        "median_pair_percent": statistics.median(pairs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
@@ -269,15 +290,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = []
-    for _ in range(args.repeat):
-        for events in (False, True):
+    for i in range(args.repeat):
+        # Pairs in alternating order (off-on, on-off, ...): a machine that speeds up or slows
+        # down meanwhile favours neither setting.
+        for events in (False, True) if i % 2 == 0 else (True, False):
             cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
             cfg.duration = args.duration
             runs.append(one(args.launch, events, cfg))
     cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
     app = inprocess(64, 65536, 4000)
     if args.json:
-        print(json.dumps({"runs": runs, "capacity": cap, "app": app}, indent=2))
+        print(
+            json.dumps({"runs": runs, "cpu": summary(runs), "capacity": cap, "app": app}, indent=2)
+        )
         return
     print(f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s:")
     for r in runs:
@@ -292,11 +317,13 @@ def main() -> None:
                 f"max {r['lag_max_ms']:.1f} ms"
             )
         print(line)
-    off = [r["cpu_us_per_request"] for r in runs if not r["events"]]
-    on = [r["cpu_us_per_request"] for r in runs if r["events"]]
+    cpu = summary(runs)
     print(
-        f"  CPU per request: off {statistics.median(off):.1f} us, on {statistics.median(on):.1f} "
-        f"us: {100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} %"
+        f"  CPU per request: off {cpu['off_us']:.1f} us, on {cpu['on_us']:.1f} us (medians): "
+        f"{cpu['added_percent']:+.1f} %; median of the {len(cpu['pairs'])} pairs' ratios "
+        f"{cpu['median_pair_percent']:+.1f} % (pairs: "
+        + " / ".join(f"{p:+.0f}" for p in cpu["pairs"])
+        + " %)"
     )
     print(
         f"app alone (no sockets, turns of 8 cycles interleaved): off {app['off_us']:.1f} us, "
