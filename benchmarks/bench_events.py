@@ -10,12 +10,12 @@ confirm, get; batch 64, pool prefilled so every reserve evicts 64 keys): one pla
 per setting: requests/s, server CPU µs per request (utime + stime from /proc, all threads,
 steadier than wall time on a shared machine), and with events: the change -> subscriber lag
 (receive time minus the batch's ``ts``, which is when its first change reached the publisher:
-p50/p99/max), blocks (keys named by events) and events per second sustained (median of the
-1 s bins of the busy span), and the server's own counters; the CPU added is given as the ratio
-of the medians and as the median of the pairs' ratios. Then the same requests through the app
-without sockets (``inprocess``), and the publisher alone (``--capacity-seconds``): changes of
-64 keys fed as fast as it takes them, through a real PUB socket to a subscriber, for its
-ceiling in blocks/s.
+p50/p99/max), blocks (the hashes of stored and removed blocks) and events per second
+sustained (median of the 1 s bins of the busy span), and the server's own counters; the CPU
+added is given as the ratio of the medians and as the median of the pairs' ratios. Then the
+same requests through the app without sockets (``inprocess``), and the publisher alone
+(``--capacity-seconds``): changes of 64 keys fed as fast as it takes them, through a real PUB
+socket to a subscriber, for its ceiling in blocks/s.
 """
 
 from __future__ import annotations
@@ -48,7 +48,8 @@ def free_port() -> int:
 
 
 class Counter:
-    """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch."""
+    """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch; blocks:
+    the block hashes of its BlockStored and BlockRemoved events."""
 
     def __init__(self, endpoint: str) -> None:
         self.samples: list[tuple[float, int, int, float]] = []
@@ -69,7 +70,8 @@ class Counter:
             _, _, payload = self._sock.recv_multipart()
             now = time.time()
             ts, events = decode(payload)[:2]
-            blocks = sum(len(e.get("keys", ())) for e in events)
+            # (blocks stored and removed alike: a BlockRemoved carries only hashes)
+            blocks = sum(len(e.get("block_hashes", ())) for e in events)
             self.samples.append((now, len(events), blocks, now - ts))
 
     def close(self) -> None:
