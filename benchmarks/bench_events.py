@@ -3,16 +3,19 @@
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
                                       [--repeat 2] [--capacity-seconds 3]
 
-For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other with
-``kvmeta bench``'s engine cycle (exists, reserve, confirm, get; batch 64, pool prefilled so
-every reserve evicts 64 keys): one plain, one with ``--events`` and a subscriber in this
-process that receives and decodes every batch. Reported per setting: requests/s, server CPU
-µs per request (utime + stime from /proc, steadier than wall time on a shared machine), and
-with events: the change -> subscriber lag (receive time minus the batch's ``ts``, which is when
-its first change reached the publisher: p50/p99/max), blocks (keys named by events) and
-events per second sustained (median of the 1 s bins of the busy span), and the server's own
-counters. Then the publisher alone (``--capacity-seconds``): changes of 64 keys fed as fast as
-it takes them, through a real PUB socket to a subscriber, for its ceiling in blocks/s.
+For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other (in
+alternating order: off-on, on-off, ...) with ``kvmeta bench``'s engine cycle (exists, reserve,
+confirm, get; batch 64, pool prefilled so every reserve evicts 64 keys): one plain, one with
+``--events`` and a subscriber in this process that receives and decodes every batch. Reported
+per setting: requests/s, server CPU µs per request (utime + stime from /proc, all threads,
+steadier than wall time on a shared machine), and with events: the change -> subscriber lag
+(receive time minus the batch's ``ts``, which is when its first change reached the publisher:
+p50/p99/max), blocks (the hashes of stored and removed blocks) and events per second
+sustained (median of the 1 s bins of the busy span), and the server's own counters; the CPU
+added is given as the ratio of the medians and as the median of the pairs' ratios. Then the
+same requests through the app without sockets (``inprocess``), and the publisher alone
+(``--capacity-seconds``): changes of 64 keys fed as fast as it takes them, through a real PUB
+socket to a subscriber, for its ceiling in blocks/s.
 """
 
 from __future__ import annotations
@@ -37,8 +40,6 @@ import zmq  # noqa: E402
 from kvmeta.bench.driver import BenchConfig, run_bench  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
 
-_PASSES = 10
-
 
 def free_port() -> int:
     with socket.socket() as s:
@@ -47,7 +48,8 @@ def free_port() -> int:
 
 
 class Counter:
-    """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch."""
+    """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch; blocks:
+    the block hashes of its BlockStored and BlockRemoved events."""
 
     def __init__(self, endpoint: str) -> None:
         self.samples: list[tuple[float, int, int, float]] = []
@@ -68,7 +70,8 @@ class Counter:
             _, _, payload = self._sock.recv_multipart()
             now = time.time()
             ts, events = decode(payload)[:2]
-            blocks = sum(len(e.get("keys", ())) for e in events)
+            # (blocks stored and removed alike: a BlockRemoved carries only hashes)
+            blocks = sum(len(e.get("block_hashes", ())) for e in events)
             self.samples.append((now, len(events), blocks, now - ts))
 
     def close(self) -> None:
@@ -143,27 +146,25 @@ def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
-def inprocess(batch: int, pool_pages: int, cycles: int) -> dict[str, float]:
+def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[str, float]:
     """Server CPU per request of the S cycle without sockets (as ``kvmeta bench core``'s app
-    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends)
-    replayed on two identically prefilled apps, one with a publisher on a real PUB socket.
-    ``process_time`` counts every thread (ZeroMQ's I/O thread too). Best of 10 interleaved
-    passes each."""
+    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
+    ``core_bench.sglang_script``) replayed on two identically prefilled apps, one with a
+    publisher on a real PUB socket. The apps take turns every ``chunk`` cycles (about what the
+    real server does between two batches, 5 ms), the on app's turn ending with its batch sent,
+    so a machine that slows down meanwhile slows both alike. ``process_time`` counts every
+    thread (ZeroMQ's I/O thread too). Reported: the CPU of all turns per request, and the
+    median of the per-turn ratios."""
     import asyncio
 
-    from kvmeta.bench.core_bench import _keys
+    from kvmeta.bench.core_bench import sglang_script
     from kvmeta.config import Settings
     from kvmeta.events.publisher import Publisher
     from kvmeta.server.http import Request, render
     from kvmeta.server.runner import build_app, build_backend
     from kvmeta.service.ops import Service
 
-    enc, dec = msgspec.json.encode, msgspec.json.decode
-
-    def chain(keys: list[str]) -> list[list[str | None]]:
-        return [[k, p] for k, p in zip(keys, [None, *keys[:-1]], strict=True)]
-
-    def app_with(events: bool) -> tuple[Any, Publisher | None, Any]:
+    def app_with(events: bool) -> tuple[Any, Publisher | None]:
         settings = Settings(in_memory=True, read_lease=0.0)
         backend = build_backend(settings)
         service = Service(backend)
@@ -182,64 +183,45 @@ def inprocess(batch: int, pool_pages: int, cycles: int) -> dict[str, float]:
                 return render(stop.value, True)
             raise RuntimeError("suspended")
 
-        return call, pub, backend
+        return call, pub
 
-    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
-    recorder, _, _ = app_with(False)
-    recorder(*script[0])
-    fill = _keys(pool_pages, "fill")
-    for i in range(0, pool_pages, 8192):
-        chunk = fill[i : i + 8192]
-        body = enc({"keys": chain(chunk)})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-    setup = len(script)
-    for i in range(_PASSES * cycles):
-        keys = _keys(batch, f"c{i}")
-        script.append(("/0/exists", enc({"keys": keys})))
-        recorder(*script[-1])
-        body = enc({"keys": chain(keys)})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-        script.append(("/0/get_page_indices", enc({"keys": keys})))
-        recorder(*script[-1])
+    script, setup = sglang_script(batch, pool_pages, cycles, "events", chains=True)
 
-    async def measure() -> tuple[float, float]:
-        """Both apps in one loop, their passes interleaved (off, on, off, on ...), so a
-        machine that slows down meanwhile slows both."""
+    async def measure() -> tuple[list[float], list[float]]:
         apps = [app_with(False), app_with(True)]
-        for call, pub, _ in apps:
+        for call, pub in apps:
             if pub is not None:
                 pub.start(asyncio.get_running_loop())
             for path, body in script[:setup]:
                 call(path, body)
         await asyncio.sleep(0.05)
-        best = [float("inf"), float("inf")]
-        per_pass = 4 * cycles
-        for n in range(_PASSES):
-            part = script[setup + n * per_pass : setup + (n + 1) * per_pass]
-            for which, (call, pub, _) in enumerate(apps):
-                t0 = time.process_time()
-                for j, (path, body) in enumerate(part):
+        turns: list[list[float]] = [[], []]
+        step = 4 * chunk
+        clock = time.process_time
+        for start in range(setup, len(script) - step + 1, step):
+            part = script[start : start + step]
+            for which, (call, pub) in enumerate(apps):
+                t0 = clock()
+                for path, body in part:
                     call(path, body)
-                    if j % 16 == 15:  # a loop pass every 4 cycles, as under load
-                        await asyncio.sleep(0)
                 if pub is not None:
                     pub.flush()
-                best[which] = min(best[which], (time.process_time() - t0) / per_pass)
-        for _, pub, _ in apps:
+                turns[which].append(clock() - t0)
+            await asyncio.sleep(0)  # (a flush is never due: each turn sent its batch)
+        for _, pub in apps:
             if pub is not None:
                 pub.close()
-        return best[0] * 1e6, best[1] * 1e6
+        return turns[0], turns[1]
 
     off, on = asyncio.run(measure())
-    return {"off_us": off, "on_us": on, "added_percent": 100 * (on / off - 1)}
+    requests_ = 4 * chunk * len(off)
+    ratios = [b / a for a, b in zip(off, on, strict=True) if a > 0]
+    return {
+        "off_us": sum(off) / requests_ * 1e6,
+        "on_us": sum(on) / requests_ * 1e6,
+        "added_percent": 100 * (sum(on) / sum(off) - 1),
+        "median_turn_added_percent": 100 * (statistics.median(ratios) - 1),
+    }
 
 
 def capacity(seconds: float) -> dict[str, float]:
@@ -282,6 +264,24 @@ def capacity(seconds: float) -> dict[str, float]:
     return {"blocks_per_s": sent / took, "received_share": received / sent}
 
 
+def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Server CPU per request, events off vs on: medians of each, and the median of the
+    pairs' ratios (each pair ran back to back)."""
+    off = [r["cpu_us_per_request"] for r in runs if not r["events"]]
+    on = [r["cpu_us_per_request"] for r in runs if r["events"]]
+    pairs = []
+    for a, b in zip(runs[::2], runs[1::2], strict=True):
+        off_run, on_run = (b, a) if a["events"] else (a, b)
+        pairs.append(100 * (on_run["cpu_us_per_request"] / off_run["cpu_us_per_request"] - 1))
+    return {
+        "off_us": statistics.median(off),
+        "on_us": statistics.median(on),
+        "added_percent": 100 * (statistics.median(on) / statistics.median(off) - 1),
+        "pairs": pairs,
+        "median_pair_percent": statistics.median(pairs),
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
@@ -292,15 +292,19 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = []
-    for _ in range(args.repeat):
-        for events in (False, True):
+    for i in range(args.repeat):
+        # Pairs in alternating order (off-on, on-off, ...): a machine that speeds up or slows
+        # down meanwhile favours neither setting.
+        for events in (False, True) if i % 2 == 0 else (True, False):
             cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
             cfg.duration = args.duration
             runs.append(one(args.launch, events, cfg))
     cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
-    app = inprocess(64, 65536, 400)
+    app = inprocess(64, 65536, 4000)
     if args.json:
-        print(json.dumps({"runs": runs, "capacity": cap, "app": app}, indent=2))
+        print(
+            json.dumps({"runs": runs, "cpu": summary(runs), "capacity": cap, "app": app}, indent=2)
+        )
         return
     print(f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s:")
     for r in runs:
@@ -315,15 +319,18 @@ def main() -> None:
                 f"max {r['lag_max_ms']:.1f} ms"
             )
         print(line)
-    off = [r["cpu_us_per_request"] for r in runs if not r["events"]]
-    on = [r["cpu_us_per_request"] for r in runs if r["events"]]
+    cpu = summary(runs)
     print(
-        f"  CPU per request: off {statistics.median(off):.1f} us, on {statistics.median(on):.1f} "
-        f"us: {100 * (statistics.median(on) / statistics.median(off) - 1):+.1f} %"
+        f"  CPU per request: off {cpu['off_us']:.1f} us, on {cpu['on_us']:.1f} us (medians): "
+        f"{cpu['added_percent']:+.1f} %; median of the {len(cpu['pairs'])} pairs' ratios "
+        f"{cpu['median_pair_percent']:+.1f} % (pairs: "
+        + " / ".join(f"{p:+.0f}" for p in cpu["pairs"])
+        + " %)"
     )
     print(
-        f"app alone (no sockets, best of 10 interleaved passes): off {app['off_us']:.1f} us, "
-        f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} %"
+        f"app alone (no sockets, turns of 8 cycles interleaved): off {app['off_us']:.1f} us, "
+        f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} % "
+        f"(median of the turns {app['median_turn_added_percent']:+.1f} %)"
     )
     if cap:
         print(

@@ -20,7 +20,7 @@ from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.store.memory import MemoryStore
 
-__all__ = ["format_report", "memory_per_key", "run"]
+__all__ = ["app_caller", "format_report", "memory_per_key", "run", "sglang_script"]
 
 
 def _keys(n: int, seed: str) -> list[str]:
@@ -90,7 +90,7 @@ def key_ops_per_s(batch: int, pool_pages: int, cycles: int, layer: str) -> float
     return best
 
 
-def _app_caller(auth_token: str | None = None) -> Any:
+def app_caller(auth_token: str | None = None) -> Any:
     """A fresh in-memory app (default limits, read leases off; requiring ``auth_token`` when
     given, and sending it) and a function that runs one request through it to the response
     bytes, exactly as ``server.http`` does, minus sockets."""
@@ -121,34 +121,8 @@ def app_us_per_request(
     decoding, limits, service, store, pool, encoding and rendering. Request bodies are recorded
     on one app and replayed on a second, identically prefilled one, so only server work is
     timed (the pool is deterministic when leases are off). Best of three passes."""
-    enc = msgspec.json.encode
-    dec = msgspec.json.decode
-    recorder = _app_caller(auth_token)
-    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
-    recorder(*script[0])
-    fill = _keys(pool_pages, "app-fill")
-    for i in range(0, pool_pages, 8192):
-        chunk = fill[i : i + 8192]
-        body = enc({"keys": [[k, None] for k in chunk]})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-    setup = len(script)
-    for i in range(3 * cycles):
-        keys = _keys(batch, f"app-{i}")
-        script.append(("/0/exists", enc({"keys": keys})))
-        recorder(*script[-1])
-        body = enc({"keys": [[k, None] for k in keys]})
-        script.append(("/0/reserve_and_allocate_page_indices", body))
-        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
-        pairs = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
-        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": pairs})))
-        recorder(*script[-1])
-        script.append(("/0/get_page_indices", enc({"keys": keys})))
-        recorder(*script[-1])
-    replay = _app_caller(auth_token)
+    script, setup = sglang_script(batch, pool_pages, 3 * cycles, "app", auth_token=auth_token)
+    replay = app_caller(auth_token)
     for path, body in script[:setup]:
         replay(path, body)
     best = float("inf")
@@ -160,6 +134,58 @@ def app_us_per_request(
             replay(path, body)
         best = min(best, (time.process_time() - t0) / per_pass)
     return best * 1e6
+
+
+def sglang_script(
+    batch: int,
+    pool_pages: int,
+    cycles: int,
+    seed: str,
+    *,
+    chains: bool = False,
+    auth_token: str | None = None,
+) -> tuple[list[tuple[str, bytes]], int]:
+    """The SGLang engine's requests on rank 0's ``kv`` pool: initialize and fill it (the
+    first ``setup`` requests), then ``cycles`` cycles of exists, reserve, confirm, get of
+    ``batch`` new keys each (every reserve evicts ``batch`` keys). Recorded on a fresh app, so
+    each confirm names the pages its reserve got; replayed on another fresh app, the same
+    requests get the same replies (the pool is deterministic with read leases off).
+    ``chains``: each reserved key names the key before it as its prefix (as SGLang sends a
+    sequence's pages); otherwise no prefix. Returns ``(script, setup)``."""
+    enc = msgspec.json.encode
+    dec = msgspec.json.decode
+    recorder = app_caller(auth_token)
+
+    def pairs(keys: list[str]) -> list[list[str | None]]:
+        if not chains:
+            return [[k, None] for k in keys]
+        return [[k, p] for k, p in zip(keys, [None, *keys[:-1]], strict=True)]
+
+    script: list[tuple[str, bytes]] = [("/0/initialize", enc({"num_pages": pool_pages}))]
+    recorder(*script[0])
+    fill = _keys(pool_pages, f"{seed}-fill")
+    for i in range(0, pool_pages, 8192):
+        chunk = fill[i : i + 8192]
+        body = enc({"keys": pairs(chunk)})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        written = [[k, p] for k, (_, p) in zip(chunk, reply["indices"], strict=True)]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": written})))
+        recorder(*script[-1])
+    setup = len(script)
+    for i in range(cycles):
+        keys = _keys(batch, f"{seed}-{i}")
+        script.append(("/0/exists", enc({"keys": keys})))
+        recorder(*script[-1])
+        body = enc({"keys": pairs(keys)})
+        script.append(("/0/reserve_and_allocate_page_indices", body))
+        reply = dec(recorder(script[-1][0], body).split(b"\r\n\r\n", 1)[1])
+        written = [[k, p] for k, (hit, p) in zip(keys, reply["indices"], strict=True) if not hit]
+        script.append(("/0/confirm_write", enc({"written_keys_to_confirm": written})))
+        recorder(*script[-1])
+        script.append(("/0/get_page_indices", enc({"keys": keys})))
+        recorder(*script[-1])
+    return script, setup
 
 
 def memory_per_key(n: int = 200_000) -> dict[str, float]:

@@ -1,8 +1,12 @@
 """The KV event publisher: the backend's change feed (``store.changes``) out on ZeroMQ.
 
-Changes arrive on the event loop once durable (the backend's rule); they are turned into the
-engines' events and sent as one batch every few milliseconds (``_GATHER``), so a burst
-of requests costs one encode and one send, not one per request. Each batch gets the next sequence
+Changes arrive on the event loop once durable (the backend's rule); each is turned into the
+engines' events and encoded at once, while its keys are fresh in the CPU caches (the SGLang
+hashes go straight from the hex keys to msgpack, ``packed_sglang_hashes``: no Python int per
+key), and the encoded events are sent as one batch every few milliseconds (``_GATHER``), so a
+burst of requests costs one send, not one per request. Holding the changes (or the requests'
+objects) until the batch is sent measured dearer: the held objects push the next requests'
+memory out of the caches and give the cyclic GC more to walk. Each batch gets the next sequence
 number of this run and is kept for replay (``--events-buffer`` batches).
 
 Topic: ``kvmeta/<backend epoch>/<run>``, ``run`` new at each start. A subscriber sees a new
@@ -14,7 +18,11 @@ subscriber that applies the run in order ends with the pools' state.
 
 SGLang's parent block: the reserve request names each key's prefix key (``note_reserve``); it
 is kept per pool until the key's confirm is published, within ``_PREFIX_CAP`` keys overall
-(the oldest are forgotten first: their events then carry no parent).
+(the oldest are forgotten first: their events then carry no parent). A reserve whose keys form
+one chain (each key's prefix is the key before it: what SGLang sends for a sequence) is kept as
+one entry under its first key, and a confirm of exactly those keys takes it back in one lookup;
+any other shape (and any confirm not matching a kept chain) goes through a per-key table, into
+which the kept chains are first spread, so the newest reserve of a key always names its parent.
 """
 
 from __future__ import annotations
@@ -24,17 +32,28 @@ import logging
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
+from operator import itemgetter
 from typing import Any
 
+import msgspec
 import zmq
 
 from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized
 from kvmeta.events.replay import ReplayServer
-from kvmeta.events.wire import BlockHash, Encoder, Event, sglang_hash, sglang_hashes
+from kvmeta.events.wire import (
+    BlockHash,
+    Encoder,
+    Event,
+    Hashes,
+    packed_sglang_hashes,
+    raw_int_array,
+    sglang_hash,
+    sglang_hashes,
+)
 from kvmeta.store.changes import CLEARED, REASON_RESTART, REMOVED, STORED, Change
 
 __all__ = ["LAG_BUCKETS", "EventStats", "Publisher", "bindable"]
@@ -53,6 +72,8 @@ _COMPACT_EVERY = 1 << 14
 # cost less per change (each ZeroMQ send is dear on the server: 2 ms measured +28 % CPU per
 # request, 5 ms +19 %, 10 ms +20 % at the batch-64 cycle) for a few milliseconds of lag.
 _GATHER = 0.005
+_FIRST = itemgetter(0)
+_SECOND = itemgetter(1)
 # Seconds from a change reaching the publisher to its batch being sent.
 LAG_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
@@ -126,15 +147,19 @@ class Publisher:
         except zmq.ZMQError:
             self.close()
             raise
-        # Events made from the changes reported since the last batch (made at once, while the
-        # keys are fresh in the CPU caches; sent together).
-        self._pending: list[Event] = []
+        # The events of the changes reported since the last batch, each encoded at once (while
+        # its keys are fresh in the CPU caches; no Python object per key outlives the call),
+        # sent together.
+        self._pending: list[msgspec.Raw] = []
         self._pending_blocks = 0
         self._first_at = 0.0
         self._first_wall = 0.0
         self._holding = False
         self._scheduled = False  # a flush is due (call_later)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # Parents (the module docstring): chain-shaped reserves by first key (the keys, the
+        # first key's prefix), and per key.
+        self._chains: dict[PoolId, dict[str, tuple[tuple[str, ...], str | None]]] = {}
         self._prefixes: dict[PoolId, dict[str, str | None]] = {}
         self._noted = 0
 
@@ -147,14 +172,20 @@ class Publisher:
         self._schedule()  # changes reported before the loop was known
 
     def on_changes(self, changes: list[Change]) -> None:
-        """The backend's change listener: make the events now, send them within ``_GATHER``."""
+        """The backend's change listener: encode the events now, send them within
+        ``_GATHER``."""
         if not self._pending:
             self._first_at = time.perf_counter()
             self._first_wall = time.time()
         for change in changes:
-            self._pending_blocks += self._events_of(change, self._pending)
+            self._add(change)
         if not self._scheduled:
             self._schedule()
+
+    def note_reserve(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
+        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs)."""
+        if pairs:
+            self._note(pool, pairs)
 
     def _schedule(self) -> None:
         if self._holding or self._loop is None or not self._pending:
@@ -162,33 +193,84 @@ class Publisher:
         self._scheduled = True
         self._loop.call_later(_GATHER, self.flush)
 
-    def note_reserve(self, pool: PoolId, pairs: Iterable[tuple[str, str | None]]) -> None:
-        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs)."""
+    # ------------------------------------------------------------------ parents
+
+    def _note(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
+        keys = tuple(map(_FIRST, pairs))
+        chains = self._chains.get(pool)
+        if tuple(map(_SECOND, islice(pairs, 1, None))) == keys[:-1] and (
+            chains is None or keys[0] not in chains
+        ):
+            if chains is None:
+                chains = self._chains[pool] = {}
+            chains[keys[0]] = (keys, pairs[0][1])
+        else:
+            self._spread(pool)  # what is kept by chain is older than this note
+            known = self._prefixes.get(pool)
+            if known is None:
+                known = self._prefixes[pool] = {}
+            known.update(pairs)
+        self._noted += len(keys)
+        if self._noted > _COMPACT_EVERY:
+            self._compact()
+
+    def _spread(self, pool: PoolId) -> None:
+        """Move the pool's kept chains into its per-key table (oldest first)."""
+        chains = self._chains.pop(pool, None)
+        if not chains:
+            return
         known = self._prefixes.get(pool)
         if known is None:
             known = self._prefixes[pool] = {}
-        before = len(known)
-        known.update(pairs)
-        self._noted += len(known) - before
-        if self._noted > _COMPACT_EVERY:
-            self._compact()
+        for keys, parent in chains.values():
+            known.update(zip(keys, (parent, *keys[:-1]), strict=True))
 
     def _compact(self) -> None:
         """Copy the prefix tables (most entries are popped by their confirm soon after: a
         dict that had many keys deleted keeps its size and gets slower to probe; a copy is
-        as small as what is left), and forget the oldest half of any pool over the cap."""
-        total = sum(len(known) for known in self._prefixes.values())
-        fresh: dict[PoolId, dict[str, str | None]] = {}
-        for pool, known in self._prefixes.items():
-            if not known:
-                continue
-            if total > _PREFIX_CAP:
-                known = dict(islice(known.items(), len(known) // 2, None))
-            else:
-                known = dict(known)
-            fresh[pool] = known
-        self._prefixes = fresh
+        as small as what is left), and forget the oldest half of each table when they hold
+        more than ``_PREFIX_CAP`` keys together."""
+        total = sum(len(known) for known in self._prefixes.values()) + sum(
+            len(keys) for chains in self._chains.values() for keys, _ in chains.values()
+        )
+        halve = total > _PREFIX_CAP
+        self._prefixes = _copied(self._prefixes, halve)
+        self._chains = _copied(self._chains, halve)
         self._noted = 0
+
+    def _runs(
+        self, pool: PoolId, keys: tuple[str, ...]
+    ) -> list[tuple[tuple[str, ...], str | None]]:
+        """The runs of a confirm, each with its parent key: one per chain (a key continues
+        the run when its prefix key is the key before it; SGLang confirms a sequence's pages in
+        order)."""
+        chains = self._chains.get(pool)
+        if chains:
+            kept = chains.get(keys[0])
+            if kept is not None and kept[0] == keys:  # the usual confirm of one reserve
+                del chains[keys[0]]
+                known = self._prefixes.get(pool)
+                if known:  # (older notes of these keys: gone with this confirm)
+                    for key in keys:
+                        known.pop(key, None)
+                return [(keys, kept[1])]
+            self._spread(pool)
+        known = self._prefixes.get(pool)
+        if known is None:
+            parents: list[str | None] = [None] * len(keys)
+        else:
+            parents = list(map(known.pop, keys, repeat(None)))
+        if parents[1:] == list(keys[:-1]):  # one chain
+            return [(keys, parents[0])]
+        runs: list[tuple[tuple[str, ...], str | None]] = []
+        start = 0
+        for i in range(1, len(keys)):
+            parent = parents[i]
+            if parent is None or parent != keys[i - 1]:
+                runs.append((keys[start:i], parents[start]))
+                start = i
+        runs.append((keys[start:], parents[start]))
+        return runs
 
     # ------------------------------------------------------------------ output
 
@@ -201,7 +283,38 @@ class Publisher:
         blocks, self._pending_blocks = self._pending_blocks, 0
         self._send(events, blocks, self._first_at, self._first_wall)
 
-    def _send(self, events: list[Event], blocks: int, since: float, ts: float = 0.0) -> None:
+    def _add(self, change: Change) -> None:
+        """Queue the change's events, encoded."""
+        pool, kind, keys, reason = change
+        out = self._pending
+        enc = self.encoder
+        if kind == CLEARED:
+            self._chains.pop(pool, None)
+            self._prefixes.pop(pool, None)
+            out.append(enc.raw(enc.cleared(pool, reason)))
+            return
+        if not keys:
+            return
+        self._pending_blocks += len(keys)
+        if pool.dialect != "s":
+            hashes = list(map(str.encode, keys))
+            if kind == STORED:
+                out.append(enc.raw(enc.stored(pool, hashes, None, (), None)))
+            else:
+                out.append(enc.raw(enc.removed(pool, hashes, reason)))
+            return
+        if kind == REMOVED:
+            out.append(enc.raw(enc.removed(pool, _hashes(keys), reason)))
+            return
+        if type(keys) is not tuple:
+            keys = tuple(keys)
+        for run, parent in self._runs(pool, keys):
+            parent_hash = None if parent is None else sglang_hash(parent)
+            out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
+
+    def _send(
+        self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
+    ) -> None:
         """``ts``: when the first change reached the publisher (a subscriber's receive time
         minus ``ts`` is the whole publish lag); 0: now."""
         stats = self.stats
@@ -221,60 +334,6 @@ class Publisher:
         stats.blocks += blocks
         if since:
             stats.lag(time.perf_counter() - since)
-
-    def _events_of(self, change: Change, out: list[Event]) -> int:
-        pool, keys = change.pool, change.keys
-        enc = self.encoder
-        if change.kind == STORED:
-            if pool.dialect != "s":
-                out.append(enc.stored(pool, list(map(str.encode, keys)), None, (), None))
-                return len(keys)
-            self._stored_runs(pool, keys, out)
-            return len(keys)
-        if change.kind == REMOVED:
-            hashes: Sequence[BlockHash]
-            if pool.dialect == "s":
-                hashes = sglang_hashes(keys)
-            else:
-                hashes = list(map(str.encode, keys))
-            out.append(enc.removed(pool, hashes, change.reason))
-            return len(keys)
-        if change.kind == CLEARED:
-            self._prefixes.pop(pool, None)
-            out.append(enc.cleared(pool, change.reason))
-        return 0
-
-    def _stored_runs(self, pool: PoolId, keys: tuple[str, ...], out: list[Event]) -> None:
-        """One BlockStored per chain: a key continues the run when its prefix key is the key
-        before it (SGLang confirms a sequence's pages in order)."""
-        known = self._prefixes.get(pool)
-        if known is None:
-            parents: list[str | None] = [None] * len(keys)
-        else:
-            parents = list(map(known.pop, keys, repeat(None)))
-        if parents[1:] == list(keys[:-1]):  # one chain: the usual confirm of a sequence
-            self._emit_run(pool, keys, parents[0], out)
-            return
-        run: list[str] = []
-        run_parent: str | None = None
-        last: str | None = None
-        for key, parent in zip(keys, parents, strict=True):
-            if run and (parent is None or parent != last):
-                self._emit_run(pool, run, run_parent, out)
-                run = []
-            if not run:
-                run_parent = parent
-            run.append(key)
-            last = key
-        if run:
-            self._emit_run(pool, run, run_parent, out)
-
-    def _emit_run(
-        self, pool: PoolId, run: Sequence[str], parent: str | None, out: list[Event]
-    ) -> None:
-        hashes: Sequence[BlockHash] = sglang_hashes(run)
-        parent_hash = None if parent is None else sglang_hash(parent)
-        out.append(self.encoder.stored(pool, hashes, parent_hash, run, parent))
 
     # ------------------------------------------------------------------ resync
 
@@ -335,6 +394,23 @@ class Publisher:
             self.replay.close()
         self.pub.close()
         self._ctx.term()
+
+
+def _hashes(keys: Sequence[str]) -> Hashes:
+    """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
+    packed = packed_sglang_hashes(keys)
+    if packed is None:
+        return sglang_hashes(keys)
+    return raw_int_array(packed, 0, len(keys))
+
+
+def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:
+    """Fresh copies of the non-empty tables, without their oldest half when ``halve``."""
+    fresh: dict[PoolId, dict[str, Any]] = {}
+    for pool, table in tables.items():
+        if table:
+            fresh[pool] = dict(islice(table.items(), len(table) // 2, None) if halve else table)
+    return fresh
 
 
 def _blocks(event: Event) -> int:

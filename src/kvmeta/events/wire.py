@@ -18,6 +18,7 @@ so a router indexing SGLang's events finds the same blocks; vLLM pools publish t
 
 from __future__ import annotations
 
+import binascii
 import hashlib
 import struct
 import sys
@@ -33,7 +34,9 @@ from kvmeta._types import PoolId
 __all__ = [
     "ENCODINGS",
     "FORMATS",
+    "packed_sglang_hashes",
     "pool_label",
+    "raw_int_array",
     "sglang_hash",
     "sglang_hashes",
 ]
@@ -42,6 +45,8 @@ ENCODINGS = ("map", "array")
 FORMATS = ENCODINGS  # the --events-format choices
 
 BlockHash = Union[int, bytes]  # noqa: UP007 - msgspec reads the annotation at runtime
+# What an event's ``block_hashes`` holds: the hashes, or their msgpack array already encoded.
+Hashes = Union[Sequence[BlockHash], msgspec.Raw]  # noqa: UP007
 
 _U64 = 1 << 64
 _I64_MAX = (1 << 63) - 1
@@ -75,7 +80,8 @@ def sglang_hashes(keys: Sequence[str]) -> list[int]:
     have their heads decoded in one pass; any other key sends the call down the per-key path."""
     n = len(keys)
     whole = "".join(keys)
-    if len(whole) == 64 * n:
+    if len(whole) == 64 * n and n and max(map(len, keys)) == 64:
+        # (every key 64 long: a 63 and a 65 would pass the total and shift every later head)
         try:
             raw = bytes.fromhex(whole)
         except ValueError:
@@ -96,6 +102,46 @@ def sglang_hashes(keys: Sequence[str]) -> list[int]:
     return [sglang_hash(k) for k in keys]
 
 
+_PACKED_FORMATS: dict[int, str] = {}
+
+
+def packed_sglang_hashes(keys: Sequence[str]) -> bytes | None:
+    """``sglang_hash`` of each key as msgpack int64s back to back (9 bytes a key: the int64
+    marker 0xd3, then the value big-endian), for ``raw_int_array``; None unless every key
+    starts with 16 hex digits (then ``sglang_hashes``).
+
+    One format (``d3%.16s`` a key: each key's first 16 digits behind the marker's two) and one
+    strict hex decode make them all: the digits' bytes *are* SGLang's int64 in two's
+    complement, so no Python int is made, kept or encoded per key, and only the head of each
+    key is read (an evicted key's other bytes are often out of the CPU caches)."""
+    n = len(keys)
+    fmt = _PACKED_FORMATS.get(n)
+    if fmt is None:
+        fmt = "d3%.16s" * n
+        if n <= 1024:
+            _PACKED_FORMATS[n] = fmt
+    text = fmt % tuple(keys)
+    if len(text) != 18 * n:  # a key shorter than 16
+        return None
+    try:
+        return binascii.a2b_hex(text)  # strict: no whitespace, signs, prefixes, non-ASCII
+    except (binascii.Error, ValueError):
+        return None
+
+
+def raw_int_array(packed: bytes, start: int, stop: int) -> msgspec.Raw:
+    """The msgpack array of the ``start:stop`` keys of ``packed_sglang_hashes``, ready to be
+    embedded as a field (``block_hashes``) of an event."""
+    n = stop - start
+    if n < 16:
+        head = bytes((0x90 | n,))
+    elif n < 1 << 16:
+        head = b"\xdc" + n.to_bytes(2, "big")
+    else:
+        head = b"\xdd" + n.to_bytes(4, "big")
+    return msgspec.Raw(head + packed[9 * start : 9 * stop])
+
+
 def pool_label(pool: PoolId) -> str:
     """The ``pool`` field: ``s:<rank>:<namespace>`` or ``v:<rank>`` (the tenant is apart)."""
     if pool.dialect == "v":
@@ -107,7 +153,7 @@ def pool_label(pool: PoolId) -> str:
 
 
 class MapStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False):
-    block_hashes: Sequence[BlockHash]
+    block_hashes: Hashes
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
@@ -122,7 +168,7 @@ class MapStored(msgspec.Struct, tag="BlockStored", omit_defaults=True, gc=False)
 
 
 class MapRemoved(msgspec.Struct, tag="BlockRemoved", omit_defaults=True, gc=False):
-    block_hashes: Sequence[BlockHash]
+    block_hashes: Hashes
     medium: str | None
     pool: str
     reason: str = ""
@@ -140,7 +186,7 @@ class MapCleared(msgspec.Struct, tag="AllBlocksCleared", omit_defaults=True, gc=
 
 
 class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
-    block_hashes: Sequence[BlockHash]
+    block_hashes: Hashes
     parent_block_hash: BlockHash | None
     token_ids: list[int]
     block_size: int
@@ -154,7 +200,7 @@ class ArrayStored(msgspec.Struct, tag="BlockStored", array_like=True, gc=False):
 
 
 class ArrayRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True, gc=False):
-    block_hashes: Sequence[BlockHash]
+    block_hashes: Hashes
     medium: str | None
     pool: str
     reason: str
@@ -176,7 +222,7 @@ class Batch(msgspec.Struct, array_like=True, gc=False):
     reached the publisher."""
 
     ts: float
-    events: list[Event]
+    events: Sequence[Event | msgspec.Raw]  # (an event already encoded: ``Encoder.raw``)
 
 
 class Encoder:
@@ -192,7 +238,7 @@ class Encoder:
     def stored(
         self,
         pool: PoolId,
-        hashes: Sequence[BlockHash],
+        hashes: Hashes,
         parent: BlockHash | None,
         keys: Sequence[str],
         parent_key: str | None,
@@ -208,7 +254,7 @@ class Encoder:
             reason, pool.tenant,
         )  # fmt: skip
 
-    def removed(self, pool: PoolId, hashes: Sequence[BlockHash], reason: str) -> Event:
+    def removed(self, pool: PoolId, hashes: Hashes, reason: str) -> Event:
         """Hashes only: a subscriber knows each block's key from its ``BlockStored`` (or from
         ``GET /v1/dump``), and a removal names nothing new."""
         if self.positional:
@@ -223,5 +269,9 @@ class Encoder:
             return ArrayCleared(self.medium, label, reason, tenant)
         return MapCleared(self.medium, label, reason, tenant)
 
-    def batch(self, ts: float, events: list[Event]) -> bytes:
+    def raw(self, event: Event) -> msgspec.Raw:
+        """The event encoded now, to be sent in a batch later as it is."""
+        return msgspec.Raw(self._encode(event))
+
+    def batch(self, ts: float, events: Sequence[Event | msgspec.Raw]) -> bytes:
         return self._encode(Batch(ts, events))

@@ -12,7 +12,7 @@ were made, and the listener must not block or raise.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from typing import NamedTuple
 
 from kvmeta._types import PoolId
 
@@ -40,9 +40,9 @@ REASON_DROP = "drop"  # the pool itself went away (a vLLM rank deregistered)
 REASON_RESTART = "restart-recovery"  # a subscriber's resync after a restart (publisher only)
 
 
-@dataclass(frozen=True, slots=True)
-class Change:
-    """One durable change of one pool."""
+class Change(NamedTuple):
+    """One durable change of one pool (a tuple: made at each store operation while a listener
+    is set, so it is built in C, about 5x cheaper than a frozen dataclass)."""
 
     pool: PoolId
     kind: str  # STORED | REMOVED | CLEARED
