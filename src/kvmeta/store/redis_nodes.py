@@ -151,6 +151,7 @@ class Topology:
         self._nodes: dict[tuple[str, int], Node] = {}
         self.last_error = ""  # why the last refresh found no primary, for the 503 message
         self.closed = False
+        self._refreshing: asyncio.Task[None] | None = None  # a refresh running in the background
 
     def node(self, host: str, port: int) -> Node:
         found = self._nodes.get((host, port))
@@ -198,8 +199,13 @@ class Topology:
 
     async def close(self) -> None:
         """Close every node's connections; afterwards no node, refresh or connection is made
-        (a call still running gets BackendUnavailable)."""
+        (a call still running gets BackendUnavailable). A background refresh is stopped and
+        awaited first: its calls hold connections, which it would otherwise hand back after."""
         self.closed = True
+        refreshing, self._refreshing = self._refreshing, None
+        if refreshing is not None:
+            refreshing.cancel()
+            await asyncio.gather(refreshing, return_exceptions=True)
         for node in list(self._nodes.values()):
             await node.close()
         self._nodes.clear()
@@ -223,7 +229,6 @@ class ClusterTopology(Topology):
     def __init__(self, target: RedisTarget, *, read_timeout: float = READ_TIMEOUT) -> None:
         super().__init__(target, read_timeout=read_timeout)
         self._slots: list[Node | None] = [None] * REDIS_CLUSTER_HASH_SLOTS
-        self._refreshing: asyncio.Task[None] | None = None
 
     def route(self, key: str) -> Node:
         node = self._slots[_slot(key)]
@@ -306,16 +311,6 @@ class ClusterTopology(Topology):
         missing = sum(node is None for node in self._slots)
         return f"{missing} of 16384 slots have no primary" if missing else None
 
-    async def close(self) -> None:
-        """Stop a background map refresh and wait for it to end before closing the nodes: its
-        CLUSTER SLOTS calls hold connections, which it would otherwise hand back afterwards."""
-        self.closed = True
-        refreshing, self._refreshing = self._refreshing, None
-        if refreshing is not None:
-            refreshing.cancel()
-            await asyncio.gather(refreshing, return_exceptions=True)
-        await super().close()
-
 
 class SentinelTopology(Topology):
     """A primary and its replicas watched by Sentinels: every key on the primary a majority of
@@ -327,7 +322,6 @@ class SentinelTopology(Topology):
         super().__init__(target, read_timeout=read_timeout)
         self._primary: Node | None = None
         self._last: Node | None = None  # the primary last in use (None: never one yet)
-        self._refreshing: asyncio.Task[None] | None = None
 
     def route(self, key: str) -> Node:
         if self._primary is None:
@@ -362,14 +356,6 @@ class SentinelTopology(Topology):
     async def recheck(self, node: Node) -> bool:
         await self.refresh()
         return self._primary is not None and self._primary is not node
-
-    async def close(self) -> None:
-        self.closed = True
-        refreshing, self._refreshing = self._refreshing, None
-        if refreshing is not None:
-            refreshing.cancel()
-            await asyncio.gather(refreshing, return_exceptions=True)
-        await super().close()
 
     async def _refresh(self, raise_errors: bool = False) -> None:
         if self.closed:
