@@ -3,7 +3,6 @@ a subscriber that applies them holds exactly the pools' stored keys."""
 
 from __future__ import annotations
 
-import hashlib
 import random
 import types
 from collections.abc import Iterator
@@ -15,9 +14,8 @@ import requests
 
 from tests.compat.stock_clients import load, load_events, sglang_hash_function
 from tests.events.events_support import Subscriber, complete, endpoints, hashed, rebuild
+from tests.events.workloads import page_key, sglang_state, sglang_workload, vllm_workload
 from tests.support import ServerProcess
-
-NAMESPACES = ("kv", "mamba")
 
 
 @pytest.fixture(scope="module")
@@ -33,78 +31,6 @@ def vllm_events() -> types.ModuleType:
 @pytest.fixture(scope="module")
 def sglang_int64() -> Any:
     return sglang_hash_function()
-
-
-def page_key(i: int) -> str:
-    return hashlib.sha256(f"page {i}".encode()).hexdigest()
-
-
-def sglang_workload(
-    url: str, rng: random.Random, cycles: int
-) -> tuple[dict[str, list[str]], dict[str, str | None]]:
-    """Chains of pages per namespace on a small pool: commits, evictions, refused confirms,
-    releases, deletes and one clear. Returns the keys used per pool and each key's prefix."""
-    used: dict[str, list[str]] = {ns: [] for ns in NAMESPACES}
-    prefix_of: dict[str, str | None] = {}
-    for ns in NAMESPACES:
-        r = requests.post(
-            f"{url}/0/initialize", json={"num_pages": 40, "namespace": ns}, timeout=30
-        )
-        assert r.status_code == 204, r.text
-    n = 0
-    for cycle in range(cycles):
-        ns = NAMESPACES[cycle % 2]
-        chain: list[tuple[str, str | None]] = []
-        prev: str | None = rng.choice(used[ns]) if used[ns] and rng.random() < 0.3 else None
-        for _ in range(rng.randint(1, 10)):
-            key = page_key(n)
-            n += 1
-            chain.append((key, prev))
-            prefix_of[key] = prev
-            prev = key
-        if used[ns] and rng.random() < 0.3:
-            # A hit, or stored again if it went meanwhile (a page key always has one prefix).
-            again = rng.choice(used[ns])
-            chain.append((again, prefix_of[again]))
-        reply = requests.post(
-            f"{url}/0/reserve_and_allocate_page_indices",
-            json={"keys": chain, "namespace": ns},
-            timeout=30,
-        ).json()["indices"]
-        pairs = [
-            (k, page)
-            for (k, _), (hit, page) in zip(chain, reply, strict=True)
-            if not hit and page >= 0
-        ]
-        release: list[int] = []
-        if len(pairs) > 2 and rng.random() < 0.3:
-            release.append(pairs.pop()[1])  # the engine gave up on the last page
-        if pairs and rng.random() < 0.1:
-            pairs.append((pairs[0][0], (pairs[0][1] + 1) % 40))  # a foreign page: refused
-        r = requests.post(
-            f"{url}/0/confirm_write",
-            json={"written_keys_to_confirm": pairs, "pages_to_release": release, "namespace": ns},
-            timeout=30,
-        )
-        assert r.status_code in (200, 204), r.text
-        used[ns] += [k for k, _ in chain]
-        if cycle % 9 == 8:
-            gone = rng.sample(used[ns], min(6, len(used[ns]))) + ["never stored"]
-            requests.post(f"{url}/0/delete_keys", json={"keys": gone, "namespace": ns}, timeout=30)
-        if cycle == cycles // 2:
-            requests.post(f"{url}/0/clear", json={"namespace": ns}, timeout=30)
-    return used, prefix_of
-
-
-def sglang_state(url: str, used: dict[str, list[str]]) -> dict[str, set[str]]:
-    out = {}
-    for ns, keys in used.items():
-        keys = sorted(set(keys))
-        found = requests.post(f"{url}/0/exists", json={"keys": keys, "namespace": ns}, timeout=30)
-        stored = {k for k, hit in zip(keys, found.json()["exists"], strict=True) if hit}
-        if stored:
-            out[f"s:0:{ns}"] = stored
-    return out
 
 
 @pytest.fixture
@@ -168,30 +94,14 @@ def test_sglang_events_decode_with_both_engines_classes_and_rebuild_the_pools(
 def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
     events_server: ServerProcess, vllm_events: types.ModuleType
 ) -> None:
-    stock = load("vllm")
-    client = stock.Hf3fsGlobalMetadataClient(events_server.url)
     ends = endpoints(events_server)
     sub = Subscriber(ends.pub).start()
-    rng = random.Random(3)
-    used: list[str] = []
     try:
-        for rank in (0, 1):
-            client.initialize(rank, 16)
-        for cycle in range(40):
-            keys = [
-                hashlib.md5(f"{cycle}/{i}".encode()).hexdigest() for i in range(rng.randint(1, 6))
-            ]
-            for rank in (0, 1):
-                pages = client.allocate_pages_for_keys(rank, [(k, "") for k in keys])
-                client.confirm_write_for_keys(rank, [(k, p) for k, p in pages if p >= 0])
-            used += keys
-            if cycle == 20:
-                client._post("clear", {})
+        used = vllm_workload(events_server.url, random.Random(3), 40)
         requests.post(f"{events_server.url}/v1/vllm/ranks/1/remove", timeout=30)
         sub.wait_for(events_server)
     finally:
         sub.close()
-        client._session.close()
     messages = complete(sub.messages, ends.replay)
     reasons = set()
     for _, _, payload in messages:
@@ -208,7 +118,7 @@ def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
                 reasons.add(plain["reason"])
     assert reasons == {"restart-recovery", "capacity", "clear", "drop"}
     keys = sorted(set(used))
-    found = stock.Hf3fsGlobalMetadataClient(events_server.url).get_key_locations(0, keys)
+    found = load("vllm").Hf3fsGlobalMetadataClient(events_server.url).get_key_locations(0, keys)
     locations = {k for k, page in zip(keys, found, strict=True) if page is not None}
     assert rebuild(messages) == hashed({"v:0": locations})
 

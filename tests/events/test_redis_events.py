@@ -3,7 +3,6 @@ from one server, from two servers on the same Redis, and after a ``kill -9`` and
 
 from __future__ import annotations
 
-import hashlib
 import random
 import signal
 import time
@@ -13,7 +12,6 @@ import msgspec
 import pytest
 import zmq
 
-from tests.compat.stock_clients import load
 from tests.events.events_support import (
     Subscriber,
     apply,
@@ -24,7 +22,7 @@ from tests.events.events_support import (
     rebuild,
     replay,
 )
-from tests.events.test_publisher import sglang_state, sglang_workload
+from tests.events.workloads import sglang_state, sglang_workload, vllm_state, vllm_workload
 from tests.support import ServerProcess
 
 EVENTS = ("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0")
@@ -32,44 +30,6 @@ EVENTS = ("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0
 
 def redis_events_server(redis_url: str) -> ServerProcess:
     return ServerProcess("--backend", redis_url, "--read-lease", "0", *EVENTS).start(timeout=60)
-
-
-def vllm_workload(url: str, rng: random.Random, cycles: int) -> list[str]:
-    """Two rank pools with the stock client: commits, evictions (16 pages each), one clear."""
-    stock = load("vllm")
-    client = stock.Hf3fsGlobalMetadataClient(url)
-    used: list[str] = []
-    try:
-        for rank in (0, 1):
-            client.initialize(rank, 16)
-        for cycle in range(cycles):
-            keys = [
-                hashlib.md5(f"{cycle}/{i}".encode()).hexdigest() for i in range(rng.randint(1, 6))
-            ]
-            for rank in (0, 1):
-                pages = client.allocate_pages_for_keys(rank, [(k, "") for k in keys])
-                client.confirm_write_for_keys(rank, [(k, p) for k, p in pages if p >= 0])
-            used += keys
-            if cycle == cycles // 2:
-                client._post("clear", {})
-    finally:
-        client._session.close()
-    return used
-
-
-def vllm_state(url: str, used: list[str]) -> dict[str, set[str]]:
-    client = load("vllm").Hf3fsGlobalMetadataClient(url)
-    keys = sorted(set(used))
-    out = {}
-    try:
-        for rank in (0, 1):
-            found = client.get_key_locations(rank, keys)
-            held = {k for k, page in zip(keys, found, strict=True) if page is not None}
-            if held:
-                out[f"v:{rank}"] = held
-    finally:
-        client._session.close()
-    return out
 
 
 @pytest.mark.slow
