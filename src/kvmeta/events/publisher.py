@@ -45,7 +45,6 @@ from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized
 from kvmeta.events.replay import ReplayServer
 from kvmeta.events.wire import (
-    BlockHash,
     Encoder,
     Event,
     Hashes,
@@ -349,21 +348,24 @@ class Publisher:
             for st in await backend.stats():
                 pool = st.pool
                 events: list[Event] = [enc.cleared(pool, REASON_RESTART)]
+                blocks = 0
                 cursor = ""
                 try:
                     while True:
                         keys, cursor = await backend.dump(pool, cursor, _DUMP_PAGE)
                         if keys:
                             events.append(self._resync_stored(pool, keys))
-                            keys_sent += len(keys)
+                            blocks += len(keys)
                         if len(events) >= 8 or (events and not cursor):
-                            self._send(events, sum(_blocks(e) for e in events), 0.0)
-                            events = []
+                            self._send(events, blocks, 0.0)
+                            keys_sent += blocks
+                            events, blocks = [], 0
                         if not cursor:
                             break
                 except NotInitialized:  # removed meanwhile: its drop is among the held changes
                     if events:
-                        self._send(events, 0, 0.0)
+                        self._send(events, blocks, 0.0)
+                        keys_sent += blocks
                 pools += 1
             self.stats.resyncs += 1
         finally:
@@ -378,9 +380,8 @@ class Publisher:
         )
 
     def _resync_stored(self, pool: PoolId, keys: list[str]) -> Event:
-        hashes: list[BlockHash]
         if pool.dialect == "s":
-            return self.encoder.stored(pool, sglang_hashes(keys), None, keys, None, REASON_RESTART)
+            return self.encoder.stored(pool, _hashes(keys), None, keys, None, REASON_RESTART)
         hashes = list(map(str.encode, keys))
         return self.encoder.stored(pool, hashes, None, (), None, REASON_RESTART)
 
@@ -411,8 +412,3 @@ def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, d
         if table:
             fresh[pool] = dict(islice(table.items(), len(table) // 2, None) if halve else table)
     return fresh
-
-
-def _blocks(event: Event) -> int:
-    hashes = getattr(event, "block_hashes", None)
-    return len(hashes) if hashes is not None else 0

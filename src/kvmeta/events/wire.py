@@ -21,10 +21,7 @@ from __future__ import annotations
 import binascii
 import hashlib
 import struct
-import sys
-from array import array
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import Union
 
 import msgspec
@@ -69,37 +66,13 @@ def sglang_hash(key: str) -> int:
     return value - _U64 if value > _I64_MAX else value
 
 
-_HEAD = itemgetter(slice(None, 16))
-_SWAP = sys.byteorder == "little"
-
-
 def sglang_hashes(keys: Sequence[str]) -> list[int]:
-    """``sglang_hash`` of each key. SGLang's keys are SHA-256 hex strings (64 digits): all of
-    them are decoded in one pass and every 32nd-byte group's first 8 bytes read as big-endian
-    int64 (exactly the wrapped int64 of the first 16 digits). Other hex keys of 16+ digits
-    have their heads decoded in one pass; any other key sends the call down the per-key path."""
-    n = len(keys)
-    whole = "".join(keys)
-    if len(whole) == 64 * n and n and max(map(len, keys)) == 64:
-        # (every key 64 long: a 63 and a 65 would pass the total and shift every later head)
-        try:
-            raw = bytes.fromhex(whole)
-        except ValueError:
-            raw = b""
-        if len(raw) == 32 * n:  # (fromhex skips whitespace: a spaced key lands here short)
-            words = array("q", raw)
-            if _SWAP:
-                words.byteswap()
-            return words[::4].tolist()
-    heads = "".join(map(_HEAD, keys))
-    if len(heads) == 16 * n:
-        try:
-            raw = bytes.fromhex(heads)
-        except ValueError:
-            raw = b""
-        if len(raw) == 8 * n:
-            return list(struct.unpack(f">{n}q", raw))
-    return [sglang_hash(k) for k in keys]
+    """``sglang_hash`` of each key: read from ``packed_sglang_hashes`` when every key starts
+    with 16 hex digits (SGLang's SHA-256 keys), else key by key."""
+    packed = packed_sglang_hashes(keys)
+    if packed is None:
+        return [sglang_hash(k) for k in keys]
+    return list(struct.unpack(">" + "xq" * len(keys), packed))  # (x: each value's 0xd3 marker)
 
 
 _PACKED_FORMATS: dict[int, str] = {}
