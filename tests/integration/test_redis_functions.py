@@ -6,6 +6,7 @@ with the EVALSHA fallback for servers without FUNCTION."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import hashlib
 import json
 import logging
@@ -109,7 +110,7 @@ class _LibraryBackend(RedisBackend):
     async def _install(self) -> None:
         assert self.conn is not None
         self.installs += 1
-        self.installed.append(await self.library.install(self.conn))
+        self.installed.append(await self.library.install(functools.partial(_call, self.conn)))
 
     async def close(self) -> None:
         if self.conn is not None:
@@ -214,7 +215,8 @@ def test_install_is_idempotent(fresh: RedisServer) -> None:
     async def main() -> list[str]:
         conn = await _connect(fresh)
         try:
-            return [await library.install(conn), await library.install(conn)]
+            call = functools.partial(_call, conn)
+            return [await library.install(call), await library.install(call)]
         finally:
             await conn.disconnect()
 
@@ -278,7 +280,7 @@ def test_another_older_library_is_replaced(
     async def main() -> str:
         conn = await _connect(fresh)
         try:
-            return await library.install(conn)
+            return await library.install(functools.partial(_call, conn))
         finally:
             await conn.disconnect()
 
@@ -304,7 +306,7 @@ def test_a_newer_library_is_never_replaced(fresh: RedisServer) -> None:
     async def main() -> str:
         conn = await _connect(fresh)
         try:
-            return await library.install(conn)
+            return await library.install(functools.partial(_call, conn))
         finally:
             await conn.disconnect()
 
@@ -319,7 +321,9 @@ def test_concurrent_installs_all_succeed(fresh: RedisServer) -> None:
     async def install_many() -> list[str]:
         conns = [await _connect(fresh) for _ in range(4)]
         try:
-            return await asyncio.gather(*(ScriptLibrary().install(c) for c in conns))
+            return await asyncio.gather(
+                *(ScriptLibrary().install(functools.partial(_call, c)) for c in conns)
+            )
         finally:
             for conn in conns:
                 await conn.disconnect()
@@ -391,7 +395,7 @@ def test_a_replica_has_the_library_and_serves_it_once_promoted(fresh: RedisServe
         async def install() -> str:
             conn = await _connect(fresh)
             try:
-                return await library.install(conn)
+                return await library.install(functools.partial(_call, conn))
             finally:
                 await conn.disconnect()
 

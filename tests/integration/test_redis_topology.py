@@ -359,7 +359,7 @@ def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisC
                 break
         # For the message if a socket is left: connections the nodes made that are still open,
         # and any task still running (which would hold them).
-        still = [f"{n.addr} {c!r}" for n in nodes.values() for c in n._made if c.is_connected]
+        still = [f"{n.addr} {link.transport!r}" for n in nodes.values() for link in n.links]
         me = asyncio.current_task()
         still += [repr(t) for t in asyncio.all_tasks() if t is not me]
         return _sockets_to(ports), still

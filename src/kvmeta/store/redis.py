@@ -52,7 +52,6 @@ from urllib.parse import parse_qs, quote, unquote, urlsplit
 
 import msgspec
 import redis.asyncio as aioredis
-from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import (
     AskError,
     AuthenticationError,
@@ -93,7 +92,6 @@ from kvmeta.store.redis_nodes import (
     Node,
     SentinelTopology,
     Topology,
-    deadline,
     retriable,
 )
 from kvmeta.store.redis_scripts import ScriptLibrary
@@ -493,15 +491,7 @@ class RedisBackend:
             await pool.aclose()
 
     async def _install_on(self, node: Node) -> str:
-        conn = node.take()
-        try:
-            async with deadline(node.read_timeout * 5):  # FUNCTION LOAD compiles the library
-                text = await self._scripts.install(conn)
-        except BaseException:
-            await conn.disconnect(nowait=True)
-            raise
-        await node.give(conn)
-        return text
+        return await self._scripts.install(node.call)
 
     async def _choose_ack_mode(self, primaries: list[Node]) -> None:
         """``WAIT N`` after each write, or ``WAITAOF 1 N`` where the primary logs to an AOF and
@@ -743,46 +733,24 @@ class RedisBackend:
     async def _send(
         self, node: Node, command: tuple[Any, ...], wait: tuple[Any, ...] | None, asking: bool
     ) -> tuple[Any, Any]:
-        """One send and its replies on a connection of our own.
-
-        Straight on a redis-py ``Connection`` (which still does URL, auth, TLS, db and reading
-        replies), the request packed by ``store.resp``: ``register_script`` through the
-        client's pool costs well over twice the CPU per call (benchmarks/README.md,
-        "Implementation costs"). An error reply is read whole (and the WAIT after it), so the
-        connection is reused; anything else may leave a reply in flight and the socket is
-        closed.
-        """
-        conn: AbstractConnection = node.take()
-        error: ResponseError | None = None
-        acks = None
+        """One write and its replies, on a link of ``node`` (``store.redis_link``), the request
+        packed by ``store.resp``: redis-py's client and its connection pool cost well over
+        twice the CPU per call (benchmarks/README.md, "Implementation costs")."""
         head = 3 + int(command[2]) if command[0] in _SCRIPT_CALLS else 0
-        try:
-            async with deadline(node.read_timeout):
-                if wait is None and not asking:
-                    await conn.send_packed_command(pack(command, head), check_health=False)
-                else:
-                    parts: list[tuple[tuple[Any, ...], int]] = []
-                    if asking:
-                        parts.append((("ASKING",), 1))
-                    parts.append((command, head))
-                    if wait is not None:
-                        parts.append((wait, len(wait)))
-                    await conn.send_packed_command(pack_many(parts), check_health=False)
-                    if asking:
-                        await conn.read_response()
-                try:
-                    reply = await conn.read_response()
-                except ResponseError as exc:
-                    error, reply = exc, None
-                if wait is not None:
-                    acks = await conn.read_response()
-        except BaseException:
-            await conn.disconnect(nowait=True)
-            raise
-        await node.give(conn)
-        if error is not None:
-            raise error
-        return reply, acks
+        if wait is None and not asking:
+            replies = await node.request(pack(command, head), 1)
+        else:
+            parts: list[tuple[tuple[Any, ...], int]] = []
+            if asking:
+                parts.append((("ASKING",), 1))
+            parts.append((command, head))
+            if wait is not None:
+                parts.append((wait, len(wait)))
+            replies = await node.request(pack_many(parts), len(parts), wait is not None)
+        for reply in replies:
+            if isinstance(reply, Exception):
+                raise reply
+        return replies[int(asking)], replies[-1] if wait is not None else None
 
     async def _pool_op(self, script: str, pid: PoolId, request: Any) -> list[Any]:
         """Run one pool script with ``request`` as its JSON argument; raise its error code."""

@@ -1,9 +1,9 @@
 """Where a Redis key lives: one endpoint, a Cluster's slot map, or the primary a Sentinel group
 names; and which failures are worth a retry.
 
-Each node keeps its own idle raw redis-py connections (``Node.take``/``Node.give``): a request
-costs one packed send and one read, with no client object or pool lock in between (see
-``RedisBackend._evalsha`` for why). A topology answers ``route(key)`` from memory; ``refresh()``
+Each node keeps its own links (``store.redis_link``): a request costs one packed write and
+its reply, with no client object, pool or lock in between, and concurrent requests share a
+connection. A topology answers ``route(key)`` from memory; ``refresh()``
 re-learns it after a failure (a Cluster's slot map from any reachable node, a Sentinel group's
 primary by majority), and the caller retries until its failover deadline.
 """
@@ -14,7 +14,6 @@ import asyncio
 import functools
 import logging
 import sys
-import weakref
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -31,8 +30,10 @@ from redis.exceptions import (
 )
 
 from kvmeta.errors import BackendUnavailable
+from kvmeta.store.redis_link import Link, open_link
 from kvmeta.store.redis_sentinel import resolve_primary
 from kvmeta.store.redis_url import RedisTarget
+from kvmeta.store.resp import pack
 
 __all__ = [
     "ClusterTopology",
@@ -46,7 +47,7 @@ __all__ = [
 
 logger = logging.getLogger("kvmeta.store.redis")
 
-MAX_IDLE = 64  # connections kept open per node and server process for concurrent requests
+MAX_LINKS = 64  # connections per node and server process (see ``Node``)
 # Connection timeouts unless the URL sets its own (?socket_timeout=...): a node that stops
 # answering (partitioned, frozen) must fail a call so it can be retried elsewhere, not hang it.
 CONNECT_TIMEOUT = 1.0
@@ -72,71 +73,107 @@ def retriable(exc: BaseException) -> bool:
 
 
 class Node:
-    """One Redis node and the idle connections this process keeps to it.
+    """One Redis node and this process's links to it (``store.redis_link``).
 
-    Every connection it made is also kept in a weak set, so ``close()`` reaches the ones a
-    call has taken (in flight, or held by a cancelled task) as well as the idle ones; a
-    connection given back after ``close()`` is disconnected, not kept.
+    Calls share a link: each is one write, and the replies come back in order. Only a call
+    that ends with a WAIT holds its link alone until the replicas answer (Redis serves nothing
+    else on that connection meanwhile), so concurrent acknowledged writes open more links, up
+    to ``MAX_LINKS``; afterwards calls queue on the least busy one.
     """
 
     def __init__(self, target: RedisTarget, host: str, port: int, *, read_timeout: float) -> None:
         self.host, self.port = host, port
         self.addr = f"{host}:{port}" if target.mode != "single" else target.shown
-        # No socket_timeout on the connections themselves: redis-py then wraps every send in
-        # ``asyncio.wait_for`` (a new task per request, a large share of a worker's CPU per
-        # request); each call is bounded by one ``deadline(read_timeout)`` around its send and
-        # reads instead. A ?socket_timeout= in the URL still applies, and bounds the call.
+        # redis-py only opens connections (URL, auth, TLS, db); calls go through ``Link``s.
+        # A ?socket_timeout= in the URL bounds each call as read_timeout does.
         self._pool = aioredis.ConnectionPool.from_url(
             target.node_url(host, port), socket_connect_timeout=CONNECT_TIMEOUT
         )
         self.read_timeout: float = (
             self._pool.connection_kwargs.get("socket_timeout") or read_timeout
         )
-        self.idle: list[AbstractConnection] = []
-        self._made: weakref.WeakSet[AbstractConnection] = weakref.WeakSet()
+        self.links: list[Link] = []
+        self._opening: asyncio.Future[Link] | None = None  # the first link, while it opens
+        self._connecting = 0
         self.closed = False
 
-    def take(self) -> AbstractConnection:
-        return self.idle.pop() if self.idle else self.connect()
-
     def connect(self) -> AbstractConnection:
+        """A redis-py connection to this node, not yet connected."""
         if self.closed:
             raise BackendUnavailable(f"the Redis backend's connections to {self.addr} are closed")
-        conn = self._pool.connection_class(**self._pool.connection_kwargs)
-        self._made.add(conn)
-        return conn
+        kwargs = dict(self._pool.connection_kwargs)
+        kwargs.pop("socket_timeout", None)  # (each call is bounded by its link instead)
+        return self._pool.connection_class(**kwargs)
 
-    async def give(self, conn: AbstractConnection) -> None:
-        if len(self.idle) < MAX_IDLE and not self.closed:
-            self.idle.append(conn)
+    async def request(self, payload: bytes, replies: int, blocking: bool = False) -> list[Any]:
+        """Send ``payload`` (``replies`` commands packed by ``store.resp``) and return their
+        replies, error replies as exception objects. ``blocking``: it ends with a WAIT."""
+        for link in self.links:
+            if not link.blocking:
+                break
         else:
-            await conn.disconnect(nowait=True)
+            link = await self._another()
+        return await link.send(payload, replies, blocking)  # type: ignore[no-any-return]
 
-    async def drop(self) -> None:
-        """Close every idle connection (the node failed, or it is no longer a primary)."""
-        idle, self.idle = self.idle, []
-        for conn in idle:
-            await conn.disconnect(nowait=True)
+    async def _another(self) -> Link:
+        """A new link, or the least busy one when ``MAX_LINKS`` are open. Calls that find no
+        link at all share the one being opened (a burst at start-up opens one, not many)."""
+        if not self.links or self._connecting + len(self.links) >= MAX_LINKS:
+            if self._opening is not None:
+                return await asyncio.shield(self._opening)
+            if self.links:
+                return min(self.links, key=lambda link: len(link.waiting))
+            self._opening = asyncio.ensure_future(self._open())
+            try:
+                return await asyncio.shield(self._opening)
+            finally:
+                self._opening = None
+        return await self._open()
 
-    async def close(self) -> None:
-        """Disconnect every connection of this node, idle or taken, and make no new ones: a
-        call still in flight fails (its socket is closed) instead of leaving a socket open."""
-        self.closed = True
-        await self.drop()
-        for conn in list(self._made):
-            await conn.disconnect(nowait=True)
-
-    async def call(self, *args: Any) -> Any:
-        """One plain command on a connection of this node (errors propagate)."""
-        conn = self.take()
+    async def _open(self) -> Link:
+        conn = self.connect()
+        self._connecting += 1
         try:
             async with deadline(self.read_timeout):
-                await conn.send_command(*args, check_health=False)
-                reply = await conn.read_response()
+                link = await open_link(conn, self.addr, self.read_timeout)
         except BaseException:
             await conn.disconnect(nowait=True)
             raise
-        await self.give(conn)
+        finally:
+            self._connecting -= 1
+        if self.closed:
+            link.close()
+            raise BackendUnavailable(f"the Redis backend's connections to {self.addr} are closed")
+        link.on_close = self._forget
+        self.links.append(link)
+        return link
+
+    def _forget(self, link: Link) -> None:
+        if link in self.links:
+            self.links.remove(link)
+
+    async def drop(self) -> None:
+        """Close every link (the node failed, or it is no longer a primary): calls in flight
+        on them fail with ConnectionError and are retried by their callers."""
+        links, self.links = self.links, []
+        for link in links:
+            link.close(ConnectionError(f"connections to Redis {self.addr} dropped"))
+
+    async def close(self) -> None:
+        """Close every link of this node and make no new ones: a call still in flight fails
+        instead of leaving a socket open."""
+        self.closed = True
+        await self.drop()
+        opening = self._opening
+        if opening is not None:
+            opening.cancel()
+            await asyncio.gather(opening, return_exceptions=True)
+
+    async def call(self, *args: Any) -> Any:
+        """One plain command on this node (an error reply is raised)."""
+        (reply,) = await self.request(pack(args), 1)
+        if isinstance(reply, Exception):
+            raise reply
         return reply
 
 

@@ -23,14 +23,16 @@ from __future__ import annotations
 
 import hashlib
 import logging
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from importlib import resources
 from typing import Any
 
-from redis.asyncio.connection import AbstractConnection
 from redis.exceptions import NoScriptError, ResponseError
 
 from kvmeta.errors import BackendUnavailable
+
+# One command on the node being set up (``Node.call``): its reply, or its error raised.
+Call = Callable[..., Awaitable[Any]]
 
 __all__ = ["LIBRARY_FORMAT", "LIBRARY_NAME", "ScriptLibrary"]
 
@@ -152,7 +154,7 @@ class ScriptLibrary:
         unknown_fcall = text.startswith("unknown command") and "fcall" in text.split(",")[0]
         return text.startswith("function not found") or unknown_fcall
 
-    async def install(self, conn: AbstractConnection) -> str:
+    async def install(self, call: Call) -> str:
         """Make one node (a primary) current; returns a short text for a log line.
 
         Safe to call concurrently from several kvmeta processes: a load that loses the race
@@ -165,7 +167,7 @@ class ScriptLibrary:
         """
         if self._functions is not False:
             try:
-                await _call(conn, "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME)
+                await call("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME)
             except ResponseError as exc:
                 text = str(exc).lower()
                 if "unknown command" not in text and "noperm" not in text:
@@ -177,14 +179,14 @@ class ScriptLibrary:
                 self._functions = True
         if not self._functions:
             for source in self._scripts.values():
-                await _call(conn, "SCRIPT", "LOAD", source)
+                await call("SCRIPT", "LOAD", source)
             return f"{len(self._scripts)} kvmeta scripts loaded (EVALSHA)"
-        return await self._install_library(conn)
+        return await self._install_library(call)
 
-    async def _install_library(self, conn: AbstractConnection) -> str:
+    async def _install_library(self, call: Call) -> str:
         replaced: str | None = None
         for _ in range(_INSTALL_ROUNDS):
-            found = await self._installed_version(conn)
+            found = await self._installed_version(call)
             if found == self.version:
                 if replaced is None:
                     return f"functions library {LIBRARY_NAME} {self.version} current"
@@ -202,7 +204,7 @@ class ScriptLibrary:
                     )
                 load = ("FUNCTION", "LOAD", "REPLACE", self.source)
             try:
-                await _call(conn, *load)
+                await call(*load)
             except ResponseError as exc:
                 if "already exists" in str(exc):
                     continue  # another process loaded one just now: look again
@@ -225,14 +227,14 @@ class ScriptLibrary:
             "Redis; run one kvmeta version per Redis"
         )
 
-    async def _installed_version(self, conn: AbstractConnection) -> str | None:
+    async def _installed_version(self, call: Call) -> str | None:
         """The node's library version; None: no library; "" (format 0): one without a version
         function, from before libraries were versioned."""
-        listed = await _call(conn, "FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME)
+        listed = await call("FUNCTION", "LIST", "LIBRARYNAME", LIBRARY_NAME)
         if not _named(listed):
             return None
         try:
-            return _text(await _call(conn, "FCALL", _VERSION_FUNCTION, 0))
+            return _text(await call("FCALL", _VERSION_FUNCTION, 0))
         except ResponseError as exc:
             if ScriptLibrary.missing(exc):
                 return ""
@@ -252,8 +254,3 @@ def _named(listed: Any) -> bool:
             if _text(key) == "library_name" and _text(value) == LIBRARY_NAME:
                 return True
     return False
-
-
-async def _call(conn: AbstractConnection, *args: Any) -> Any:
-    await conn.send_command(*args)
-    return await conn.read_response()

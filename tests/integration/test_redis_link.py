@@ -1,0 +1,211 @@
+"""``store.redis_link``: many calls in flight on one connection, each getting its own reply,
+against a real Redis-protocol server; a caller that gives up, a node that stops answering, a
+node that closes the connection, and error replies named as redis-py names them."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import pytest
+from redis.exceptions import (
+    ConnectionError,
+    MovedError,
+    NoScriptError,
+    ResponseError,
+    TimeoutError,
+)
+
+from kvmeta.store.redis_link import reply_error
+from kvmeta.store.redis_nodes import Node
+from kvmeta.store.redis_url import parse_target
+from kvmeta.store.resp import pack
+from tests.redis_support import RedisServer
+
+T = TypeVar("T")
+
+
+def _run(make: Callable[[], Awaitable[T]]) -> T:
+    async def main() -> T:
+        return await make()
+
+    return asyncio.run(main())
+
+
+def _node(server: RedisServer, read_timeout: float = 2.0, password: str = "") -> Node:
+    auth = f":{password}@" if password else ""
+    target = parse_target(f"redis://{auth}127.0.0.1:{server.port}/0")
+    return Node(target, "", 0, read_timeout=read_timeout)
+
+
+def test_concurrent_calls_share_one_connection_and_get_their_own_replies(
+    redis_server: RedisServer,
+) -> None:
+    async def go() -> tuple[list[Any], int]:
+        node = _node(redis_server)
+        try:
+            await node.call("SET", "link:x", "0")
+            values = [os.urandom(1 + i % 300) for i in range(500)]
+            replies = await asyncio.gather(*(node.call("ECHO", v) for v in values))
+            assert replies == values
+            return replies, len(node.links)
+        finally:
+            await node.close()
+
+    _, links = _run(go)
+    assert links == 1
+
+
+def test_a_caller_that_gives_up_leaves_the_connection_in_step(redis_server: RedisServer) -> None:
+    async def go() -> list[Any]:
+        node = _node(redis_server)
+        try:
+            # A blocking command, abandoned by its caller; the calls after it still get their own
+            # replies, on the same connection.
+            slow = asyncio.ensure_future(node.call("BLPOP", "link:none", "0.2"))
+            echoes = [asyncio.ensure_future(node.call("ECHO", str(i))) for i in range(5)]
+            await asyncio.sleep(0.05)
+            slow.cancel()
+            replies = await asyncio.gather(*echoes)
+            assert await node.call("ECHO", "after") == b"after"
+            assert len(node.links) == 1
+            return replies
+        finally:
+            await node.close()
+
+    assert _run(go) == [str(i).encode() for i in range(5)]
+
+
+def test_a_node_that_stops_answering_fails_the_waiting_calls_then_recovers() -> None:
+    own = RedisServer().start()
+    try:
+
+        async def go() -> None:
+            node = _node(own, read_timeout=0.5)
+            try:
+                assert await node.call("PING") in (b"PONG", True)
+                os.kill(own.pid, signal.SIGSTOP)
+                try:
+                    results = await asyncio.gather(
+                        *(node.call("ECHO", str(i)) for i in range(3)), return_exceptions=True
+                    )
+                finally:
+                    os.kill(own.pid, signal.SIGCONT)
+                assert all(isinstance(r, TimeoutError) for r in results), results
+                assert "did not answer within 0.5s" in str(results[0])
+                assert node.links == []  # the stalled connection is closed
+                assert await node.call("ECHO", "back") == b"back"  # a new one
+            finally:
+                await node.close()
+
+        _run(go)
+    finally:
+        own.close()
+
+
+def test_a_connection_the_server_closes_fails_its_calls_and_the_next_call_reconnects(
+    redis_server: RedisServer,
+) -> None:
+    async def go() -> None:
+        node = _node(redis_server)
+        try:
+            await node.call("CLIENT", "SETNAME", "kvmeta-link-test")
+            with redis_server.client() as admin:
+                admin.client_kill_filter(_type="normal", skipme=True)
+            with pytest.raises(ConnectionError):
+                for _ in range(50):  # the close may take a moment to reach this process
+                    await node.call("PING")
+                    await asyncio.sleep(0.02)
+            assert await node.call("ECHO", "again") == b"again"
+        finally:
+            await node.close()
+
+    _run(go)
+
+
+def test_a_password_in_the_url_is_used_by_every_link() -> None:
+    own = RedisServer(password="s3cret").start()
+    try:
+
+        async def go() -> Any:
+            node = _node(own, password="s3cret")
+            try:
+                return await node.call("ECHO", "authed")
+            finally:
+                await node.close()
+
+        assert _run(go) == b"authed"
+    finally:
+        own.close()
+
+
+def test_a_blocking_call_gets_a_connection_of_its_own(redis_server: RedisServer) -> None:
+    """A call ending with WAIT holds its connection until the replicas answer (Redis serves
+    nothing else on it meanwhile): the calls behind it go to another link."""
+
+    async def go() -> int:
+        node = _node(redis_server)
+        try:
+            await node.call("PING")
+            # No replica: WAIT 1 300 answers 0 after 300 ms.
+            wait = asyncio.ensure_future(
+                node.request(pack(("SET", "link:w", "1")) + pack(("WAIT", 1, 300)), 2, True)
+            )
+            await asyncio.sleep(0.05)
+            started = asyncio.get_running_loop().time()
+            assert await node.call("ECHO", "free") == b"free"
+            waited = asyncio.get_running_loop().time() - started
+            assert waited < 0.25, waited  # not behind the WAIT
+            assert await wait == [b"OK", 0]
+            return len(node.links)
+        finally:
+            await node.close()
+
+    assert _run(go) == 2
+
+
+def test_closing_a_node_fails_calls_in_flight_and_refuses_new_ones(
+    redis_server: RedisServer,
+) -> None:
+    async def go() -> None:
+        node = _node(redis_server)
+        await node.call("PING")
+        slow = asyncio.ensure_future(node.call("BLPOP", "link:none", "0.3"))
+        await asyncio.sleep(0.05)
+        await node.close()
+        with pytest.raises(ConnectionError):
+            await slow
+        with pytest.raises(Exception, match="closed"):
+            await node.call("PING")
+
+    _run(go)
+
+
+def test_error_replies_are_named_as_redis_py_names_them() -> None:
+    moved = reply_error("MOVED 3999 127.0.0.1:6381")
+    assert isinstance(moved, MovedError)
+    assert (moved.slot_id, moved.host, moved.port) == (3999, "127.0.0.1", 6381)
+    assert isinstance(reply_error("NOSCRIPT No matching script"), NoScriptError)
+    generic = reply_error("ERR Function not found")
+    assert type(generic) is ResponseError and str(generic) == "Function not found"
+    unknown = reply_error("WEIRD thing happened")
+    assert type(unknown) is ResponseError and str(unknown) == "WEIRD thing happened"
+    assert isinstance(reply_error("ERR max number of clients reached"), ConnectionError)
+
+
+def test_an_error_reply_among_replies_keeps_the_connection(redis_server: RedisServer) -> None:
+    async def go() -> list[Any]:
+        node = _node(redis_server)
+        try:
+            with pytest.raises(ResponseError):
+                await node.call("NOSUCHCOMMAND")
+            replies = await node.request(pack(("ECHO", "a")) + pack(("BAD",)), 2)
+            assert replies[0] == b"a" and isinstance(replies[1], ResponseError)
+            return [await node.call("ECHO", "b"), len(node.links)]
+        finally:
+            await node.close()
+
+    assert _run(go) == [b"b", 1]
