@@ -447,3 +447,37 @@ def test_unreachable_cluster_seeds_stop_start_up_naming_each() -> None:
         assert all(f"127.0.0.1:{p}:" in text for p in ports), text
 
     _run(go())
+
+
+def test_concurrent_refreshes_share_one_round_of_questions(redis_cluster: RedisCluster) -> None:
+    """Calls failing at once each ask for a refresh: one round of ``CLUSTER SLOTS`` answers
+    them all (each round asks every known node; one per caller would multiply that), and a
+    ``MOVED`` during that round joins it rather than starting another."""
+
+    async def go() -> tuple[int, int]:
+        backend = RedisBackend(redis_cluster.url)
+        await backend.start()
+        topo = backend._topo
+        assert topo is not None
+        rounds = 0
+        one_round = topo._refresh
+
+        async def counted(raise_errors: bool = False) -> None:
+            nonlocal rounds
+            rounds += 1
+            await one_round(raise_errors)
+
+        topo._refresh = counted  # type: ignore[method-assign]
+        try:
+            first = asyncio.ensure_future(topo.refresh())
+            await asyncio.sleep(0)
+            node = topo.primaries()[0]
+            topo.moved(0, node.host, node.port)  # a MOVED while the round runs
+            await asyncio.gather(first, *(topo.refresh() for _ in range(20)))
+            during = rounds
+            await topo.refresh()  # a failure after the round ended: a round of its own
+            return during, rounds
+        finally:
+            await backend.close()
+
+    assert _run(go()) == (1, 2)

@@ -215,9 +215,34 @@ class Topology:
     async def start(self) -> None:
         """Learn the topology once; errors propagate to the caller's start-up message."""
 
-    async def refresh(self) -> None:
-        """Re-learn where the primaries are after a failure (idle connections of a failed
-        node are dropped by the caller)."""
+    async def refresh(self, raise_errors: bool = False) -> None:
+        """Re-learn where the primaries are after a failure (the links of a failed node are
+        dropped by the caller). Every call failing at once shares one round (one task,
+        ``_refresh``): each would otherwise ask every node or Sentinel on its own, and a round
+        that began before a newer one could finish after it and overwrite its answer with an
+        older one. ``raise_errors``: a round of the caller's own that raises BackendUnavailable
+        when it finds nothing (start-up)."""
+        if raise_errors:
+            await self._refresh(raise_errors=True)
+            return
+        if self.closed:
+            return
+        task = self._refresh_soon()
+        try:
+            await asyncio.shield(task)  # a caller that gives up does not cancel the others'
+        except asyncio.CancelledError:
+            if not (self.closed and task.cancelled()):
+                raise  # the caller itself was cancelled
+
+    def _refresh_soon(self) -> asyncio.Task[None]:
+        """The round running now, or a new one."""
+        task = self._refreshing
+        if task is None or task.done():
+            task = self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
+        return task
+
+    async def _refresh(self, raise_errors: bool = False) -> None:
+        """One round of re-learning the topology (the single endpoint has nothing to learn)."""
 
     def moved(self, slot: int, host: str, port: int) -> Node:
         return self.node(host, port)
@@ -281,9 +306,9 @@ class ClusterTopology(Topology):
         return list(seen.values())
 
     async def start(self) -> None:
-        await self.refresh(raise_errors=True)
+        await self._refresh(raise_errors=True)
 
-    async def refresh(self, raise_errors: bool = False) -> None:
+    async def _refresh(self, raise_errors: bool = False) -> None:
         """Read the slot map from the first node that answers, asking every known node and
         seed at once: a frozen or partitioned node must not make the others wait."""
         if self.closed:
@@ -336,8 +361,8 @@ class ClusterTopology(Topology):
         in the background (a failover or resharding moves many slots at once)."""
         node = self.node(host, port)
         self._slots[slot] = node
-        if self._refreshing is None or self._refreshing.done():
-            self._refreshing = asyncio.get_running_loop().create_task(self.refresh())
+        if not self.closed:
+            self._refresh_soon()
         return node
 
     async def recheck(self, node: Node) -> bool:
@@ -370,25 +395,6 @@ class SentinelTopology(Topology):
 
     async def start(self) -> None:
         await self._refresh(raise_errors=True)
-
-    async def refresh(self, raise_errors: bool = False) -> None:
-        """Ask the Sentinels again. Every call failing over at once shares one round of
-        questions (one task): they would otherwise each open a connection to every Sentinel,
-        and a round that began before a newer one could finish after it and overwrite its
-        answer with an older one."""
-        if raise_errors:
-            await self._refresh(raise_errors=True)
-            return
-        if self.closed:
-            return
-        task = self._refreshing
-        if task is None or task.done():
-            task = self._refreshing = asyncio.get_running_loop().create_task(self._refresh())
-        try:
-            await asyncio.shield(task)  # a caller that gives up does not cancel the others'
-        except asyncio.CancelledError:
-            if not (self.closed and task.cancelled()):
-                raise  # the caller itself was cancelled
 
     async def recheck(self, node: Node) -> bool:
         await self.refresh()
