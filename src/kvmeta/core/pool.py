@@ -302,8 +302,9 @@ class Pool:
 
     @property
     def free_count(self) -> int:
-        """FREE pages, cooling ones included (see ``cooling_count``)."""
-        return self.num_pages - len(self._stored) - len(self._reserved)
+        """FREE pages a reserve can take now: cooling ones are not counted (``PoolStats.free``
+        means the same). Exact right after ``expire(now)``."""
+        return self.num_pages - len(self._stored) - len(self._reserved) - len(self._cooling)
 
     @property
     def cooling_count(self) -> int:

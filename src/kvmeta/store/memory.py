@@ -375,17 +375,16 @@ class MemoryStore:
         out = []
         for pid, pool in sorted(self.pools.items()):
             pool.expire(now)
-            cooling = pool.cooling_count
             out.append(
                 PoolStats(
                     pool=pid,
                     num_pages=pool.num_pages,
-                    free=pool.free_count - cooling,
+                    free=pool.free_count,
                     reserved=pool.reserved_count,
                     stored=pool.stored_count,
                     counters=dict(vars(pool.counters)),
                     size_conflicts=self.size_conflicts.get(pid, 0),
-                    cooling=cooling,
+                    cooling=pool.cooling_count,
                 )
             )
         return out

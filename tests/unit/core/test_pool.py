@@ -80,7 +80,10 @@ def test_failure1_exhausted_pool_answers_minus_one_and_loses_nothing() -> None:
     check_pool(pool)
     assert pool.free_count == 0 and pool.reserved_count == 2
     pool.confirm([("a", 0)], [1], 0.0)
-    assert pool.free_count == 1 and pool.stored_count == 1
+    # the released page is FREE again, cooling until its release grace ends
+    assert pool.stored_count == 1 and pool.cooling_count == 1 and pool.free_count == 0
+    pool.expire(60.0)
+    assert pool.free_count == 1 and pool.cooling_count == 0
     check_pool(pool)
 
 
