@@ -59,6 +59,32 @@ def test_concurrent_calls_share_one_connection_and_get_their_own_replies(
     assert links == 1
 
 
+def test_the_calls_of_one_loop_pass_go_out_in_one_write(redis_server: RedisServer) -> None:
+    async def go() -> tuple[list[Any], int]:
+        node = _node(redis_server)
+        try:
+            await node.call("PING")
+            (link,) = node.links
+            assert link.transport is not None
+            writes = 0
+            write = link.transport.write
+
+            def counted(data: Any) -> None:
+                nonlocal writes
+                writes += 1
+                write(data)
+
+            link.transport.write = counted  # type: ignore[method-assign]
+            replies = await asyncio.gather(*(node.call("ECHO", str(i)) for i in range(50)))
+            return replies, writes
+        finally:
+            await node.close()
+
+    replies, writes = _run(go)
+    assert replies == [str(i).encode() for i in range(50)]
+    assert writes == 1
+
+
 def test_a_caller_that_gives_up_leaves_the_connection_in_step(redis_server: RedisServer) -> None:
     async def go() -> list[Any]:
         node = _node(redis_server)
