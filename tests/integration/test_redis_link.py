@@ -193,6 +193,30 @@ def test_a_blocking_call_gets_a_connection_of_its_own(redis_server: RedisServer)
     assert _run(go) == 2
 
 
+def test_blocking_calls_beyond_the_link_cap_queue_on_the_least_busy_link(
+    redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("kvmeta.store.redis_nodes.MAX_LINKS", 2)
+
+    async def go() -> tuple[list[Any], int]:
+        node = _node(redis_server)
+        try:
+            await node.call("PING")
+            # No replica: each WAIT 1 100 answers 0 after 100 ms.
+            calls = [
+                node.request(pack(("SET", f"link:c{i}", i)) + pack(("WAIT", 1, 100)), 2, True)
+                for i in range(5)
+            ]
+            replies = await asyncio.gather(*calls)
+            return replies, len(node.links)
+        finally:
+            await node.close()
+
+    replies, links = _run(go)
+    assert replies == [[b"OK", 0]] * 5
+    assert links == 2
+
+
 def test_closing_a_node_fails_calls_in_flight_and_refuses_new_ones(
     redis_server: RedisServer,
 ) -> None:

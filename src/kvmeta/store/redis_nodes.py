@@ -124,6 +124,8 @@ class Node:
             if self.links:
                 return min(self.links, key=lambda link: len(link.waiting))
             self._opening = asyncio.ensure_future(self._open())
+            # (read here too, so a failure every waiter gave up on is not logged as unread)
+            self._opening.add_done_callback(_consume)
             try:
                 return await asyncio.shield(self._opening)
             finally:
@@ -175,6 +177,11 @@ class Node:
         if isinstance(reply, Exception):
             raise reply
         return reply
+
+
+def _consume(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
 
 
 class Topology:
