@@ -3,13 +3,14 @@ connection set-up stops the server with a message that names the cause, never a 
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
 import requests
 
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import SRC, ServerProcess
 
 
 def _start_fails(tmp_path: Path, *args: str) -> str:
@@ -101,3 +102,27 @@ def test_a_data_directory_with_a_redis_backend_is_refused(
     assert server.proc is not None and server.proc.returncode == 2, text
     assert "--backend" in text and ("--data-dir" in text or "--in-memory" in text), text
     assert "Traceback" not in text
+
+
+def test_a_missing_redis_extra_names_the_install_command(
+    redis_server: RedisServer, tmp_path: Path
+) -> None:
+    """Without hiredis (part of the `[redis]` extra) the server stops at start-up naming the
+    extra, not with a traceback."""
+    blocked = tmp_path / "blocked"
+    blocked.mkdir()
+    (blocked / "hiredis.py").write_text("raise ImportError('No module named hiredis')\n")
+    server = ServerProcess(
+        "--backend",
+        redis_server.url,
+        cwd=tmp_path,
+        env={"PYTHONPATH": os.pathsep.join([str(SRC), str(blocked)])},
+    )
+    try:
+        with pytest.raises(RuntimeError) as info:
+            server.start()
+    finally:
+        server.kill()
+    text = str(info.value)
+    assert "Traceback" not in text, text
+    assert "pip install 'kvmeta[redis]'" in text and "hiredis" in text

@@ -35,7 +35,8 @@ def build_backend(settings: Settings) -> Backend:
             from kvmeta.store.redis import RedisBackend
         except ImportError as exc:
             raise InvalidRequest(
-                f"`--backend` needs the redis package ({exc}): pip install 'kvmeta[redis]'",
+                f"`--backend` needs kvmeta's Redis extra (redis-py and hiredis; {exc}): "
+                "pip install 'kvmeta[redis]'",
                 "backend",
             ) from exc
         return RedisBackend(
