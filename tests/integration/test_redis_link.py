@@ -259,3 +259,122 @@ def test_an_error_reply_among_replies_keeps_the_connection(redis_server: RedisSe
             await node.close()
 
     assert _run(go) == [b"b", 1]
+
+
+class _FakeRedis:
+    """A TCP server speaking just enough RESP for redis-py's connection set-up (``OK`` to its
+    ``HELLO`` and ``CLIENT ...`` commands), then answering what it reads with
+    ``answer(data)``: bytes to send back (b"" for nothing)."""
+
+    def __init__(self, answer: Callable[[bytes], bytes]) -> None:
+        self.answer = answer
+        self.server: asyncio.AbstractServer | None = None
+        self.port = 0
+
+    async def __aenter__(self) -> _FakeRedis:
+        async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            try:
+                while data := await reader.read(65536):
+                    setup = data.count(b"HELLO") + data.count(b"CLIENT")
+                    out = b"+OK\r\n" * setup if setup else self.answer(data)
+                    if out:
+                        writer.write(out)
+            except ConnectionError:
+                pass
+            finally:
+                writer.close()
+
+        self.server = await asyncio.start_server(serve, "127.0.0.1", 0)
+        self.port = self.server.sockets[0].getsockname()[1]
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+
+def _fake_node(port: int, read_timeout: float = 0.5) -> Node:
+    target = parse_target(f"redis://127.0.0.1:{port}/0")
+    return Node(target, "", 0, read_timeout=read_timeout)
+
+
+def test_a_reply_cut_off_midway_fails_the_call_after_the_read_timeout() -> None:
+    async def go() -> None:
+        async with _FakeRedis(lambda data: b"$10\r\nhal") as fake:  # 3 of 10 bytes, then silence
+            node = _fake_node(fake.port)
+            try:
+                with pytest.raises(TimeoutError):
+                    await node.call("GET", "k")
+                assert node.links == []
+            finally:
+                await node.close()
+
+    _run(go)
+
+
+def test_a_malformed_reply_closes_the_link_and_fails_its_calls() -> None:
+    async def go() -> None:
+        async with _FakeRedis(lambda data: b"?garbage\r\n") as fake:
+            node = _fake_node(fake.port)
+            try:
+                with pytest.raises(ConnectionError, match="malformed"):
+                    await node.call("GET", "k")
+                assert node.links == []
+            finally:
+                await node.close()
+
+    _run(go)
+
+
+def test_a_reply_nobody_asked_for_closes_the_link() -> None:
+    async def go() -> None:
+        async with _FakeRedis(lambda data: b"+OK\r\n+EXTRA\r\n") as fake:
+            node = _fake_node(fake.port)
+            try:
+                # The first reply answers the call; the second has no caller: the connection is
+                # out of step, so it is closed rather than trusted.
+                assert await node.call("PING") in (b"OK", "OK")
+                for _ in range(50):
+                    if not node.links:
+                        break
+                    await asyncio.sleep(0.01)
+                assert node.links == []
+            finally:
+                await node.close()
+
+    _run(go)
+
+
+def test_a_push_message_is_not_taken_for_a_reply() -> None:
+    """A RESP3 push (out-of-band: e.g. a maintenance notification) ahead of a reply."""
+
+    async def go() -> list[Any]:
+        push = b">3\r\n+MIGRATING\r\n:1\r\n:30\r\n"
+        async with _FakeRedis(lambda data: push + b"+OK\r\n") as fake:
+            node = _fake_node(fake.port)
+            try:
+                return [await node.call("PING"), await node.call("PING"), len(node.links)]
+            finally:
+                await node.close()
+
+    assert _run(go) == [b"OK", b"OK", 1]
+
+
+def test_a_connection_dropped_midway_fails_the_waiting_calls() -> None:
+    async def go() -> None:
+        async with _FakeRedis(lambda data: b"") as fake:  # reads, never answers
+            node = _fake_node(fake.port, read_timeout=30.0)
+            try:
+                calls = [asyncio.ensure_future(node.call("ECHO", str(i))) for i in range(3)]
+                await asyncio.sleep(0.1)
+                assert fake.server is not None
+                fake.server.close()
+                for link in list(node.links):  # the server side of the socket goes away
+                    assert link.transport is not None
+                    link.transport.abort()
+                results = await asyncio.gather(*calls, return_exceptions=True)
+                assert all(isinstance(r, ConnectionError) for r in results), results
+            finally:
+                await node.close()
+
+    _run(go)

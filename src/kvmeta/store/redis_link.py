@@ -72,6 +72,9 @@ _ERR_ERRORS: dict[str, type[RedisError]] = {
     "invalid password": AuthenticationError,
 }
 _NOTHING = object()  # hiredis: no complete reply buffered yet
+# A RESP3 push message (redis-py asks for RESP3 when it has it): out-of-band, never a reply to
+# a call. kvmeta turns on nothing that pushes; one arriving anyway must not be taken as one.
+_PUSH = getattr(hiredis, "PushNotification", None)
 
 
 def reply_error(text: str) -> RedisError:
@@ -166,6 +169,8 @@ class Link(asyncio.Protocol):
                 return
             if reply is _NOTHING:
                 return
+            if _PUSH is not None and type(reply) is _PUSH:
+                continue
             if not waiting:
                 self.close(ConnectionError(f"Redis {self.addr} sent a reply nobody asked for"))
                 return
