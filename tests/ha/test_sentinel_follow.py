@@ -108,3 +108,34 @@ def _promoted(group: SentinelGroup, old: Node) -> Node:
 
     _wait("the Sentinels to promote a replica of the stalled primary", switched)
     return found[0]
+
+
+@pytest.mark.timeout(300)
+def test_a_failover_is_followed_without_waiting_for_a_request_to_fail() -> None:
+    """The Sentinels' ``+switch-master`` announcements make kvmeta ask them again at once: with
+    no request in flight, its primary moves to the promoted node (the old one is alive, so no
+    connection error would ever have told it)."""
+    with SentinelGroup(replicas=1).start() as group:
+        old = group.primary()
+
+        async def go() -> float:
+            backend = RedisBackend(group.url, failover_timeout=30.0)
+            await backend.start()
+            topo = backend._topo
+            try:
+                assert topo is not None and topo.primaries()[0].port == old.port
+                await backend.initialize(POOL, 64)
+                group.sentinels[0].call("SENTINEL", "FAILOVER", group.NAME)
+                new = await asyncio.to_thread(_promoted, group, old)
+                switched = time.monotonic()
+                while topo.primaries() == [] or topo.primaries()[0].port != new.port:
+                    assert time.monotonic() - switched < 10.0, "kvmeta did not follow"
+                    await asyncio.sleep(0.01)
+                followed = time.monotonic() - switched
+                # and it answers from there
+                assert await backend.exists(POOL, ["x"]) == [False]
+                return followed
+            finally:
+                await backend.close()
+
+        print(f"\nfollowed {asyncio.run(go()):.2f}s after a majority of Sentinels switched")

@@ -31,7 +31,7 @@ from redis.exceptions import (
 
 from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis_link import Link, open_link
-from kvmeta.store.redis_sentinel import resolve_primary
+from kvmeta.store.redis_sentinel import resolve_primary, watch_switches
 from kvmeta.store.redis_url import RedisTarget
 from kvmeta.store.resp import pack
 
@@ -383,7 +383,8 @@ class ClusterTopology(Topology):
 
 class SentinelTopology(Topology):
     """A primary and its replicas watched by Sentinels: every key on the primary a majority of
-    the configured Sentinels name, checked with ``ROLE`` before use."""
+    the configured Sentinels name, checked with ``ROLE`` before use; asked again when a call
+    fails and whenever a Sentinel announces a switch (``watch_switches``)."""
 
     mode = "sentinel"
 
@@ -391,6 +392,7 @@ class SentinelTopology(Topology):
         super().__init__(target, read_timeout=read_timeout)
         self._primary: Node | None = None
         self._last: Node | None = None  # the primary last in use (None: never one yet)
+        self._watcher: asyncio.Task[None] | None = None  # ``watch_switches``, once started
 
     def route(self, key: str) -> Node:
         if self._primary is None:
@@ -402,6 +404,24 @@ class SentinelTopology(Topology):
 
     async def start(self) -> None:
         await self._refresh(raise_errors=True)
+        self._watcher = asyncio.get_running_loop().create_task(
+            watch_switches(self.target, self._follow, timeout=CONNECT_TIMEOUT)
+        )
+
+    async def _follow(self) -> None:
+        """A Sentinel announced a new primary: a new round of questions, after any round
+        running now (it may have begun before the switch and bring back the old answer)."""
+        running = self._refreshing
+        if running is not None and not running.done():
+            await asyncio.wait([running])
+        await self.refresh()
+
+    async def close(self) -> None:
+        watcher, self._watcher = self._watcher, None
+        if watcher is not None:
+            watcher.cancel()
+            await asyncio.gather(watcher, return_exceptions=True)
+        await super().close()
 
     async def recheck(self, node: Node) -> bool:
         await self.refresh()
