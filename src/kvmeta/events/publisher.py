@@ -73,6 +73,10 @@ _COMPACT_EVERY = 1 << 14
 _GATHER = 0.005
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
+# A frame out through the socket's compiled ``send``: pyzmq's ``send_multipart`` and its
+# Python ``send`` wrapper check arguments these calls do not use (2.8 against 5.9 us a batch).
+_SEND_FRAME = zmq.backend.Socket.send
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 # Seconds from a change reaching the publisher to its batch being sent.
 LAG_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
@@ -318,16 +322,20 @@ class Publisher:
         minus ``ts`` is the whole publish lag); 0: now."""
         stats = self.stats
         ts = ts or time.time()
+        pub = self.pub
+        topic = self.topic
         for i in range(0, len(events), _MAX_EVENTS):
             chunk = events if len(events) <= _MAX_EVENTS else events[i : i + _MAX_EVENTS]
             payload = self.encoder.batch(ts, chunk)
             seq = self.seq
             self.seq += 1
             try:
-                self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                _SEND_FRAME(pub, topic, _MORE)
+                _SEND_FRAME(pub, seq.to_bytes(8, "big"), _MORE)
+                _SEND_FRAME(pub, payload, zmq.NOBLOCK)
             except zmq.Again:  # pragma: no cover - a PUB socket drops rather than blocks
                 pass
-            self.buffer.append((seq, self.topic, payload))
+            self.buffer.append((seq, topic, payload))
             stats.batches += 1
         stats.events += len(events)
         stats.blocks += blocks
