@@ -2,7 +2,7 @@
 
 Changes arrive on the event loop once durable (the backend's rule); each is turned into the
 engines' events and encoded at once, while its keys are fresh in the CPU caches (the SGLang
-hashes go straight from the hex keys to msgpack, ``packed_sglang_hashes``: no Python int per
+hashes go straight from the hex keys to msgpack, ``raw_hash_array``: no Python int per
 key), and the encoded events are sent as one batch every few milliseconds (``_GATHER``), so a
 burst of requests costs one send, not one per request. Holding the changes (or the requests'
 objects) until the batch is sent measured dearer: the held objects push the next requests'
@@ -48,8 +48,7 @@ from kvmeta.events.wire import (
     Encoder,
     Event,
     Hashes,
-    packed_sglang_hashes,
-    raw_int_array,
+    raw_hash_array,
     sglang_hash,
     sglang_hashes,
 )
@@ -407,10 +406,8 @@ class Publisher:
 
 def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
-    packed = packed_sglang_hashes(keys)
-    if packed is None:
-        return sglang_hashes(keys)
-    return raw_int_array(packed, 0, len(keys))
+    raw = raw_hash_array(keys)
+    return sglang_hashes(keys) if raw is None else raw
 
 
 def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:
