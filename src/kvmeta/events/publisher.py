@@ -184,10 +184,16 @@ class Publisher:
         if not self._scheduled:
             self._schedule()
 
-    def note_reserve(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
-        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs)."""
+    def note_reserve(
+        self,
+        pool: PoolId,
+        pairs: Sequence[tuple[str, str | None]],
+        keys: Sequence[str] | None = None,
+    ) -> None:
+        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs);
+        ``keys``: the pairs' keys, when the caller has them already."""
         if pairs:
-            self._note(pool, pairs)
+            self._note(pool, pairs, keys)
 
     def _schedule(self) -> None:
         if self._holding or self._loop is None or not self._pending:
@@ -197,8 +203,13 @@ class Publisher:
 
     # ------------------------------------------------------------------ parents
 
-    def _note(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
-        keys = tuple(map(_FIRST, pairs))
+    def _note(
+        self,
+        pool: PoolId,
+        pairs: Sequence[tuple[str, str | None]],
+        given: Sequence[str] | None,
+    ) -> None:
+        keys = tuple(map(_FIRST, pairs)) if given is None else tuple(given)
         chains = self._chains.get(pool)
         if tuple(map(_SECOND, islice(pairs, 1, None))) == keys[:-1] and (
             chains is None or keys[0] not in chains
