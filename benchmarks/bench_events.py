@@ -164,21 +164,37 @@ def one(mode: str, events: bool, cfg: BenchConfig, light: bool = True) -> dict[s
     return out
 
 
-def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[str, float]:
-    """Server CPU per request of the S cycle without sockets (as ``kvmeta bench core``'s app
-    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
+# A subscriber in its own process that only receives (``inprocess``).
+_RECEIVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.setsockopt(zmq.RCVHWM, 0)
+sock.connect(sys.argv[1])
+while True:
+    sock.recv_multipart()
+"""
+
+
+def inprocess(
+    batch: int, pool_pages: int, cycles: int, chunk: int | None = None
+) -> dict[str, float]:
+    """Server CPU per request of the S cycle without HTTP sockets (as ``kvmeta bench core``'s
+    app figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
     ``core_bench.sglang_script``) replayed on two identically prefilled apps, one with a
-    publisher on a real PUB socket. The apps take turns every ``chunk`` cycles (about what the
-    real server does between two batches, 5 ms), the on app's turn ending with its batch sent,
-    so a machine that slows down meanwhile slows both alike. ``process_time`` counts every
-    thread (ZeroMQ's I/O thread too). Reported: the CPU of all turns per request, and the
-    median of the per-turn ratios."""
+    publisher on a real PUB socket, a subscriber process connected (receiving only). The apps
+    take turns every ``chunk`` cycles (default: what the real server does in one gather window,
+    at about 1,600 cycles a second), the on app's turn ending with its batch sent, so a machine
+    that slows down meanwhile slows both alike. ``process_time`` counts every thread (ZeroMQ's
+    I/O thread too). Reported: the CPU of all turns per request, and the median of the
+    per-turn ratios."""
     import asyncio
     import gc
+    import subprocess
 
     from kvmeta.bench.core_bench import sglang_script
     from kvmeta.config import Settings
-    from kvmeta.events.publisher import Publisher
+    from kvmeta.events.publisher import _GATHER, Publisher
     from kvmeta.server.http import Request, render
     from kvmeta.server.runner import build_app, build_backend
     from kvmeta.service.ops import Service
@@ -205,9 +221,14 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         return call, pub
 
     script, setup = sglang_script(batch, pool_pages, cycles, "events", chains=True)
+    if chunk is None:
+        chunk = max(1, round(_GATHER * 1600))
 
     async def measure() -> tuple[list[float], list[float]]:
         apps = [app_with(False), app_with(True)]
+        on_pub = apps[1][1]
+        assert on_pub is not None
+        receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, on_pub.endpoint])
         for call, pub in apps:
             if pub is not None:
                 pub.start(asyncio.get_running_loop())
@@ -234,6 +255,8 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         for _, pub in apps:
             if pub is not None:
                 pub.close()
+        receiver.kill()
+        receiver.wait()
         gc.unfreeze()
         return turns[0], turns[1]
 
@@ -245,6 +268,7 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         "on_us": sum(on) / requests_ * 1e6,
         "added_percent": 100 * (sum(on) / sum(off) - 1),
         "median_turn_added_percent": 100 * (statistics.median(ratios) - 1),
+        "chunk": chunk,
     }
 
 
@@ -357,7 +381,8 @@ def main() -> None:
         + " %)"
     )
     print(
-        f"app alone (no sockets, turns of 8 cycles interleaved): off {app['off_us']:.1f} us, "
+        f"app alone (no HTTP, turns of {app['chunk']} cycles interleaved): "
+        f"off {app['off_us']:.1f} us, "
         f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} % "
         f"(median of the turns {app['median_turn_added_percent']:+.1f} %)"
     )
