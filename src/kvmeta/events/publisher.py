@@ -67,9 +67,12 @@ _DUMP_PAGE = 2048
 _PREFIX_CAP = 1 << 17
 _COMPACT_EVERY = 1 << 14
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
-# cost less per change (each ZeroMQ send is dear on the server: 2 ms measured +28 % CPU per
-# request, 5 ms +19 %, 10 ms +20 % at the batch-64 cycle) for a few milliseconds of lag.
-_GATHER = 0.005
+# cost less per change. Each batch costs about the same whatever its size (the socket wakes
+# ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
+# 2-core machine, against 5 us for a send with warm caches), so at 5 ms it was a fifth of the
+# events' cost at the batch-64 cycle. The lag a subscriber sees is this window plus a few
+# milliseconds (p99 about 11 ms measured; the target is at most 20 ms).
+_GATHER = 0.008
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
 # A frame out through the socket's compiled ``send``: pyzmq's ``send_multipart`` and its
