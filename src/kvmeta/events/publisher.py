@@ -69,9 +69,9 @@ _COMPACT_EVERY = 1 << 14
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change. Each batch costs about the same whatever its size (the socket wakes
 # ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
-# 2-core machine, against 5 us for a send with warm caches), so at 5 ms it was a fifth of the
-# events' cost at the batch-64 cycle. The lag a subscriber sees is this window plus a few
-# milliseconds (p99 about 11 ms measured; the target is at most 20 ms).
+# 2-core machine, against 5 us for a send with warm caches): with 5 ms batches that work was
+# about a fifth of the events' cost at the batch-64 cycle. The lag a subscriber sees is this
+# window plus a few milliseconds (p99 about 11 ms measured; the target is at most 20 ms).
 _GATHER = 0.008
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
