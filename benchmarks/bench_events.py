@@ -1,12 +1,13 @@
 """KV events on vs off at the SGLang batch-64 cycle, side by side in one run.
 
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
-                                      [--repeat 2] [--capacity-seconds 3]
+                                      [--repeat 2] [--capacity-seconds 3] [--full-subscriber]
 
 For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other (in
 alternating order: off-on, on-off, ...) with ``kvmeta bench``'s engine cycle (exists, reserve,
 confirm, get; batch 64, pool prefilled so every reserve evicts 64 keys): one plain, one with
-``--events`` and a subscriber in this process that receives and decodes every batch. Reported
+``--events`` and a subscriber in this process that receives every batch (and decodes them
+after the run: ``Counter``; ``--full-subscriber`` decodes each as it arrives). Reported
 per setting: requests/s, server CPU µs per request (utime + stime from /proc, all threads,
 steadier than wall time on a shared machine), and with events: the change -> subscriber lag
 (receive time minus the batch's ``ts``, which is when its first change reached the publisher:
@@ -49,10 +50,18 @@ def free_port() -> int:
 
 class Counter:
     """A SUB socket on a thread: (receive time, events, blocks, lag) of every batch; blocks:
-    the block hashes of its BlockStored and BlockRemoved events."""
+    the block hashes of its BlockStored and BlockRemoved events.
 
-    def __init__(self, endpoint: str) -> None:
+    ``light`` (the cost runs): the thread only receives each payload and keeps it with its
+    receive time; the payloads are decoded after the run (``close``), so the figures are the
+    same, but a subscriber decoding every batch on this machine's 2 cores (a router's
+    subscriber runs on another machine) does not compete with the server for CPU meanwhile.
+    ``light=False``: each batch decoded as it arrives."""
+
+    def __init__(self, endpoint: str, light: bool = True) -> None:
         self.samples: list[tuple[float, int, int, float]] = []
+        self._received: list[tuple[float, bytes]] = []
+        self._light = light
         self._stop = threading.Event()
         self._ctx = zmq.Context()
         self._sock = self._ctx.socket(zmq.SUB)
@@ -63,22 +72,31 @@ class Counter:
         self._thread.start()
 
     def _run(self) -> None:
-        decode = msgspec.msgpack.decode
+        keep = self._received.append
         while not self._stop.is_set():
             if not self._sock.poll(100):
                 continue
-            _, _, payload = self._sock.recv_multipart()
+            payload = self._sock.recv_multipart()[2]
             now = time.time()
-            ts, events = decode(payload)[:2]
-            # (blocks stored and removed alike: a BlockRemoved carries only hashes)
-            blocks = sum(len(e.get("block_hashes", ())) for e in events)
-            self.samples.append((now, len(events), blocks, now - ts))
+            if self._light:
+                keep((now, payload))
+            else:
+                self._count(now, payload)
+
+    def _count(self, now: float, payload: bytes) -> None:
+        ts, events = msgspec.msgpack.decode(payload)[:2]
+        # (blocks stored and removed alike: a BlockRemoved carries only hashes)
+        blocks = sum(len(e.get("block_hashes", ())) for e in events)
+        self.samples.append((now, len(events), blocks, now - ts))
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(5)
         self._sock.close(0)
         self._ctx.term()
+        for now, payload in self._received:
+            self._count(now, payload)
+        self._received.clear()
 
 
 def _pct(values: list[float], q: float) -> float:
@@ -108,7 +126,7 @@ def server_counters(url: str) -> dict[str, float]:
     return out
 
 
-def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
+def one(mode: str, events: bool, cfg: BenchConfig, light: bool = True) -> dict[str, Any]:
     extra = ["--read-lease", "0"]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     if events:
@@ -116,7 +134,7 @@ def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
     counter = None
     with LaunchedServer(mode, extra) as server:
         if events:
-            counter = Counter(endpoint)
+            counter = Counter(endpoint, light)
             time.sleep(0.5)
         cfg.url, cfg.server_pid, cfg.data_dir = server.url, server.pid, server.data_dir
         cfg.seed = ""
@@ -146,20 +164,37 @@ def one(mode: str, events: bool, cfg: BenchConfig) -> dict[str, Any]:
     return out
 
 
-def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[str, float]:
-    """Server CPU per request of the S cycle without sockets (as ``kvmeta bench core``'s app
-    figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
+# A subscriber in its own process that only receives (``inprocess``).
+_RECEIVER = """
+import sys, zmq
+sock = zmq.Context().socket(zmq.SUB)
+sock.setsockopt(zmq.SUBSCRIBE, b"")
+sock.setsockopt(zmq.RCVHWM, 0)
+sock.connect(sys.argv[1])
+while True:
+    sock.recv_multipart()
+"""
+
+
+def inprocess(
+    batch: int, pool_pages: int, cycles: int, chunk: int | None = None
+) -> dict[str, float]:
+    """Server CPU per request of the S cycle without HTTP sockets (as ``kvmeta bench core``'s
+    app figure), events off vs on: the same recorded requests (prefix chains, as SGLang sends;
     ``core_bench.sglang_script``) replayed on two identically prefilled apps, one with a
-    publisher on a real PUB socket. The apps take turns every ``chunk`` cycles (about what the
-    real server does between two batches, 5 ms), the on app's turn ending with its batch sent,
-    so a machine that slows down meanwhile slows both alike. ``process_time`` counts every
-    thread (ZeroMQ's I/O thread too). Reported: the CPU of all turns per request, and the
-    median of the per-turn ratios."""
+    publisher on a real PUB socket, a subscriber process connected (receiving only). The apps
+    take turns every ``chunk`` cycles (default: what the real server does in one gather window,
+    at about 1,600 cycles a second), the on app's turn ending with its batch sent, so a machine
+    that slows down meanwhile slows both alike. ``process_time`` counts every thread (ZeroMQ's
+    I/O thread too). Reported: the CPU of all turns per request, and the median of the
+    per-turn ratios."""
     import asyncio
+    import gc
+    import subprocess
 
     from kvmeta.bench.core_bench import sglang_script
     from kvmeta.config import Settings
-    from kvmeta.events.publisher import Publisher
+    from kvmeta.events.publisher import _GATHER, Publisher
     from kvmeta.server.http import Request, render
     from kvmeta.server.runner import build_app, build_backend
     from kvmeta.service.ops import Service
@@ -186,14 +221,23 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         return call, pub
 
     script, setup = sglang_script(batch, pool_pages, cycles, "events", chains=True)
+    if chunk is None:
+        chunk = max(1, round(_GATHER * 1600))
 
     async def measure() -> tuple[list[float], list[float]]:
         apps = [app_with(False), app_with(True)]
+        on_pub = apps[1][1]
+        assert on_pub is not None
+        receiver = subprocess.Popen([sys.executable, "-c", _RECEIVER, on_pub.endpoint])
         for call, pub in apps:
             if pub is not None:
                 pub.start(asyncio.get_running_loop())
             for path, body in script[:setup]:
                 call(path, body)
+        # The prefilled pools out of the cyclic GC's sight: a full collection walks both apps'
+        # heaps (tens of ms) and would bill all of it to the app whose turn it lands in.
+        gc.collect()
+        gc.freeze()
         await asyncio.sleep(0.05)
         turns: list[list[float]] = [[], []]
         step = 4 * chunk
@@ -211,6 +255,9 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         for _, pub in apps:
             if pub is not None:
                 pub.close()
+        receiver.kill()
+        receiver.wait()
+        gc.unfreeze()
         return turns[0], turns[1]
 
     off, on = asyncio.run(measure())
@@ -221,6 +268,7 @@ def inprocess(batch: int, pool_pages: int, cycles: int, chunk: int = 8) -> dict[
         "on_us": sum(on) / requests_ * 1e6,
         "added_percent": 100 * (sum(on) / sum(off) - 1),
         "median_turn_added_percent": 100 * (statistics.median(ratios) - 1),
+        "chunk": chunk,
     }
 
 
@@ -289,6 +337,11 @@ def main() -> None:
     parser.add_argument("--clients", type=int, default=3)
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument("--capacity-seconds", type=float, default=3.0)
+    parser.add_argument(
+        "--full-subscriber",
+        action="store_true",
+        help="decode every batch as it arrives (default: keep the payloads, decode after the run)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     runs = []
@@ -298,7 +351,7 @@ def main() -> None:
         for events in (False, True) if i % 2 == 0 else (True, False):
             cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
             cfg.duration = args.duration
-            runs.append(one(args.launch, events, cfg))
+            runs.append(one(args.launch, events, cfg, light=not args.full_subscriber))
     cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
     app = inprocess(64, 65536, 4000)
     if args.json:
@@ -328,7 +381,8 @@ def main() -> None:
         + " %)"
     )
     print(
-        f"app alone (no sockets, turns of 8 cycles interleaved): off {app['off_us']:.1f} us, "
+        f"app alone (no HTTP, turns of {app['chunk']} cycles interleaved): "
+        f"off {app['off_us']:.1f} us, "
         f"on {app['on_us']:.1f} us CPU per request: {app['added_percent']:+.1f} % "
         f"(median of the turns {app['median_turn_added_percent']:+.1f} %)"
     )

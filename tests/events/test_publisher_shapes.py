@@ -21,6 +21,7 @@ from kvmeta.events.publisher import Publisher
 from kvmeta.events.wire import (
     packed_sglang_hashes,
     pool_label,
+    raw_hash_array,
     raw_int_array,
     sglang_hash,
     sglang_hashes,
@@ -69,6 +70,28 @@ def test_packed_hashes_are_the_per_key_hashes_or_none(key: str) -> None:
             ]
         else:  # a key whose head is not 16 hex digits
             assert any(len(k) < 16 or not _strict_hex(k[:16]) for k in keys)
+
+
+@pytest.mark.parametrize("key", ODD_KEYS)
+def test_hash_arrays_are_the_per_key_hashes_or_none(key: str) -> None:
+    """The one-step array (header and hashes from one hex decode) says what ``sglang_hash``
+    says of each key, or None when a key's head is not 16 hex digits."""
+    good = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(3)]
+    for keys in ([key], [*good, key], [key, *good], good):
+        raw = raw_hash_array(keys)
+        if raw is not None:
+            assert msgspec.msgpack.decode(raw) == [sglang_hash(k) for k in keys]
+        else:
+            assert any(len(k) < 16 or not _strict_hex(k[:16]) for k in keys)
+
+
+@pytest.mark.parametrize("n", [0, 1, 15, 16, 17, 64, 1024, 1025, 65535, 65536])
+def test_hash_array_headers(n: int) -> None:
+    keys = [f"{i:016x}" + "0" * 48 for i in range(n)]
+    raw = raw_hash_array(keys)
+    assert raw is not None
+    assert msgspec.msgpack.decode(raw) == list(range(n))
+    assert raw_hash_array(keys[1:]) is not None  # (a cached format of another length)
 
 
 def _strict_hex(text: str) -> bool:

@@ -2,7 +2,7 @@
 
 Changes arrive on the event loop once durable (the backend's rule); each is turned into the
 engines' events and encoded at once, while its keys are fresh in the CPU caches (the SGLang
-hashes go straight from the hex keys to msgpack, ``packed_sglang_hashes``: no Python int per
+hashes go straight from the hex keys to msgpack, ``raw_hash_array``: no Python int per
 key), and the encoded events are sent as one batch every few milliseconds (``_GATHER``), so a
 burst of requests costs one send, not one per request. Holding the changes (or the requests'
 objects) until the batch is sent measured dearer: the held objects push the next requests'
@@ -48,8 +48,7 @@ from kvmeta.events.wire import (
     Encoder,
     Event,
     Hashes,
-    packed_sglang_hashes,
-    raw_int_array,
+    raw_hash_array,
     sglang_hash,
     sglang_hashes,
 )
@@ -68,11 +67,18 @@ _DUMP_PAGE = 2048
 _PREFIX_CAP = 1 << 17
 _COMPACT_EVERY = 1 << 14
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
-# cost less per change (each ZeroMQ send is dear on the server: 2 ms measured +28 % CPU per
-# request, 5 ms +19 %, 10 ms +20 % at the batch-64 cycle) for a few milliseconds of lag.
-_GATHER = 0.005
+# cost less per change. Each batch costs about the same whatever its size (the socket wakes
+# ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
+# 2-core machine, against 5 us for a send with warm caches): with 5 ms batches that work was
+# about a fifth of the events' cost at the batch-64 cycle. The lag a subscriber sees is this
+# window plus a few milliseconds (p99 about 11 ms measured; the target is at most 20 ms).
+_GATHER = 0.008
 _FIRST = itemgetter(0)
 _SECOND = itemgetter(1)
+# A frame out through the socket's compiled ``send``: pyzmq's ``send_multipart`` and its
+# Python ``send`` wrapper check arguments these calls do not use (2.8 against 5.9 us a batch).
+_SEND_FRAME = zmq.backend.Socket.send
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 # Seconds from a change reaching the publisher to its batch being sent.
 LAG_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
@@ -181,10 +187,16 @@ class Publisher:
         if not self._scheduled:
             self._schedule()
 
-    def note_reserve(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
-        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs)."""
+    def note_reserve(
+        self,
+        pool: PoolId,
+        pairs: Sequence[tuple[str, str | None]],
+        keys: Sequence[str] | None = None,
+    ) -> None:
+        """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs);
+        ``keys``: the pairs' keys, when the caller has them already."""
         if pairs:
-            self._note(pool, pairs)
+            self._note(pool, pairs, keys)
 
     def _schedule(self) -> None:
         if self._holding or self._loop is None or not self._pending:
@@ -194,8 +206,13 @@ class Publisher:
 
     # ------------------------------------------------------------------ parents
 
-    def _note(self, pool: PoolId, pairs: Sequence[tuple[str, str | None]]) -> None:
-        keys = tuple(map(_FIRST, pairs))
+    def _note(
+        self,
+        pool: PoolId,
+        pairs: Sequence[tuple[str, str | None]],
+        given: Sequence[str] | None,
+    ) -> None:
+        keys = tuple(map(_FIRST, pairs)) if given is None else tuple(given)
         chains = self._chains.get(pool)
         if tuple(map(_SECOND, islice(pairs, 1, None))) == keys[:-1] and (
             chains is None or keys[0] not in chains
@@ -318,16 +335,20 @@ class Publisher:
         minus ``ts`` is the whole publish lag); 0: now."""
         stats = self.stats
         ts = ts or time.time()
+        pub = self.pub
+        topic = self.topic
         for i in range(0, len(events), _MAX_EVENTS):
             chunk = events if len(events) <= _MAX_EVENTS else events[i : i + _MAX_EVENTS]
             payload = self.encoder.batch(ts, chunk)
             seq = self.seq
             self.seq += 1
             try:
-                self.pub.send_multipart([self.topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK)
+                _SEND_FRAME(pub, topic, _MORE)
+                _SEND_FRAME(pub, seq.to_bytes(8, "big"), _MORE)
+                _SEND_FRAME(pub, payload, zmq.NOBLOCK)
             except zmq.Again:  # pragma: no cover - a PUB socket drops rather than blocks
                 pass
-            self.buffer.append((seq, self.topic, payload))
+            self.buffer.append((seq, topic, payload))
             stats.batches += 1
         stats.events += len(events)
         stats.blocks += blocks
@@ -399,10 +420,8 @@ class Publisher:
 
 def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
-    packed = packed_sglang_hashes(keys)
-    if packed is None:
-        return sglang_hashes(keys)
-    return raw_int_array(packed, 0, len(keys))
+    raw = raw_hash_array(keys)
+    return sglang_hashes(keys) if raw is None else raw
 
 
 def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:

@@ -33,6 +33,7 @@ __all__ = [
     "FORMATS",
     "packed_sglang_hashes",
     "pool_label",
+    "raw_hash_array",
     "raw_int_array",
     "sglang_hash",
     "sglang_hashes",
@@ -98,6 +99,34 @@ def packed_sglang_hashes(keys: Sequence[str]) -> bytes | None:
         return None
     try:
         return binascii.a2b_hex(text)  # strict: no whitespace, signs, prefixes, non-ASCII
+    except (binascii.Error, ValueError):
+        return None
+
+
+_ARRAY_FORMATS: dict[int, str] = {}
+
+
+def raw_hash_array(keys: Sequence[str]) -> msgspec.Raw | None:
+    """The msgpack array of the keys' ``sglang_hash`` values, header included, from one
+    format and one hex decode (``packed_sglang_hashes`` plus ``raw_int_array`` without the
+    second copy of the hashes); None unless every key starts with 16 hex digits."""
+    n = len(keys)
+    fmt = _ARRAY_FORMATS.get(n)
+    if fmt is None:
+        if n < 16:
+            head = f"9{n:x}"
+        elif n < 1 << 16:
+            head = f"dc{n:04x}"
+        else:
+            head = f"dd{n:08x}"
+        fmt = head + "d3%.16s" * n
+        if n <= 1024:
+            _ARRAY_FORMATS[n] = fmt
+    text = fmt % tuple(keys)
+    if len(text) != len(fmt) + 11 * n:  # a key shorter than 16 (each "d3%.16s" makes 18)
+        return None
+    try:
+        return msgspec.Raw(binascii.a2b_hex(text))
     except (binascii.Error, ValueError):
         return None
 
@@ -207,6 +236,16 @@ class Encoder:
         self.positional = encoding == "array"
         self.medium = medium
         self._encode = msgspec.msgpack.Encoder().encode
+        # Each pool's ``pool`` field, made once (two f-string formats per change otherwise).
+        self._labels: dict[PoolId, str] = {}
+
+    def _label(self, pool: PoolId) -> str:
+        label = self._labels.get(pool)
+        if label is None:
+            if len(self._labels) >= 4096:  # (pools come and go: a bounded cache)
+                self._labels.clear()
+            label = self._labels[pool] = pool_label(pool)
+        return label
 
     def stored(
         self,
@@ -219,11 +258,11 @@ class Encoder:
     ) -> Event:
         if self.positional:
             return ArrayStored(
-                hashes, parent, [], 0, None, self.medium, keys, pool_label(pool), parent_key,
+                hashes, parent, [], 0, None, self.medium, keys, self._label(pool), parent_key,
                 reason, pool.tenant,
             )  # fmt: skip
         return MapStored(
-            hashes, parent, [], 0, None, self.medium, None, pool_label(pool), keys, parent_key,
+            hashes, parent, [], 0, None, self.medium, None, self._label(pool), keys, parent_key,
             reason, pool.tenant,
         )  # fmt: skip
 
@@ -231,8 +270,8 @@ class Encoder:
         """Hashes only: a subscriber knows each block's key from its ``BlockStored`` (or from
         ``GET /v1/dump``), and a removal names nothing new."""
         if self.positional:
-            return ArrayRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
-        return MapRemoved(hashes, self.medium, pool_label(pool), reason, pool.tenant)
+            return ArrayRemoved(hashes, self.medium, self._label(pool), reason, pool.tenant)
+        return MapRemoved(hashes, self.medium, self._label(pool), reason, pool.tenant)
 
     def cleared(self, pool: PoolId | None, reason: str) -> Event:
         """``pool`` None: every pool of this server (the first event after a start)."""

@@ -105,7 +105,7 @@ async def reserve(service: Service, req: Request, rank: int) -> Response:
     pool = sglang_pool(req, rank, body.namespace)
     out = await service.reserve(pool, keys)
     if service.reserve_observer is not None:
-        service.reserve_observer(pool, body.keys)
+        service.reserve_observer(pool, body.keys, keys)
     return reply(json_response({"indices": out}), warnings)
 
 

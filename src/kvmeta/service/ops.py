@@ -36,9 +36,11 @@ class Service:
         self.limits = self.ops.limits
         # Budget check and creation must not interleave with another initialize.
         self._init_lock = asyncio.Lock()
-        # Told each SGLang reserve's [key, prefix key] pairs when KV events are on (the
-        # publisher's parent hashes); None: not called.
-        self.reserve_observer: Callable[[PoolId, list[tuple[str, str | None]]], None] | None = None
+        # Told each SGLang reserve's [key, prefix key] pairs, and their keys, when KV events
+        # are on (the publisher's parent hashes); None: not called.
+        self.reserve_observer: (
+            Callable[[PoolId, list[tuple[str, str | None]], list[str]], None] | None
+        ) = None
 
     @property
     def tenant_max_pages(self) -> Callable[[str], int | None]:
