@@ -50,7 +50,6 @@ from kvmeta.events.wire import (
     Hashes,
     raw_hash_array,
     sglang_hash,
-    sglang_hashes,
 )
 from kvmeta.store.changes import CLEARED, REASON_RESTART, REMOVED, STORED, Change
 
@@ -421,7 +420,7 @@ class Publisher:
 def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
     raw = raw_hash_array(keys)
-    return sglang_hashes(keys) if raw is None else raw
+    return [sglang_hash(k) for k in keys] if raw is None else raw
 
 
 def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:

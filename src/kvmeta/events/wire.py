@@ -31,10 +31,8 @@ from kvmeta._types import PoolId
 __all__ = [
     "ENCODINGS",
     "FORMATS",
-    "packed_sglang_hashes",
     "pool_label",
     "raw_hash_array",
-    "raw_int_array",
     "sglang_hash",
     "sglang_hashes",
 ]
@@ -68,48 +66,28 @@ def sglang_hash(key: str) -> int:
 
 
 def sglang_hashes(keys: Sequence[str]) -> list[int]:
-    """``sglang_hash`` of each key: read from ``packed_sglang_hashes`` when every key starts
-    with 16 hex digits (SGLang's SHA-256 keys), else key by key."""
-    packed = packed_sglang_hashes(keys)
-    if packed is None:
+    """``sglang_hash`` of each key: read from ``raw_hash_array`` when every key starts with 16
+    hex digits (SGLang's SHA-256 keys), else key by key."""
+    raw = raw_hash_array(keys)
+    if raw is None:
         return [sglang_hash(k) for k in keys]
-    return list(struct.unpack(">" + "xq" * len(keys), packed))  # (x: each value's 0xd3 marker)
-
-
-_PACKED_FORMATS: dict[int, str] = {}
-
-
-def packed_sglang_hashes(keys: Sequence[str]) -> bytes | None:
-    """``sglang_hash`` of each key as msgpack int64s back to back (9 bytes a key: the int64
-    marker 0xd3, then the value big-endian), for ``raw_int_array``; None unless every key
-    starts with 16 hex digits (then ``sglang_hashes``).
-
-    One format (``d3%.16s`` a key: each key's first 16 digits behind the marker's two) and one
-    strict hex decode make them all: the digits' bytes *are* SGLang's int64 in two's
-    complement, so no Python int is made, kept or encoded per key, and only the head of each
-    key is read (an evicted key's other bytes are often out of the CPU caches)."""
-    n = len(keys)
-    fmt = _PACKED_FORMATS.get(n)
-    if fmt is None:
-        fmt = "d3%.16s" * n
-        if n <= 1024:
-            _PACKED_FORMATS[n] = fmt
-    text = fmt % tuple(keys)
-    if len(text) != 18 * n:  # a key shorter than 16
-        return None
-    try:
-        return binascii.a2b_hex(text)  # strict: no whitespace, signs, prefixes, non-ASCII
-    except (binascii.Error, ValueError):
-        return None
+    n = len(keys)  # (behind the array's header, 9 bytes a key: the 0xd3 marker, the value)
+    return list(struct.unpack_from(">" + "xq" * n, raw, len(raw) - 9 * n))
 
 
 _ARRAY_FORMATS: dict[int, str] = {}
 
 
 def raw_hash_array(keys: Sequence[str]) -> msgspec.Raw | None:
-    """The msgpack array of the keys' ``sglang_hash`` values, header included, from one
-    format and one hex decode (``packed_sglang_hashes`` plus ``raw_int_array`` without the
-    second copy of the hashes); None unless every key starts with 16 hex digits."""
+    """The msgpack array of the keys' ``sglang_hash`` values, ready to be embedded as an
+    event's ``block_hashes``; None unless every key starts with 16 hex digits (then
+    ``sglang_hashes``).
+
+    One format (the array header, then ``d3%.16s`` a key: each key's first 16 digits behind
+    the int64 marker's two) and one strict hex decode make it all: the digits' bytes *are*
+    SGLang's int64 in two's complement, so no Python int is made, kept or encoded per key, and
+    only the head of each key is read (an evicted key's other bytes are often out of the CPU
+    caches)."""
     n = len(keys)
     fmt = _ARRAY_FORMATS.get(n)
     if fmt is None:
@@ -125,23 +103,10 @@ def raw_hash_array(keys: Sequence[str]) -> msgspec.Raw | None:
     text = fmt % tuple(keys)
     if len(text) != len(fmt) + 11 * n:  # a key shorter than 16 (each "d3%.16s" makes 18)
         return None
-    try:
+    try:  # strict: no whitespace, signs, prefixes, non-ASCII
         return msgspec.Raw(binascii.a2b_hex(text))
     except (binascii.Error, ValueError):
         return None
-
-
-def raw_int_array(packed: bytes, start: int, stop: int) -> msgspec.Raw:
-    """The msgpack array of the ``start:stop`` keys of ``packed_sglang_hashes``, ready to be
-    embedded as a field (``block_hashes``) of an event."""
-    n = stop - start
-    if n < 16:
-        head = bytes((0x90 | n,))
-    elif n < 1 << 16:
-        head = b"\xdc" + n.to_bytes(2, "big")
-    else:
-        head = b"\xdd" + n.to_bytes(4, "big")
-    return msgspec.Raw(head + packed[9 * start : 9 * stop])
 
 
 def pool_label(pool: PoolId) -> str:
