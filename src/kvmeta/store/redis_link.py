@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import deque
+from collections.abc import Callable
 from typing import Any
 
 import hiredis
@@ -91,13 +92,13 @@ def reply_error(text: str) -> RedisError:
 
 
 class _Call:
-    __slots__ = ("future", "left", "replies", "blocking", "sent")
+    __slots__ = ("future", "n", "replies", "blocking", "sent")
 
     def __init__(
         self, future: asyncio.Future[list[Any]], n: int, blocking: bool, sent: float
     ) -> None:
         self.future = future
-        self.left = n
+        self.n = n
         self.replies: list[Any] = []
         self.blocking = blocking
         self.sent = sent
@@ -116,7 +117,7 @@ class Link(asyncio.Protocol):
         # this connection until the replicas answer, so new calls go to another link.
         self.blocking = 0
         self.closed = False
-        self.on_close: Any = None  # called with the link once, when it closes
+        self.on_close: Callable[[Link], None] | None = None  # called once, when it closes
         self.writer: asyncio.StreamWriter | None = None  # (see ``open_link``)
         self._reader = hiredis.Reader(
             protocolError=InvalidResponse, replyError=reply_error, notEnoughData=_NOTHING
@@ -124,7 +125,9 @@ class Link(asyncio.Protocol):
         self._timer: asyncio.TimerHandle | None = None
         self._out: list[bytes] = []  # payloads of this loop pass, not yet written
 
-    def send(self, payload: bytes, replies: int, blocking: bool = False) -> asyncio.Future[Any]:
+    def send(
+        self, payload: bytes, replies: int, blocking: bool = False
+    ) -> asyncio.Future[list[Any]]:
         """Queue ``payload`` (``replies`` commands) for this loop pass's write; the future gets
         their replies in order, error replies as exception objects (not raised), or fails if
         the link closes first."""
@@ -176,8 +179,7 @@ class Link(asyncio.Protocol):
                 return
             call = waiting[0]
             call.replies.append(reply)
-            call.left -= 1
-            if call.left:
+            if len(call.replies) < call.n:
                 continue
             waiting.popleft()
             if call.blocking:

@@ -113,24 +113,24 @@ class Node:
                 break
         else:
             link = await self._another()
-        return await link.send(payload, replies, blocking)  # type: ignore[no-any-return]
+        return await link.send(payload, replies, blocking)
 
     async def _another(self) -> Link:
         """A new link, or the least busy one when ``MAX_LINKS`` are open. Calls that find no
         link at all share the one being opened (a burst at start-up opens one, not many)."""
-        if not self.links or self._connecting + len(self.links) >= MAX_LINKS:
-            if self._opening is not None:
-                return await asyncio.shield(self._opening)
-            if self.links:
+        if self.links:
+            if self._connecting + len(self.links) >= MAX_LINKS:
                 return min(self.links, key=lambda link: len(link.waiting))
+            return await self._open()  # every link is held by a WAIT: one more
+        if self._opening is None:
             self._opening = asyncio.ensure_future(self._open())
-            # (read here too, so a failure every waiter gave up on is not logged as unread)
-            self._opening.add_done_callback(_consume)
-            try:
-                return await asyncio.shield(self._opening)
-            finally:
-                self._opening = None
-        return await self._open()
+            self._opening.add_done_callback(self._opened)
+        return await asyncio.shield(self._opening)
+
+    def _opened(self, opening: asyncio.Future[Link]) -> None:
+        self._opening = None
+        if not opening.cancelled():
+            opening.exception()  # (read, so a failure every waiter gave up on is not logged)
 
     async def _open(self) -> Link:
         conn = self.connect()
@@ -177,11 +177,6 @@ class Node:
         if isinstance(reply, Exception):
             raise reply
         return reply
-
-
-def _consume(future: asyncio.Future[Any]) -> None:
-    if not future.cancelled():
-        future.exception()
 
 
 class Topology:
