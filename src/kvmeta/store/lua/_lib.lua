@@ -200,6 +200,21 @@ local function free_page(k, page, now)
   end
 end
 
+-- The earliest lease end in each of resq, reads and cool, as {page, end (s), what it is};
+-- a set with none is left out (resq's KEEP entry is +inf: never an end).
+local function first_lease_ends(k)
+  local out = {}
+  local function add(first, what)
+    if first[2] and first[1] ~= KEEP then
+      out[#out + 1] = { first[1], first[2], what }
+    end
+  end
+  add(redis.call('ZRANGE', k.resq, 0, 0, 'WITHSCORES'), 'reservation lease end')
+  add(redis.call('ZRANGE', k.reads, 0, 0, 'WITHSCORES'), 'read lease end')
+  add(redis.call('ZRANGE', k.cool, 0, 0, 'WITHSCORES'), 'cooling end')
+  return out
+end
+
 -- Lease expiry up to now: every operation that uses time runs this first. Pages are handled
 -- in the order of their deadlines, as core.pool, with a few batched calls per expiry. st (the
 -- caller's load_state, or nil: meta's 'exp' is read here) carries the expiry bound: below it
@@ -237,16 +252,11 @@ local function expire(k, now, c, st)
     call_many('RPUSH', k.free, cool)
     redis.call('ZREMRANGEBYSCORE', k.cool, '-inf', nows)
   end
-  -- The new bound: the earliest lease end left (resq's KEEP is +inf, never the first).
+  -- The new bound: the earliest lease end left.
   local e = NEVER
-  local function lower(first)
-    if first[2] and first[1] ~= KEEP then
-      e = math.min(e, exp_of(first[2]))
-    end
+  for _, first in ipairs(first_lease_ends(k)) do
+    e = math.min(e, exp_of(first[2]))
   end
-  lower(redis.call('ZRANGE', k.resq, 0, 0, 'WITHSCORES'))
-  lower(redis.call('ZRANGE', k.reads, 0, 0, 'WITHSCORES'))
-  lower(redis.call('ZRANGE', k.cool, 0, 0, 'WITHSCORES'))
   redis.call('HSET', k.meta, 'exp', string.format('%d', e))
   if st then
     st.exp, st.exp0 = e, e

@@ -177,15 +177,12 @@ elseif part == 'totals' then
   end
   -- meta's expiry bound must not pass a lease end: expire would skip a lease that ended.
   if st.exp then
-    local function below(first, what)
-      if first[2] and first[1] ~= KEEP and exp_of(first[2]) < st.exp then
-        bad('expiry bound ' .. st.exp .. ' ms is past the ' .. what .. ' of page ' .. first[1]
-          .. ' at ' .. first[2] .. ' s')
+    for _, first in ipairs(first_lease_ends(k)) do
+      if exp_of(first[2]) < st.exp then
+        bad('expiry bound ' .. st.exp .. ' ms is past the ' .. first[3] .. ' of page '
+          .. first[1] .. ' at ' .. first[2] .. ' s')
       end
     end
-    below(redis.call('ZRANGE', k.resq, 0, 0, 'WITHSCORES'), 'reservation lease end')
-    below(redis.call('ZRANGE', k.reads, 0, 0, 'WITHSCORES'), 'read lease end')
-    below(redis.call('ZRANGE', k.cool, 0, 0, 'WITHSCORES'), 'cooling end')
   end
   local free = n_free + n_cool + st.n - st.next
   if free + n_reserved + n_stored ~= st.n then
