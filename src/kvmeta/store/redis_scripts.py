@@ -31,12 +31,12 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from kvmeta.errors import BackendUnavailable
 
-# One command on the node being set up (``Node.call``): its reply, or its error raised.
-Call = Callable[..., Awaitable[Any]]
-
 __all__ = ["LIBRARY_FORMAT", "LIBRARY_NAME", "ScriptLibrary"]
 
 logger = logging.getLogger(__name__)
+
+# One command on the node being set up (``Node.call``): its reply, or its error raised.
+Call = Callable[..., Awaitable[Any]]
 
 LIBRARY_NAME = "kvmeta"
 # Bump when a function's name, KEYS/ARGV layout or reply shape changes incompatibly: a server of
