@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +29,7 @@ from kvmeta.store.redis_url import parse_target  # noqa: E402
 from kvmeta.store.resp import pack  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from tests.redis_support import REDIS_SERVER, free_port  # noqa: E402
+from tests.redis_support import RedisServer  # noqa: E402
 
 VALUE = b"x" * 5000
 
@@ -77,14 +76,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--tasks", default="1,3,8", help="concurrencies (default: 1,3,8)")
     args = parser.parse_args()
-    port = free_port()
-    server = subprocess.Popen(
-        [REDIS_SERVER, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly",
-         "no"],
-        stdout=subprocess.DEVNULL,
-    )  # fmt: skip
+    server = RedisServer().start()
+    port = server.port
     try:
-        time.sleep(0.5)
         results: dict[tuple[str, int], list[tuple[float, float]]] = {}
         for i in range(args.rounds):
             for tasks in map(int, args.tasks.split(",")):
@@ -99,8 +93,7 @@ def main() -> None:
             wall = statistics.median(r[1] for r in runs)
             print(f"{name:9s}  {tasks:5d}  {cpu:11.1f}  {wall:12.1f}")
     finally:
-        server.terminate()
-        server.wait(10)
+        server.close()
 
 
 if __name__ == "__main__":
