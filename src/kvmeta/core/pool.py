@@ -492,7 +492,12 @@ class Pool:
         prev, nxt = self._prev, self._next
         for key, page in pairs:
             st = state[page]
-            if st == RESERVED and page_key[page] == key:
+            held = page_key[page]
+            if st == RESERVED and held == key:
+                # From here on the reserve's string object stands for the key (the page's, the
+                # stored map's and the change's), so the pool keeps one copy of each key, not
+                # two, and a later eviction names the very objects the confirm reported.
+                key = held
                 del reserved[key]
                 deadline = res_deadline.pop(page)
                 if holders and holders.pop(page, None) is not None:
@@ -514,7 +519,7 @@ class Pool:
                     nxt[tail] = page
                 self._tail = page
                 committed.append((key, page))
-            elif st == STORED and page_key[page] == key:
+            elif st == STORED and held == key:
                 continue
             else:
                 outcome.refused.append((key, page))

@@ -189,6 +189,29 @@ def test_confirm_is_idempotent() -> None:
     check_pool(pool)
 
 
+def test_a_stored_key_is_one_string_object_whichever_request_brought_it() -> None:
+    """Each request body is decoded apart, so the confirm's key is another object than the
+    reserve's: the pool keeps the reserve's (already the page's) and reports it, never two
+    copies of one key (a third more memory per stored key), and an eviction names the very
+    objects the confirm reported."""
+    pool = make(2)
+    reserved = [f"key-{i}" * 8 for i in range(2)]
+    pool.reserve(reserved, 0.0, [])
+    confirmed = [("".join(list(k)), p) for p, k in enumerate(reserved)]  # equal, not the same
+    assert all(c is not r for (c, _), r in zip(confirmed, reserved, strict=True))
+    outcome = pool.confirm(confirmed, [], 0.0)
+    assert [k for k, _ in outcome.committed] == reserved
+    assert all(k is r for (k, _), r in zip(outcome.committed, reserved, strict=True))
+    assert all(pool.key_at(p) is r for p, r in enumerate(reserved))
+    stored_keys = [k for k in pool._stored]  # noqa: SLF001 - the map's own key objects
+    assert all(any(k is r for r in reserved) for k in stored_keys)
+    evicted: list[tuple[str, int]] = []
+    pool.reserve(["x", "y"], 1.0, evicted)
+    assert [k for k, _ in evicted] == reserved
+    assert all(k is r for (k, _), r in zip(evicted, reserved, strict=True))
+    check_pool(pool)
+
+
 def test_confirm_for_another_keys_page_is_refused() -> None:
     pool = make(2)
     pool.reserve(["a", "b"], 0.0, [])
