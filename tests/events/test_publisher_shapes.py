@@ -183,9 +183,11 @@ def workload(rng: random.Random, pools: list[PoolId], steps: int) -> list[tuple[
     """Reserves ("note") and changes as SGLang and the store would make them: each key has
     one prefix for good (its chain), chains are reserved whole or in part, confirmed whole,
     in part, reordered or with repeats, sometimes twice noted, sometimes never confirmed;
-    removals, clears, vLLM pools and non-hex keys mixed into the same batches."""
+    removals (of what a confirm stored, whole, reordered or in part, and of any keys), clears,
+    vLLM pools and non-hex keys mixed into the same batches."""
     ops: list[tuple[str, Any]] = []
     prefix_of: dict[str, str | None] = {}
+    confirmed: list[tuple[str, ...]] = []  # (pools apart or not: a hash is the key's alone)
     n = 0
     for _ in range(steps):
         pool = rng.choice(pools)
@@ -202,6 +204,15 @@ def workload(rng: random.Random, pools: list[PoolId], steps: int) -> list[tuple[
             continue
         if roll < 0.15:
             keys = tuple(rng.choice(list(prefix_of) or [key_of(0)]) for _ in range(3))
+            ops.append(("change", Change(pool, REMOVED, keys, REASON_CAPACITY)))
+            continue
+        if roll < 0.25 and confirmed:  # an eviction of what one confirm stored
+            keys = confirmed.pop(rng.randrange(len(confirmed)))
+            how = rng.random()
+            if how < 0.15:
+                keys = keys[::-1]  # in another order
+            elif how < 0.3:
+                keys = keys[: max(1, len(keys) // 2)]  # in part
             ops.append(("change", Change(pool, REMOVED, keys, REASON_CAPACITY)))
             continue
         # a chain, continuing an earlier key sometimes
@@ -236,6 +247,7 @@ def workload(rng: random.Random, pools: list[PoolId], steps: int) -> list[tuple[
             out = []  # never confirmed (lease expired)
         if out:
             ops.append(("change", Change(pool, STORED, tuple(out))))
+            confirmed.append(tuple(out))
         if rng.random() < 0.2:
             ops.append(("flush", None))
     return ops
@@ -261,6 +273,8 @@ def test_events_equal_the_per_key_model(seed: int, encoding: str) -> None:
                 pub.flush()
         pub.flush()
         got = published(pub)
+        kept = [run for table in pub._stored.values() for run, _ in table.values()]  # noqa: SLF001
+        assert pub._stored_keys == sum(map(len, kept))  # noqa: SLF001
     finally:
         pub.close()
     assert got == model.events
@@ -309,3 +323,55 @@ def test_a_chain_noted_again_with_the_same_first_key_names_the_newest_parent() -
     finally:
         pub.close()
     assert [(e[4], e[5]) for e in got] == [([b, c], x), ([c], b), ([b], a)]
+
+
+def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
+    """The usual eviction removes the pages of one old confirm, in its order: its hash array is
+    the one published with the confirm (not made again from the cold keys); any other
+    grouping gets its hashes made, and a clear forgets the pool's kept arrays."""
+    pool = PoolId("s", 0, "kv")
+    run = tuple(key_of(i) for i in range(8))
+    pub = Publisher("tcp://127.0.0.1:0")
+    try:
+        pub.note_reserve(pool, [(k, p) for k, p in zip(run, (None, *run[:-1]), strict=True)])
+        pub.on_changes([Change(pool, STORED, run)])
+        kept = pub._stored[pool][run[0]][1]  # noqa: SLF001
+        assert pub._removed_hashes(pool, tuple(run)) is kept  # noqa: SLF001
+        assert pub._stored_keys == 0 and not pub._stored[pool]  # noqa: SLF001 - taken back
+        pub.on_changes([Change(pool, STORED, run)])
+        reordered = pub._removed_hashes(pool, run[::-1])  # noqa: SLF001
+        assert reordered == raw_hash_array(run[::-1])
+        pub.on_changes([Change(pool, STORED, run), Change(pool, CLEARED, (), REASON_CLEAR)])
+        assert pool not in pub._stored and pub._stored_keys == 0  # noqa: SLF001
+        pub.on_changes([Change(pool, STORED, run), Change(pool, REMOVED, run, REASON_CAPACITY)])
+        pub.flush()
+        got = published(pub)
+    finally:
+        pub.close()
+    removed = [e for e in got if e[0] == "BlockRemoved"]
+    assert [e[2] for e in removed] == [sglang_hashes(run)]
+
+
+def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Runs removed in other groupings than they were stored in are never taken back: past
+    ``_RUNS_CAP`` keys the oldest half is forgotten, and removals stay right."""
+    monkeypatch.setattr("kvmeta.events.publisher._RUNS_CAP", 64)
+    pool = PoolId("s", 0, "kv")
+    pub = Publisher("tcp://127.0.0.1:0")
+    try:
+        runs = [tuple(key_of(100 * r + i) for i in range(8)) for r in range(40)]
+        for run in runs:
+            pub.on_changes([Change(pool, STORED, run)])
+            assert pub._stored_keys <= 64 + 8  # noqa: SLF001
+        kept = [run for table in pub._stored.values() for run, _ in table.values()]  # noqa: SLF001
+        assert pub._stored_keys == sum(map(len, kept))  # noqa: SLF001
+        assert runs[0][0] not in pub._stored[pool]  # noqa: SLF001 - the oldest went first
+        assert runs[-1][0] in pub._stored[pool]  # noqa: SLF001
+        for run in runs:
+            pub.on_changes([Change(pool, REMOVED, run, REASON_CAPACITY)])
+        pub.flush()
+        got = published(pub)
+    finally:
+        pub.close()
+    removed = [e[2] for e in got if e[0] == "BlockRemoved"]
+    assert removed == [sglang_hashes(run) for run in runs]

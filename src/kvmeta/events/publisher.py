@@ -23,6 +23,12 @@ one chain (each key's prefix is the key before it: what SGLang sends for a seque
 one entry under its first key, and a confirm of exactly those keys takes it back in one lookup;
 any other shape (and any confirm not matching a kept chain) goes through a per-key table, into
 which the kept chains are first spread, so the newest reserve of a key always names its parent.
+
+Removals: the pages an eviction takes are usually those of one old confirm, in its order (the
+least recently used end of the pool), so each SGLang run's hash array is kept from its
+``BlockStored`` until its keys are removed together (``_removed_hashes``; the pool reports the
+very key objects the confirm did, so the match is a comparison of pointers). Other groupings
+get their hashes made; ``_RUNS_CAP`` bounds what is kept.
 """
 
 from __future__ import annotations
@@ -65,6 +71,9 @@ _DUMP_PAGE = 2048
 # many are noted between two compactions of their tables (``Publisher._compact``).
 _PREFIX_CAP = 1 << 17
 _COMPACT_EVERY = 1 << 14
+# Keys whose published hash arrays are kept for their removal (``Publisher._removed_hashes``),
+# all pools together: about 20 bytes a key (the run's tuple slot and its 9 msgpack bytes).
+_RUNS_CAP = 1 << 20
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change. Each batch costs about the same whatever its size (the socket wakes
 # ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
@@ -166,6 +175,10 @@ class Publisher:
         self._chains: dict[PoolId, dict[str, tuple[tuple[str, ...], str | None]]] = {}
         self._prefixes: dict[PoolId, dict[str, str | None]] = {}
         self._noted = 0
+        # The hash arrays of the SGLang runs stored, by first key (oldest first), kept for
+        # their removal (``_removed_hashes``), and how many keys they hold together.
+        self._stored: dict[PoolId, dict[str, tuple[tuple[str, ...], Hashes]]] = {}
+        self._stored_keys = 0
 
     # ------------------------------------------------------------------ inputs
 
@@ -306,26 +319,68 @@ class Publisher:
         if kind == CLEARED:
             self._chains.pop(pool, None)
             self._prefixes.pop(pool, None)
+            dropped = self._stored.pop(pool, None)
+            if dropped:
+                self._stored_keys -= sum(len(run) for run, _ in dropped.values())
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
         if not keys:
             return
         self._pending_blocks += len(keys)
         if pool.dialect != "s":
-            hashes = list(map(str.encode, keys))
+            raw_keys = list(map(str.encode, keys))
             if kind == STORED:
-                out.append(enc.raw(enc.stored(pool, hashes, None, (), None)))
+                out.append(enc.raw(enc.stored(pool, raw_keys, None, (), None)))
             else:
-                out.append(enc.raw(enc.removed(pool, hashes, reason)))
-            return
-        if kind == REMOVED:
-            out.append(enc.raw(enc.removed(pool, _hashes(keys), reason)))
+                out.append(enc.raw(enc.removed(pool, raw_keys, reason)))
             return
         if type(keys) is not tuple:
             keys = tuple(keys)
+        if kind == REMOVED:
+            out.append(enc.raw(enc.removed(pool, self._removed_hashes(pool, keys), reason)))
+            return
+        stored = self._stored.get(pool)
+        if stored is None:
+            stored = self._stored[pool] = {}
         for run, parent in self._runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
-            out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
+            hashes = _hashes(run)
+            out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
+            replaced = stored.pop(run[0], None)  # (and the run goes to the newest end)
+            if replaced is not None:
+                self._stored_keys -= len(replaced[0])
+            stored[run[0]] = (run, hashes)
+            self._stored_keys += len(run)
+        if self._stored_keys > _RUNS_CAP:
+            self._forget_stored()
+
+    def _removed_hashes(self, pool: PoolId, keys: tuple[str, ...]) -> Hashes:
+        """The removed keys' hashes: the array published when exactly these keys were stored
+        as one run (the usual eviction: the least recently used pages are those of one old
+        confirm, in its order), else computed. A hash depends on its key alone, so a kept
+        array is right whenever the keys are equal, however old it is."""
+        stored = self._stored.get(pool)
+        if stored:
+            kept = stored.pop(keys[0], None)
+            if kept is not None:
+                self._stored_keys -= len(kept[0])
+                if kept[0] == keys:
+                    return kept[1]
+        return _hashes(keys)
+
+    def _forget_stored(self) -> None:
+        """Drop the oldest half of the kept hash arrays (runs removed in other groupings than
+        they were stored in are never taken back: this bounds them)."""
+        drop = self._stored_keys // 2
+        for pool, stored in list(self._stored.items()):
+            while stored and drop > 0:
+                run, _ = stored.pop(next(iter(stored)))
+                drop -= len(run)
+                self._stored_keys -= len(run)
+            if not stored:
+                del self._stored[pool]
+            if drop <= 0:
+                break
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
