@@ -80,9 +80,11 @@ def test_history_keeps_the_busiest_routes_and_sums_the_rest() -> None:
 def test_percentile_interpolates_in_buckets() -> None:
     buckets = [0] * (len(LATENCY_BUCKETS) + 1)
     assert percentile(buckets, 0.5) is None
-    buckets[3] = 100  # all in (0.0005, 0.001]
+    i = LATENCY_BUCKETS.index(0.001)
+    lower = LATENCY_BUCKETS[i - 1]
+    buckets[i] = 100  # all in (lower, 0.001]
     p50 = percentile(buckets, 0.5)
-    assert p50 is not None and abs(p50 - 0.00075) < 1e-9
+    assert p50 is not None and abs(p50 - (lower + 0.001) / 2) < 1e-9
     buckets[-1] = 100  # half beyond the last bound
     assert percentile(buckets, 0.99) == LATENCY_BUCKETS[-1]
 

@@ -54,12 +54,16 @@ OTHER = "_other"  # rank and namespace label of the pools summed beyond --metric
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
 # Seconds; from a request that needs no disk wait (well under a millisecond) up to one that
-# waits for an fsync.
+# waits for an fsync. Finer around 1 ms, where the latency targets are (a p99 read from the
+# histogram is interpolated within one bucket: from 1 to 2.5 ms that overstated a true 1.3 ms
+# p99 as 2 ms).
 LATENCY_BUCKETS: tuple[float, ...] = (
     0.0001,
     0.00025,
     0.0005,
+    0.00075,
     0.001,
+    0.0015,
     0.0025,
     0.005,
     0.01,
