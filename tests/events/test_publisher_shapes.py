@@ -325,6 +325,11 @@ def test_a_chain_noted_again_with_the_same_first_key_names_the_newest_parent() -
     assert [(e[4], e[5]) for e in got] == [([b, c], x), ([c], b), ([b], a)]
 
 
+def note_chain(pub: Publisher, pool: PoolId, run: tuple[str, ...]) -> None:
+    """The reserve of ``run`` as one chain (each key's prefix the key before it)."""
+    pub.note_reserve(pool, [(k, p) for k, p in zip(run, (None, *run[:-1]), strict=True)])
+
+
 def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
     """The usual eviction removes the pages of one old confirm, in its order: its hash array is
     the one published with the confirm (not made again from the cold keys); any other
@@ -333,7 +338,7 @@ def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
     run = tuple(key_of(i) for i in range(8))
     pub = Publisher("tcp://127.0.0.1:0")
     try:
-        pub.note_reserve(pool, [(k, p) for k, p in zip(run, (None, *run[:-1]), strict=True)])
+        note_chain(pub, pool, run)
         pub.on_changes([Change(pool, STORED, run)])
         kept = pub._stored[pool][run[0]][1]  # noqa: SLF001
         assert pub._removed_hashes(pool, tuple(run)) is kept  # noqa: SLF001
@@ -353,21 +358,26 @@ def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
 
 
 def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Runs removed in other groupings than they were stored in are never taken back: past
-    ``_RUNS_CAP`` keys the oldest half is forgotten, and removals stay right."""
+    """At most ``_RUNS_CAP`` keys' arrays are kept: when full, new runs are not kept (the kept
+    ones are the next evicted), room comes back as they are removed, and every removal's
+    hashes are right whether kept or made."""
     monkeypatch.setattr("kvmeta.events.publisher._RUNS_CAP", 64)
     pool = PoolId("s", 0, "kv")
     pub = Publisher("tcp://127.0.0.1:0")
     try:
         runs = [tuple(key_of(100 * r + i) for i in range(8)) for r in range(40)]
         for run in runs:
+            note_chain(pub, pool, run)
             pub.on_changes([Change(pool, STORED, run)])
-            assert pub._stored_keys <= 64 + 8  # noqa: SLF001
-        kept = [run for table in pub._stored.values() for run, _ in table.values()]  # noqa: SLF001
-        assert pub._stored_keys == sum(map(len, kept))  # noqa: SLF001
-        assert runs[0][0] not in pub._stored[pool]  # noqa: SLF001 - the oldest went first
-        assert runs[-1][0] in pub._stored[pool]  # noqa: SLF001
-        for run in runs:
+            assert pub._stored_keys <= 64  # noqa: SLF001
+        assert list(pub._stored[pool]) == [run[0] for run in runs[:8]]  # noqa: SLF001
+        for run in runs[:20]:
+            pub.on_changes([Change(pool, REMOVED, run, REASON_CAPACITY)])
+        assert pub._stored_keys == 0  # noqa: SLF001 - the kept ones were taken back
+        note_chain(pub, pool, runs[0])
+        pub.on_changes([Change(pool, STORED, runs[0])])  # room again
+        assert list(pub._stored[pool]) == [runs[0][0]]  # noqa: SLF001
+        for run in runs[20:]:
             pub.on_changes([Change(pool, REMOVED, run, REASON_CAPACITY)])
         pub.flush()
         got = published(pub)
@@ -375,3 +385,32 @@ def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
         pub.close()
     removed = [e[2] for e in got if e[0] == "BlockRemoved"]
     assert removed == [sglang_hashes(run) for run in runs]
+
+
+def test_short_runs_are_not_kept_and_other_groupings_drop_what_they_start() -> None:
+    pool = PoolId("s", 0, "kv")
+    pub = Publisher("tcp://127.0.0.1:0")
+    try:
+        short = tuple(key_of(i) for i in range(3))
+        note_chain(pub, pool, short)
+        pub.on_changes([Change(pool, STORED, short)])  # one run, shorter than _RUN_MIN
+        assert not pub._stored[pool]  # noqa: SLF001
+        a = tuple(key_of(10 + i) for i in range(8))
+        b = tuple(key_of(20 + i) for i in range(8))
+        note_chain(pub, pool, a)
+        note_chain(pub, pool, b)
+        pub.on_changes([Change(pool, STORED, a), Change(pool, STORED, b)])
+        assert pub._stored_keys == 16  # noqa: SLF001
+        # an eviction taking the end of a and the start of b: b's kept run starts with one of
+        # its keys and goes; a's stays for a's first key
+        pub.on_changes([Change(pool, REMOVED, a[4:] + b[:4], REASON_CAPACITY)])
+        assert list(pub._stored[pool]) == [a[0]]  # noqa: SLF001
+        assert pub._stored_keys == 8  # noqa: SLF001
+        pub.on_changes([Change(pool, REMOVED, a[:4], REASON_CAPACITY)])
+        assert pub._stored_keys == 0  # noqa: SLF001 - its first key went: so did the run
+        pub.flush()
+        got = published(pub)
+    finally:
+        pub.close()
+    removed = [e[2] for e in got if e[0] == "BlockRemoved"]
+    assert removed == [sglang_hashes(a[4:] + b[:4]), sglang_hashes(a[:4])]

@@ -28,7 +28,7 @@ Removals: the pages an eviction takes are usually those of one old confirm, in i
 least recently used end of the pool), so each SGLang run's hash array is kept from its
 ``BlockStored`` until its keys are removed together (``_removed_hashes``; the pool reports the
 very key objects the confirm did, so the match is a comparison of pointers). Other groupings
-get their hashes made; ``_RUNS_CAP`` bounds what is kept.
+get their hashes made; ``_RUNS_CAP`` bounds what is kept (``_removed_hashes`` says how).
 """
 
 from __future__ import annotations
@@ -72,8 +72,11 @@ _DUMP_PAGE = 2048
 _PREFIX_CAP = 1 << 17
 _COMPACT_EVERY = 1 << 14
 # Keys whose published hash arrays are kept for their removal (``Publisher._removed_hashes``),
-# all pools together: about 20 bytes a key (the run's tuple slot and its 9 msgpack bytes).
-_RUNS_CAP = 1 << 20
+# all pools together (about 20 bytes a key while the pool holds the keys; a kept run whose keys
+# the pool dropped in other groupings holds their strings until its first key goes), and the
+# shortest run kept (a single key's hash is as cheap to make again as to keep).
+_RUNS_CAP = 1 << 18
+_RUN_MIN = 8
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change. Each batch costs about the same whatever its size (the socket wakes
 # ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
@@ -346,41 +349,37 @@ class Publisher:
             parent_hash = None if parent is None else sglang_hash(parent)
             hashes = _hashes(run)
             out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
-            replaced = stored.pop(run[0], None)  # (and the run goes to the newest end)
+            replaced = stored.pop(run[0], None)
             if replaced is not None:
                 self._stored_keys -= len(replaced[0])
-            stored[run[0]] = (run, hashes)
-            self._stored_keys += len(run)
-        if self._stored_keys > _RUNS_CAP:
-            self._forget_stored()
+            if len(run) >= _RUN_MIN and self._stored_keys + len(run) <= _RUNS_CAP:
+                stored[run[0]] = (run, hashes)
+                self._stored_keys += len(run)
 
     def _removed_hashes(self, pool: PoolId, keys: tuple[str, ...]) -> Hashes:
         """The removed keys' hashes: the array published when exactly these keys were stored
         as one run (the usual eviction: the least recently used pages are those of one old
         confirm, in its order), else computed. A hash depends on its key alone, so a kept
-        array is right whenever the keys are equal, however old it is."""
-        stored = self._stored.get(pool)
-        if stored:
-            kept = stored.pop(keys[0], None)
-            if kept is not None:
-                self._stored_keys -= len(kept[0])
-                if kept[0] == keys:
-                    return kept[1]
-        return _hashes(keys)
+        array is right whenever the keys are equal, however old it is. Any other grouping
+        drops the kept runs that start with a removed key, so none outlives its first key.
 
-    def _forget_stored(self) -> None:
-        """Drop the oldest half of the kept hash arrays (runs removed in other groupings than
-        they were stored in are never taken back: this bounds them)."""
-        drop = self._stored_keys // 2
-        for pool, stored in list(self._stored.items()):
-            while stored and drop > 0:
-                run, _ = stored.pop(next(iter(stored)))
-                drop -= len(run)
-                self._stored_keys -= len(run)
-            if not stored:
-                del self._stored[pool]
-            if drop <= 0:
-                break
+        When full (``_RUNS_CAP``), new runs are not kept and the kept ones wait for their
+        evictions: a pool bigger than the cap still finds a share of its evictions kept,
+        where forgetting the oldest runs would forget exactly the next ones evicted."""
+        stored = self._stored.get(pool)
+        if not stored:
+            return _hashes(keys)
+        kept = stored.pop(keys[0], None)
+        if kept is not None:
+            self._stored_keys -= len(kept[0])
+            if kept[0] == keys:
+                return kept[1]
+        pop = stored.pop
+        for key in keys:
+            other = pop(key, None)
+            if other is not None:
+                self._stored_keys -= len(other[0])
+        return _hashes(keys)
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
