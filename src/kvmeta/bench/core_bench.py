@@ -59,12 +59,15 @@ def _store_cycle(store: MemoryStore, pid: PoolId, batches: list[list[str]]) -> i
 
 
 def _fill(pool: Pool, keys: list[str], now: float) -> None:
+    """Reserve and confirm ``keys`` as the wire does: each request body is decoded apart, so
+    the reserve and the confirm bring their own string objects for the same keys."""
     step = 8192
     for i in range(0, len(keys), step):
-        chunk = keys[i : i + step]
+        chunk = [k.encode().decode() for k in keys[i : i + step]]  # the reserve body's
         evicted: list[tuple[str, int]] = []
         indices = pool.reserve(chunk, now, evicted)
-        pool.confirm([(k, p) for k, (_, p) in zip(chunk, indices, strict=True)], [], now)
+        written = [(k.encode().decode(), p) for k, (_, p) in zip(chunk, indices, strict=True)]
+        pool.confirm(written, [], now)
 
 
 def key_ops_per_s(batch: int, pool_pages: int, cycles: int, layer: str) -> float:
@@ -191,9 +194,8 @@ def sglang_script(
 def memory_per_key(n: int = 200_000) -> dict[str, float]:
     """Traced bytes of a full pool of ``n`` pages divided by ``n`` (keys created inside).
 
-    Filled as the wire fills it: the reserve and the confirm each bring their own string
-    objects for the same keys (each request body is decoded apart), so a pool that kept the
-    confirm's copy besides the reserve's would show it here."""
+    Filled as the wire fills it (``_fill``), so a pool that kept the confirm's copy of a key
+    besides the reserve's would show it here."""
     keys = _keys(n, "memory")
     gc.collect()
     tracemalloc.start()
@@ -201,17 +203,7 @@ def memory_per_key(n: int = 200_000) -> dict[str, float]:
         base = tracemalloc.get_traced_memory()[0]
         pool = Pool(n, read_lease=0.0)
         empty = tracemalloc.get_traced_memory()[0] - base
-        step = 8192
-        for i in range(0, n, step):
-            chunk = [k.encode().decode() for k in keys[i : i + step]]  # the reserve body's
-            indices = pool.reserve(chunk, 0.0, [])
-            del chunk
-            written = [
-                (k.encode().decode(), p)  # the confirm body's strings
-                for k, (_, p) in zip(keys[i : i + step], indices, strict=True)
-            ]
-            pool.confirm(written, [], 0.0)
-            del written, indices
+        _fill(pool, keys, 0.0)
         gc.collect()
         full = tracemalloc.get_traced_memory()[0] - base
     finally:
