@@ -342,19 +342,25 @@ class Publisher:
         if kind == REMOVED:
             out.append(enc.raw(enc.removed(pool, self._removed_hashes(pool, keys), reason)))
             return
-        stored = self._stored.get(pool)
-        if stored is None:
-            stored = self._stored[pool] = {}
         for run, parent in self._runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
             hashes = _hashes(run)
             out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
+            self._keep(pool, run, hashes)
+
+    def _keep(self, pool: PoolId, run: tuple[str, ...], hashes: Hashes) -> None:
+        """Keep a stored run's hash array for its removal (``_removed_hashes``), in place of
+        an older run with the same first key."""
+        stored = self._stored.get(pool)
+        if stored is None:
+            stored = self._stored[pool] = {}
+        else:
             replaced = stored.pop(run[0], None)
             if replaced is not None:
                 self._stored_keys -= len(replaced[0])
-            if len(run) >= _RUN_MIN and self._stored_keys + len(run) <= _RUNS_CAP:
-                stored[run[0]] = (run, hashes)
-                self._stored_keys += len(run)
+        if len(run) >= _RUN_MIN and self._stored_keys + len(run) <= _RUNS_CAP:
+            stored[run[0]] = (run, hashes)
+            self._stored_keys += len(run)
 
     def _removed_hashes(self, pool: PoolId, keys: tuple[str, ...]) -> Hashes:
         """The removed keys' hashes: the array published when exactly these keys were stored
