@@ -80,6 +80,8 @@ class Settings:
     events_buffer: int = 10_000
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
+    # router reads: prefix_match by block hashes (see core/hash_index.py)
+    hash_index: bool = False
     # tenants: scoped tokens and quotas (see server/tokens.py, docs/tenants.md)
     auth_file: str | None = None
 
@@ -274,6 +276,14 @@ OPTIONS: tuple[Option, ...] = (
         ("map", "array"),
     ),
     Option("events_medium", "the medium field of every event (the tier's name)", _medium),
+    # router reads
+    Option(
+        "hash_index",
+        "index SGLang pools' stored keys by their 64-bit block hash, so POST /v1/prefix_match "
+        "takes the hashes of the KV event feed (about 80 bytes more per stored key)",
+        _bool,
+        flag_only=True,
+    ),
     # tenants
     Option(
         "auth_file",

@@ -5,6 +5,7 @@
     |   +-- PayloadTooLarge                a size limit: 413, names the limit and its flag
     |   +-- InvalidPathParameter           a path rank that is not an integer: 422
     |   +-- ConfigError                    a flag, KVMETA_* variable or --backend URL is wrong
+    |   +-- NoHashIndex                    prefix_match by hashes on a pool not indexed by them
     +-- NotInitialized (LookupError)       the pool/rank does not exist yet: 404
     +-- NotFound (LookupError)             unknown route: 404
     +-- MethodNotAllowed                   405
@@ -39,6 +40,7 @@ __all__ = [
     "JournalFailed",
     "KvmetaError",
     "MethodNotAllowed",
+    "NoHashIndex",
     "NotFound",
     "NotInitialized",
     "NotReplicated",
@@ -191,6 +193,27 @@ class ConfigError(InvalidRequest):
     URL. ``field`` names the setting; the message names the flag and the fix. ``kvmeta``
     prints it on one line and exits 2; it is never an HTTP answer (an ``InvalidRequest`` only
     so that code catching that class before keeps catching it)."""
+
+
+class NoHashIndex(InvalidRequest):
+    """Raised when ``prefix_match`` sends 64-bit block ``hashes`` for a pool that is not
+    indexed by them: a vLLM pool (its events publish the keys themselves), or an SGLang pool
+    on a server without ``--hash-index`` (400, field ``hashes``; nothing was changed)."""
+
+    @classmethod
+    def for_pool(cls, dialect: str, rank: int, namespace: str) -> NoHashIndex:
+        if dialect == "v":
+            return cls(
+                f"vLLM rank {rank} is matched by `keys`, not `hashes`: vLLM pools' events "
+                "publish the page keys themselves as block hashes",
+                "hashes",
+            )
+        return cls(
+            f"rank {rank} namespace '{namespace}' keeps no block-hash index: start the "
+            "servers with --hash-index (KVMETA_HASH_INDEX=1) to match SGLang pools by "
+            "`hashes`, or send `keys` (the KV event feed publishes each hash's key)",
+            "hashes",
+        )
 
 
 class Forbidden(KvmetaError):

@@ -14,9 +14,17 @@ from __future__ import annotations
 from array import array
 from typing import Any
 
+from kvmeta.core.hash_index import head_hashes
 from kvmeta.core.pool import FREE, RESERVED, STORED, Pool
 
-__all__ = ["InvariantViolation", "PoolCopy", "check_copy", "check_pool", "copy_pool"]
+__all__ = [
+    "InvariantViolation",
+    "PoolCopy",
+    "check_copy",
+    "check_hash_index",
+    "check_pool",
+    "copy_pool",
+]
 
 
 class InvariantViolation(AssertionError):
@@ -59,6 +67,22 @@ def check_copy(copy: PoolCopy) -> None:
 def check_pool(pool: Pool) -> None:
     """Raise ``InvariantViolation`` naming the first inconsistency found in ``pool``."""
     _check(pool)
+
+
+def check_hash_index(stored_keys: list[str], counts: dict[int, int]) -> None:
+    """A pool's hash index (``HashIndex.counts``) holds exactly its stored keys' hashes, each
+    as many times as stored keys share it: a missing hash would hide a stored page from a
+    router, a stale one would advertise an evicted page."""
+    expected: dict[int, int] = {}
+    for h in head_hashes(stored_keys):
+        expected[h] = expected.get(h, 0) + 1
+    if counts != expected:
+        stale = [h for h in counts if counts[h] != expected.get(h)]
+        missing = [h for h in expected if h not in counts]
+        raise InvariantViolation(
+            f"hash index out of step with the stored keys: {len(stale)} hash(es) with a wrong "
+            f"count (e.g. {stale[:3]}), {len(missing)} missing (e.g. {missing[:3]})"
+        )
 
 
 def _check(pool: Any) -> None:

@@ -312,6 +312,10 @@ class Pool:
         ends: a reserve cannot take them yet. Exact right after ``expire(now)``."""
         return len(self._cooling)
 
+    def stored_keys(self) -> list[str]:
+        """STORED keys in no particular order. O(stored), at C speed."""
+        return list(self._stored)
+
     def stored_items(self) -> list[tuple[str, int]]:
         """STORED (key, page) pairs, coldest first. O(stored)."""
         keys, pages = lru_order(self._page_key, self._next, self._head)

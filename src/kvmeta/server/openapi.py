@@ -364,8 +364,9 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         "routers: per pool, how many of the given page keys, from the first, are stored "
         "(O(request), stops at each pool's first miss; a pure read: no LRU touch, no lease, no "
         f"counter). Keys of all pools together <= --max-keys (413), at most {MAX_PREFIX_POOLS} "
-        "pools (413); an unknown pool answers found=false, length 0. `hashes` (64-bit block "
-        "hashes) are refused with 400: send the keys",
+        "pools (413); an unknown pool answers found=false, length 0. Each pool gives `keys` or, "
+        "for an SGLang pool on a server run with --hash-index, `hashes`: the 64-bit block "
+        "hashes of the KV event feed (400 naming `hashes` where the pool keeps no hash index)",
         "PrefixMatch",
         ("200", "PrefixMatches"),
         ("400", "401", "413"),

@@ -27,7 +27,6 @@ from kvmeta.server.app import (
     CallerWarning,
     Route,
     add_table,
-    default_error,
     json_response,
     reply,
     unknown_fields_warning,
@@ -46,7 +45,16 @@ _DIALECT = msgspec.Meta(
     description="sglang (default): the pool (rank, namespace) of SGLang HiCache; vllm: the "
     "pool of one vLLM worker rank (namespace ignored)"
 )
-_KEYS = msgspec.Meta(description="page keys in prefix order (the first page of the sequence first)")
+_KEYS = msgspec.Meta(
+    description="page keys in prefix order (the first page of the sequence first); give "
+    "`keys` or `hashes`"
+)
+_HASHES = msgspec.Meta(
+    description="instead of `keys`, for an SGLang pool on a server run with --hash-index: the "
+    "64-bit block hashes the KV event feed publishes (SGLang's hash of a page key: its first "
+    "16 hex digits as a signed int64; unsigned values are read modulo 2^64), in prefix order"
+)
+_U64 = 1 << 64
 
 
 def pool_id(req: Request, dialect: str, rank: int, namespace: str) -> PoolId:
@@ -64,7 +72,8 @@ class PrefixPool(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dialect: Annotated[Dialect, _DIALECT] = "sglang"
     rank: int
     namespace: str = DEFAULT_NAMESPACE
-    keys: Annotated[list[str], _KEYS]
+    keys: Annotated[list[str] | None, _KEYS] = None
+    hashes: Annotated[list[int] | None, _HASHES] = None
 
 
 class PrefixMatchBody(msgspec.Struct, kw_only=True):
@@ -75,31 +84,47 @@ class PrefixMatchBody(msgspec.Struct, kw_only=True):
 
 _PREFIX_USAGE = (
     '{"pools": [{"rank": 0, "namespace": "kv", "keys": ["<key>", ...]}, '
-    '{"dialect": "vllm", "rank": 0, "keys": [...]}]}'
+    '{"dialect": "vllm", "rank": 0, "keys": [...]}]} (or "hashes": [<int64>, ...] in place of '
+    '"keys" for an SGLang pool, with --hash-index)'
 )
 
 
-def _explain_prefix(body: bytes, exc: Exception) -> InvalidRequest:
-    """As every route words a refused body, plus the one mistake a router makes: sending the
-    engines' 64-bit block hashes, which kvmeta does not index."""
-    error = default_error(exc, _PREFIX_USAGE)
-    if "`hashes`" in str(exc):
-        return InvalidRequest(
-            "`hashes` is not accepted: prefix_match matches page keys, not the engines' 64-bit "
-            "block hashes (kvmeta keeps no hash index; a hash cannot be turned back into its "
-            "key). Send `keys`: the key strings the KV event feed publishes with each hash, or "
-            f"the engine's own page keys. Expected {_PREFIX_USAGE}",
-            "hashes",
+PREFIX_MATCH = BodyDecoder(PrefixMatchBody, _PREFIX_USAGE)
+
+
+def _query_of(i: int, p: PrefixPool) -> tuple[list[str], list[int] | None]:
+    """A pool's keys, or its hashes in the signed form the index holds (keys then empty)."""
+    if p.hashes is None:
+        if p.keys is None:
+            raise InvalidRequest(
+                f"`pools[{i}]` needs `keys` (its page keys in prefix order) or `hashes` (their "
+                f"64-bit block hashes); expected {_PREFIX_USAGE}",
+                f"pools[{i}].keys",
+            )
+        return p.keys, None
+    if p.keys is not None:
+        raise InvalidRequest(
+            f"`pools[{i}]` gives both `keys` and `hashes`: give one of them", f"pools[{i}].hashes"
         )
-    return error
-
-
-PREFIX_MATCH = BodyDecoder(PrefixMatchBody, _PREFIX_USAGE, _explain_prefix)
+    hashes = p.hashes
+    if hashes and (max(hashes) > INT64_MAX or min(hashes) < INT64_MIN):
+        for j, h in enumerate(hashes):
+            if not INT64_MIN <= h < _U64:
+                raise InvalidRequest(
+                    f"`pools[{i}].hashes[{j}]` is {show_number(h)}, not a 64-bit block "
+                    "hash: send the signed int64 values the KV event feed publishes",
+                    f"pools[{i}].hashes",
+                )
+        hashes = [h - _U64 if h > INT64_MAX else h for h in hashes]  # the unsigned form
+    return [], hashes
 
 
 async def prefix_match(service: Service, req: Request, _: int) -> Response:
     body, warnings = PREFIX_MATCH.decode(req.body)
-    pools = [(pool_id(req, p.dialect, p.rank, p.namespace), p.keys) for p in body.pools]
+    pools = [
+        (pool_id(req, p.dialect, p.rank, p.namespace), *_query_of(i, p))
+        for i, p in enumerate(body.pools)
+    ]
     lengths = await service.prefix_match(pools)
     matches = [
         {
@@ -109,7 +134,7 @@ async def prefix_match(service: Service, req: Request, _: int) -> Response:
             "length": length or 0,
             "found": length is not None,
         }
-        for p, (pid, _keys), length in zip(body.pools, pools, lengths, strict=True)
+        for p, (pid, _keys, _hashes), length in zip(body.pools, pools, lengths, strict=True)
     ]
     return reply(json_response({"matches": matches}), warnings)
 

@@ -47,7 +47,11 @@ def build_backend(settings: Settings) -> Backend:
             min_replicas_ack=settings.min_replicas_ack,
             replica_ack_timeout=settings.replica_ack_timeout,
         )
-    store = MemoryStore(reservation_ttl=settings.reservation_ttl, read_lease=settings.read_lease)
+    store = MemoryStore(
+        reservation_ttl=settings.reservation_ttl,
+        read_lease=settings.read_lease,
+        hash_index=settings.hash_index,
+    )
     if settings.in_memory and not settings.persistence_path:
         return MemoryBackend(store)
     from kvmeta.store.durable import DurabilityOptions, DurableBackend

@@ -222,19 +222,25 @@ class Operations:
 
     # ------------------------------------------------------------------ router reads
 
-    def prefix_match(self, pools: list[tuple[PoolId, list[str]]]) -> Op[list[int | None]]:
-        """Per pool, how many of its keys, from the first, are stored; None: no such pool
-        (a router asks about engines that may not have started yet: not an error). A pure
-        read (``Backend.prefix_length``): no LRU touch, no counter. O(request): each pool's
-        walk stops at its first miss."""
+    def prefix_match(
+        self, pools: list[tuple[PoolId, list[str], list[int] | None]]
+    ) -> Op[list[int | None]]:
+        """Per pool, how many of its keys (or, when ``hashes`` is given, of SGLang's 64-bit
+        block hashes: ``Backend.prefix_length_hashes``), from the first, are stored; None: no
+        such pool (a router asks about engines that may not have started yet: not an error).
+        A pure read (``Backend.prefix_length``): no LRU touch, no counter. O(request): each
+        pool's walk stops at its first miss."""
         limits = self.limits
-        limits.check_prefix([keys for _, keys in pools])
-        for pool, _ in pools:
+        limits.check_prefix([(keys, hashes) for _, keys, hashes in pools])
+        for pool, _, _ in pools:
             limits.check_rank(pool.rank)
         out: list[int | None] = []
-        for pool, keys in pools:
+        for pool, keys, hashes in pools:
             try:
-                length: int = yield ("prefix_length", (pool, keys))
+                if hashes is None:
+                    length: int = yield ("prefix_length", (pool, keys))
+                else:
+                    length = yield ("prefix_length_hashes", (pool, hashes))
             except NotInitialized:
                 out.append(None)
             else:

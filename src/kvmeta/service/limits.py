@@ -119,8 +119,9 @@ class RequestLimits:
                     field,
                 )
 
-    def check_prefix(self, pools: list[list[str]]) -> None:
-        """A prefix_match: pool count, keys of all pools together (--max-keys), key lengths.
+    def check_prefix(self, pools: list[tuple[list[str], list[int] | None]]) -> None:
+        """A prefix_match: pool count, keys (or hashes) of all pools together (--max-keys),
+        key lengths.
 
         Raises:
             PayloadTooLarge / InvalidRequest: naming ``pools`` (or ``pools[i].keys``) and the
@@ -132,16 +133,16 @@ class RequestLimits:
                 "per request; split the request",
                 "pools",
             )
-        total = sum(map(len, pools))
+        total = sum(len(keys) if hashes is None else len(hashes) for keys, hashes in pools)
         if total > self.max_keys:
             raise PayloadTooLarge(
-                f"`pools[].keys` have {total} keys together, more than the limit of "
-                f"{self.max_keys} per request; ask fewer keys (a prefix match stops at the "
-                "first miss: send the leading keys first), split the request, or raise "
+                f"`pools[].keys` (or `hashes`) have {total} entries together, more than the "
+                f"limit of {self.max_keys} per request; ask fewer (a prefix match stops at "
+                "the first miss: send the leading ones first), split the request, or raise "
                 "--max-keys",
                 "pools",
             )
-        for i, keys in enumerate(pools):
+        for i, (keys, _) in enumerate(pools):
             self.check_keys(keys, f"pools[{i}].keys")
 
     @staticmethod

@@ -94,7 +94,9 @@ class Service:
 
     # ------------------------------------------------------------------ router reads
 
-    async def prefix_match(self, pools: list[tuple[PoolId, list[str]]]) -> list[int | None]:
+    async def prefix_match(
+        self, pools: list[tuple[PoolId, list[str], list[int] | None]]
+    ) -> list[int | None]:
         return await run_async(self.ops.prefix_match(pools), self.backend)
 
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:

@@ -249,6 +249,13 @@ class Backend(Protocol):
         ``NotInitialized`` for a pool that does not exist."""
         ...
 
+    async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
+        """``prefix_length`` by SGLang's signed 64-bit block hashes (``core.hash_index``): how
+        many, from the first, belong to stored keys. A pure read like ``prefix_length``.
+        Raises ``NotInitialized`` for a pool that does not exist, and ``NoHashIndex`` for one
+        that keeps no hash index (a vLLM pool; an SGLang pool without ``--hash-index``)."""
+        ...
+
     def durability_stats(self) -> dict[str, float]:
         """Counters of the local journal and snapshots for ``/metrics`` (``kvmeta_durability_*``);
         empty when no state is kept on this machine's disk."""

@@ -25,9 +25,16 @@ from operator import itemgetter
 from typing import Protocol
 
 from kvmeta._types import PoolId
-from kvmeta.core.invariants import InvariantViolation, PoolCopy, check_copy, copy_pool
+from kvmeta.core.hash_index import HashIndex
+from kvmeta.core.invariants import (
+    InvariantViolation,
+    PoolCopy,
+    check_copy,
+    check_hash_index,
+    copy_pool,
+)
 from kvmeta.core.pool import Pool
-from kvmeta.errors import NotInitialized
+from kvmeta.errors import NoHashIndex, NotInitialized
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
@@ -86,6 +93,7 @@ class MemoryStore:
         read_lease: float = 5.0,
         clock: Callable[[], float] = time.monotonic,
         sink: ChangeSink | None = None,
+        hash_index: bool = False,
     ) -> None:
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
@@ -103,6 +111,9 @@ class MemoryStore:
         # record because the record does not say why keys went (capacity vs delete). None:
         # nothing is built, one attribute test per change.
         self.on_change: Callable[[Change], None] | None = None
+        # SGLang pools' stored keys by block hash (``--hash-index``; None: off). Kept in step
+        # by ``_record``, so an index changes exactly when the journal does.
+        self.hash_indexes: dict[PoolId, HashIndex] | None = {} if hash_index else None
 
     @property
     def vllm_world_size(self) -> int | None:
@@ -171,6 +182,8 @@ class MemoryStore:
             self._count_pages(pid, -old.num_pages)
         pool.withhold = self.write_ahead is not None
         self.pools[pid] = pool
+        if self.hash_indexes is not None and pid.dialect == "s":
+            self.hash_indexes[pid] = HashIndex(pool.stored_keys())
         self._count_pages(pid, pool.num_pages)
 
     def _count_pages(self, pid: PoolId, pages: int) -> None:
@@ -276,6 +289,14 @@ class MemoryStore:
     def prefix_length(self, pid: PoolId, keys: list[str]) -> int:
         """How many of ``keys``, from the first, are stored: a pure read (no LRU, no counter)."""
         return self.pool(pid).leading_stored(keys)
+
+    def prefix_length_hashes(self, pid: PoolId, hashes: list[int]) -> int:
+        """``prefix_length`` by block hashes (``Backend.prefix_length_hashes``)."""
+        self.pool(pid)
+        index = None if self.hash_indexes is None else self.hash_indexes.get(pid)
+        if index is None:
+            raise NoHashIndex.for_pool(pid.dialect, pid.rank, pid.namespace)
+        return index.leading(hashes)
 
     def dump(self, pid: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
         """Stored keys in page order; the cursor is the next page number (``Backend.dump``).
@@ -392,6 +413,25 @@ class MemoryStore:
     def _record(self, record: Record) -> None:
         if self.sink is not None:
             self.sink.append(record)
+        if self.hash_indexes is not None:
+            self._index(record)
+
+    def _index(self, record: Record) -> None:
+        """Apply a journal record to its pool's hash index: the index follows the journal, so
+        it holds the stored keys' hashes whatever removed or stored them."""
+        assert self.hash_indexes is not None
+        pid: PoolId | None = getattr(record, "pool", None)
+        if pid is None or pid not in self.hash_indexes:
+            return
+        index = self.hash_indexes[pid]
+        if isinstance(record, Commit):
+            index.add(list(map(_first, record.entries)))
+        elif isinstance(record, Remove):
+            index.remove(list(map(_first, record.entries)))
+        elif isinstance(record, Clear):
+            index.clear()
+        elif isinstance(record, Drop):
+            del self.hash_indexes[pid]
 
     def _withheld(self, pool: Pool) -> None:
         if self.write_ahead is not None:
@@ -441,6 +481,9 @@ class MemoryBackend:
 
     async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
         return self.store.prefix_length(pool, keys)
+
+    async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
+        return self.store.prefix_length_hashes(pool, hashes)
 
     def durability_stats(self) -> dict[str, float]:
         return {}
@@ -525,13 +568,15 @@ class MemoryBackend:
         pools = self.store.pools
         problems: list[str] = []
         checked = 0
-        batch: list[tuple[PoolId, PoolCopy]] = []
+        indexes = self.store.hash_indexes or {}
+        batch: list[tuple[PoolId, PoolCopy, dict[int, int] | None]] = []
         pages = 0
         for pid in sorted(pools):
             pool = pools.get(pid)
             if pool is None:  # removed while the check ran
                 continue
-            batch.append((pid, copy_pool(pool)))
+            index = indexes.get(pid)
+            batch.append((pid, copy_pool(pool), None if index is None else index.counts()))
             checked += 1
             pages += pool.num_pages
             if pages >= _CHECK_BATCH_PAGES:
@@ -544,11 +589,13 @@ class MemoryBackend:
         return CheckReport(problems=problems, checked=checked)
 
 
-def _check_batch(batch: list[tuple[PoolId, PoolCopy]]) -> list[str]:
+def _check_batch(batch: list[tuple[PoolId, PoolCopy, dict[int, int] | None]]) -> list[str]:
     found = []
-    for pid, copy in batch:
+    for pid, copy, hash_counts in batch:
         try:
             check_copy(copy)
+            if hash_counts is not None:
+                check_hash_index(list(copy._stored), hash_counts)
         except InvariantViolation as exc:
             found.append(f"{pid}: {exc}")
     return found
