@@ -60,7 +60,7 @@ def _exercise(server: ServerProcess) -> None:
         (0, False),
     ]
     hashes = server.post("/v1/prefix_match", {"pools": [{"rank": 0, "hashes": [1]}]})
-    assert hashes.status_code == 400 and "hashes" in hashes.json()["detail"]
+    assert hashes.status_code == 400 and "--hash-index" in hashes.json()["detail"]
 
     seen: list[str] = []
     cursor = ""

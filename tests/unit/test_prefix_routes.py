@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import Any
 
 import msgspec
@@ -10,6 +11,7 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, NotInitialized, PayloadTooLarge
+from kvmeta.events.wire import sglang_hash
 from kvmeta.server import prefix_routes
 from kvmeta.server.http import Request, Response
 from kvmeta.service.limits import MAX_DUMP_LIMIT, RequestLimits
@@ -88,11 +90,8 @@ def test_prefix_match_limits_name_the_field_and_the_fix() -> None:
     assert err.value.field == "pools[0].keys" and "--max-key-length" in str(err.value)
 
 
-def test_prefix_match_refuses_hashes_and_says_what_to_send() -> None:
+def test_prefix_match_refuses_bad_bodies_naming_the_field() -> None:
     svc = _service()
-    with pytest.raises(InvalidRequest) as err:
-        _match(svc, {"pools": [{"rank": 0, "hashes": [1, -2]}]})
-    assert err.value.field == "hashes" and "Send `keys`" in str(err.value)
     with pytest.raises(InvalidRequest) as err:
         _match(svc, {"pools": [{"rank": 0, "keys": [], "namespce": "kv"}]})
     assert "namespce" in str(err.value)
@@ -101,9 +100,60 @@ def test_prefix_match_refuses_hashes_and_says_what_to_send() -> None:
         b"[]",
         b'{"pools": 1}',
         b'{"pools": [{"dialect": "x", "rank": 0, "keys": []}]}',
+        b'{"pools": [{"rank": 0, "hashes": ["a"]}]}',
     ):
         with pytest.raises(InvalidRequest):
             _match(svc, bad)
+
+
+def _hash_service(max_keys: int = 24) -> tuple[Service, list[str]]:
+    """A server with --hash-index: pool S0 stores four SHA-256 keys, V1 two keys."""
+    svc = Service(MemoryBackend(MemoryStore(hash_index=True)), RequestLimits(max_keys=max_keys))
+    store = svc.backend.store  # type: ignore[attr-defined]
+    store.initialize(S0, 64)
+    store.v_register(1, 64, None)
+    keys = [hashlib.sha256(str(i).encode()).hexdigest() for i in range(4)]
+    for pool, stored in ((S0, keys), (V1, ["x", "y"])):
+        pages = [p for _, p in store.reserve(pool, stored)]
+        store.confirm(pool, list(zip(stored, pages, strict=True)), [])
+    return svc, keys
+
+
+def test_prefix_match_by_hashes_reads_the_event_feeds_hashes() -> None:
+    svc, keys = _hash_service()
+    hashes = [sglang_hash(k) for k in keys]
+    unsigned = [h % (1 << 64) for h in hashes]
+    body = {
+        "pools": [
+            {"rank": 0, "namespace": "kv", "hashes": hashes},
+            {"rank": 0, "namespace": "kv", "hashes": unsigned[:2] + [12345] + unsigned[2:]},
+            {"rank": 0, "namespace": "kv", "keys": keys[:3]},
+            {"rank": 3, "hashes": hashes},
+        ]
+    }
+    lengths = [(m["length"], m["found"]) for m in _json(_match(svc, body))["matches"]]
+    assert lengths == [(4, True), (2, True), (3, True), (0, False)]
+
+
+def test_prefix_match_by_hashes_errors_name_the_field_and_the_fix() -> None:
+    svc, keys = _hash_service()
+    h = sglang_hash(keys[0])
+    cases: dict[str, tuple[Any, str, str]] = {
+        "neither": ({"rank": 0}, "pools[0].keys", "needs `keys`"),
+        "both": ({"rank": 0, "keys": keys, "hashes": [h]}, "pools[0].hashes", "one of them"),
+        "too big": ({"rank": 0, "hashes": [h, 1 << 64]}, "pools[0].hashes", "signed int64"),
+        "too small": ({"rank": 0, "hashes": [-(1 << 63) - 1]}, "pools[0].hashes", "int64"),
+        "vllm": ({"dialect": "vllm", "rank": 1, "hashes": [h]}, "hashes", "matched by `keys`"),
+        "over --max-keys": ({"rank": 0, "hashes": [h] * 25}, "pools", "--max-keys"),
+    }
+    for name, (pool, field, words) in cases.items():
+        with pytest.raises(InvalidRequest) as err:
+            _match(svc, {"pools": [pool]})
+        assert err.value.field == field and words in str(err.value), name
+    with pytest.raises(InvalidRequest) as err:  # a server without --hash-index
+        _match(_service(), {"pools": [{"rank": 0, "hashes": [h]}]})
+    assert err.value.field == "hashes" and "--hash-index" in str(err.value)
+    assert "send `keys`" in str(err.value)
 
 
 def test_dump_walks_a_pool_in_pages() -> None:
