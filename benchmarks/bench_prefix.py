@@ -2,7 +2,7 @@
 saturation.
 
     python benchmarks/bench_prefix.py [--launch memory|durable|redis] [--keys 256] [--clients 3]
-        [--duration 10] [--rate 200] [--load-rate REQ_PER_S] [--src DIR]
+        [--duration 10] [--rate 200] [--load-rate REQ_PER_S] [--by keys|hashes] [--src DIR]
 
 Launches ``kvmeta serve --read-lease 0`` on a free port (``--launch``: in memory, durable, or
 on a private redis-server, as ``kvmeta bench --launch`` does), fills a router pool (rank
@@ -26,9 +26,10 @@ Reported per phase: client-side p50/p99 (wall time on this machine, scheduling o
 process on it included), the server-side p50/p99 of the route's handler time, interpolated
 in the ``/metrics`` latency histogram (``kvmeta_http_request_duration_seconds``), the share of
 calls within 1 ms, the engine cycle's achieved request rate and p50/p99, and the server's CPU
-use in cores. On a 2-core machine the clients, the server and this script compete for the
-CPUs: the server-side figure is the one that carries over. ``--src`` runs the server from
-another source tree (a before/after comparison with the same script).
+use in cores. ``--by hashes`` asks by SGLang's 64-bit block hashes of the same keys instead (the
+server then runs with ``--hash-index``). On a 2-core machine the clients, the server and this
+script compete for the CPUs: the server-side figure is the one that carries over. ``--src`` runs
+the server from another source tree (a before/after comparison with the same script).
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from kvmeta.bench.workload import (  # noqa: E402
     initialize_pool,
     prefill,
 )
+from kvmeta.events.wire import sglang_hashes  # noqa: E402
 
 ROUTE = "/v1/prefix_match"
 _BUCKET_RE = re.compile(r"^kvmeta_http_request_duration_seconds_bucket\{(.*)\} (\S+)$", re.M)
@@ -68,15 +70,14 @@ def _json(client: HttpClient, path: str, body: Any) -> Any:
     return json.loads(raw) if raw else None
 
 
-def fill(client: HttpClient, keys: int, sequences: int) -> list[bytes]:
-    """Store ``sequences`` key sequences in the router pool; the request body of each."""
+def fill(client: HttpClient, keys: int, sequences: int, by: str = "keys") -> list[bytes]:
+    """Store ``sequences`` key sequences in the router pool; the request body of each, asking
+    by the keys or (``by="hashes"``) by their block hashes."""
     pages = max(4096, 2 * keys * sequences)
     _json(client, "/1/initialize", {"num_pages": pages, "namespace": "kv"})
     bodies = []
     for s in range(sequences):
-        seq = [
-            f"{s:04d}-{i:04d}-" + "ab" * 28 for i in range(keys)
-        ]  # 64-char keys, like SHA-256 hex
+        seq = [f"{s:04x}{i:012x}" + "ab" * 24 for i in range(keys)]  # 64 hex digits, as SHA-256
         for start in range(0, keys, 64):
             chunk = seq[start : start + 64]
             out = _json(
@@ -86,7 +87,8 @@ def fill(client: HttpClient, keys: int, sequences: int) -> list[bytes]:
             )["indices"]
             pairs = [[k, page] for k, (_, page) in zip(chunk, out, strict=True)]
             _json(client, "/1/confirm_write", {"written_keys_to_confirm": pairs, "namespace": "kv"})
-        bodies.append(json.dumps({"pools": [{"rank": 1, "namespace": "kv", "keys": seq}]}).encode())
+        ask: dict[str, Any] = {"keys": seq} if by == "keys" else {"hashes": sglang_hashes(seq)}
+        bodies.append(json.dumps({"pools": [{"rank": 1, "namespace": "kv", **ask}]}).encode())
     return bodies
 
 
@@ -350,6 +352,12 @@ def main() -> None:
         help="--launch redis: reach the private redis-server over loopback TCP (default) or a "
         "unix socket",
     )
+    parser.add_argument(
+        "--by",
+        choices=("keys", "hashes"),
+        default="keys",
+        help="ask by page keys (default) or by their 64-bit block hashes (--hash-index)",
+    )
     parser.add_argument("--src", help="run the server from this source tree's src/ (default: ours)")
     parser.add_argument(
         "--phases",
@@ -371,15 +379,15 @@ def main() -> None:
         "clients": args.clients,
         "rate": args.rate,
         "launch": args.launch,
+        "by": args.by,
         "redis_transport": args.redis_transport if args.launch == "redis" else None,
         "src": args.src,
     }
-    launched = LaunchedServer(
-        args.launch, ["--read-lease=0"], args.src, transport=args.redis_transport
-    )
+    flags = ["--read-lease=0"] + (["--hash-index"] if args.by == "hashes" else [])
+    launched = LaunchedServer(args.launch, flags, args.src, transport=args.redis_transport)
     with launched as server:
         client = HttpClient(server.url)
-        bodies = fill(client, args.keys, args.sequences)
+        bodies = fill(client, args.keys, args.sequences, args.by)
         found = json.loads(client.post(ROUTE, bodies[0])[1])["matches"][0]
         assert found["length"] == args.keys, found
         if phases != ["idle"]:
@@ -411,8 +419,8 @@ def main() -> None:
         client.close()
 
     print(
-        f"prefix_match on --launch {args.launch}, {args.keys} keys, all present (the walk "
-        f"never stops early), {args.rate:g} calls/s"
+        f"prefix_match by {args.by} on --launch {args.launch}, {args.keys} keys, all present "
+        f"(the walk never stops early), {args.rate:g} calls/s"
     )
     print(
         f"{'load':10} {'calls':>6} {'client p50':>11} {'client p99':>11} {'server p50':>11} "
