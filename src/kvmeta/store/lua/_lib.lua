@@ -323,16 +323,16 @@ local function hidx_change(k, on, keys, pages, add)
   if not on or #keys == 0 then
     return
   end
-  local fields, by = {}, {} -- heads in first-seen order; head -> pages of this call
+  local fields, by = {}, {} -- heads in first-seen order; head -> this call's pages, as listed
   for i, key in ipairs(keys) do
     local h = head_of(key)
     if h then
-      local list = by[h]
-      if list == nil then
+      local mine = by[h]
+      if mine == nil then
         fields[#fields + 1] = h
-        by[h] = { pages[i] }
+        by[h] = pages[i]
       else
-        list[#list + 1] = pages[i]
+        by[h] = mine .. ',' .. pages[i]
       end
     end
   end
@@ -342,18 +342,13 @@ local function hidx_change(k, on, keys, pages, add)
   local have = hmget(k.hidx, fields)
   local w_set, w_del = {}, {}
   for i, h in ipairs(fields) do
-    local old, list = have[i], by[h]
+    local old, mine = have[i], by[h]
     local new
     if add then
-      new = table.concat(list, ',')
-      if old then
-        new = old .. ',' .. new
-      end
-    elseif old == list[1] and #list == 1 then
-      new = nil -- the usual case: the head's only key went
-    elseif old then
+      new = old and (old .. ',' .. mine) or mine
+    elseif old and old ~= mine then -- (equal: the usual case, the head's only key went)
       local gone, left = {}, {}
-      for _, page in ipairs(list) do
+      for page in string.gmatch(mine, '[^,]+') do
         gone[page] = true
       end
       for page in string.gmatch(old, '[^,]+') do
@@ -381,23 +376,27 @@ end
 local function hidx_build(k)
   redis.call('DEL', k.hidx)
   local all = redis.call('HGETALL', k.stored)
-  local keys, pages = {}, {}
+  local fields, by = {}, {} -- heads in first-seen order; head -> its pages, comma-separated
   for i = 1, #all, 2 do
-    keys[#keys + 1] = all[i]
-    pages[#pages + 1] = all[i + 1]
-  end
-  all = nil
-  for i = 1, #keys, CHUNK * 10 do
-    local j = math.min(i + CHUNK * 10 - 1, #keys)
-    local ks, ps = {}, {}
-    for x = i, j do
-      ks[#ks + 1] = keys[x]
-      ps[#ps + 1] = pages[x]
+    local h = head_of(all[i])
+    if h then
+      local old = by[h]
+      if old == nil then
+        fields[#fields + 1] = h
+        by[h] = all[i + 1]
+      else
+        by[h] = old .. ',' .. all[i + 1]
+      end
     end
-    hidx_change(k, true, ks, ps, true)
   end
+  local w = {}
+  for _, h in ipairs(fields) do
+    w[#w + 1] = h
+    w[#w + 1] = by[h]
+  end
+  call_many('HSET', k.hidx, w)
   redis.call('HSET', k.meta, 'hx', '1')
-  return #keys
+  return #all / 2
 end
 
 -- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear
