@@ -305,8 +305,9 @@ class RedisBackend:
         keeps one is the pool's own property in Redis (meta ``hx``), so servers sharing the
         Redis agree whatever their flags: every server maintains the index of a pool that has
         it. A pool created without it gets its index built at its first initialise by a server
-        with the flag: one script, O(stored keys), that blocks Redis meanwhile (see
-        ``_lib.lua`` ``hidx_build``)."""
+        with the flag: one script, O(stored keys), that blocks Redis meanwhile (about 6 s per
+        million stored keys as measured, see ``_lib.lua`` ``hidx_build``). Keeping it costs
+        each confirm and each evicting reserve about 3-4 us of Redis CPU per key."""
         self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
