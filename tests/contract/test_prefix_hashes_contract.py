@@ -17,9 +17,11 @@ from typing import Any
 import pytest
 
 from kvmeta._types import PoolId
+from kvmeta.config import Settings
 from kvmeta.errors import NoHashIndex, NotInitialized
 from kvmeta.events.wire import sglang_hash
-from kvmeta.store.redis import POOL_PARTS, pool_keys
+from kvmeta.server.runner import build_backend
+from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
 from tests.contract.conftest import REDIS_SERVERS, Sync
 
 S0 = PoolId("s", 0, "kv")
@@ -326,3 +328,10 @@ def test_check_reports_an_index_out_of_step(hb: Sync, request: pytest.FixtureReq
         client.hset(hidx, field, original)
         hb.check()
     client.close()
+
+
+def test_the_server_flag_reaches_the_redis_backend() -> None:
+    for flag in (False, True):
+        settings = Settings(backend="redis://127.0.0.1:1/0", hash_index=flag)
+        backend = build_backend(settings)
+        assert isinstance(backend, RedisBackend) and backend.hash_index is flag
