@@ -29,6 +29,9 @@ malloc itself; Valkey's own builds use jemalloc, which is what a deployment runs
 ``--events``: the new side runs its scripts as a server with a change listener does (the feed
 flag argument: reserve returns the keys it evicted, confirm the keys it committed, each with the
 pool's change counter), so the same scripts side by side give the cost of the change feed.
+
+``--hash-index``: the new side's pools keep the block-hash index (initialised as by a server
+with ``--hash-index``), so ``--old WORKTREE --new WORKTREE --hash-index`` gives its cost.
 """
 
 from __future__ import annotations
@@ -80,8 +83,10 @@ def read_lua(rev: str, name: str) -> str:
 class Side:
     """One revision's scripts and the key parts its layout uses."""
 
-    def __init__(self, label: str, rev: str, r: redis.Redis, events: bool = False) -> None:
-        self.label, self.rev, self.events = label, rev, events
+    def __init__(
+        self, label: str, rev: str, r: redis.Redis, events: bool = False, hash_index: bool = False
+    ) -> None:
+        self.label, self.rev, self.events, self.hash_index = label, rev, events, hash_index
         lib = read_lua(rev, "_lib")
         found = re.search(r"local PARTS = \{([^}]*)\}", lib)
         assert found, f"{rev}: no PARTS in _lib.lua"
@@ -129,6 +134,8 @@ class Pool:
     def call(self, op: str, arg: Any) -> list[Any]:
         self.calls += 1
         flag = ("1",) if self.side.events and op in FEED else ()
+        if op == "initialize" and self.side.hash_index:
+            flag = ("1",)
         raw = self.r.evalsha(self.side.sha[op], len(self.keys), *self.keys, arg, *flag)
         reply: list[Any] = json.loads(raw)
         assert reply[0] == 0, (op, reply)
@@ -204,6 +211,11 @@ def main() -> int:
         help="the new side reports changes, as with a change listener (the feed's cost)",
     )
     parser.add_argument(
+        "--hash-index",
+        action="store_true",
+        help="the new side's pools keep the block-hash index (--hash-index's cost)",
+    )
+    parser.add_argument(
         "--preload", help="a malloc library for the server (LD_PRELOAD), e.g. libjemalloc.so.2"
     )
     parser.add_argument("--json", help="write the medians to this file")
@@ -248,7 +260,10 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
-    sides = [Side("old", args.old, r), Side("new", args.new, r, events=args.events)]
+    sides = [
+        Side("old", args.old, r),
+        Side("new", args.new, r, events=args.events, hash_index=args.hash_index),
+    ]
     extra = args.cycles * args.rounds * args.batch + args.batch
     pools: dict[tuple[str, str], Pool] = {}
     for side in sides:
@@ -303,7 +318,7 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             mean = statistics.mean(ops.values())
             req = statistics.median(per_req[key])
             rounds = " ".join(f"{x:.0f}" for x in per_req[key])
-            tag = " +events" if side.events else ""
+            tag = (" +events" if side.events else "") + (" +hash-index" if side.hash_index else "")
             print(
                 f"{variant:8} {side.label:4} "
                 + " ".join(f"{ops[op]:8.0f}" for op in OPS)

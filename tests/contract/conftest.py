@@ -1,52 +1,75 @@
 """The ``backend`` fixture: every contract test runs once per backend.
 
-A backend is built by a factory ``(reservation_ttl, read_lease, fixture) -> Backend``, where
-``fixture(name)`` returns a pytest fixture's value (e.g. ``"redis_cluster_url"``: an empty
-cluster), requested only by the factories that need it; ``BACKENDS`` maps each fixture id to
+A backend is built by a factory ``(reservation_ttl, read_lease, fixture, hash_index=False) ->
+Backend``, where ``fixture(name)`` returns a pytest fixture's value (e.g. ``"redis_cluster_url"``:
+an empty cluster), requested only by the factories that need it, and ``hash_index`` is the
+server's ``--hash-index``; ``BACKENDS`` maps each fixture id to
 its factory, so adding a backend (or a Redis topology) is one line. Redis runs on every
 topology kvmeta supports: one node, a 3-primary + 3-replica cluster, and a Sentinel group.
 ``Sync`` drives the async Backend from plain tests on a private event loop, and ``check()``
-validates the full page invariant in whichever store it is.
+validates the full page invariant (and the hash indexes) in whichever store it is.
 """
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Callable, Coroutine, Iterator
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
 import pytest
 
-from kvmeta.core.invariants import check_pool
+from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.store.base import Backend
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.redis import RedisBackend
 
 T = TypeVar("T")
-Factory = Callable[[float, float, Callable[[str], str]], Backend]
+
+
+class Factory(Protocol):
+    def __call__(
+        self, ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+    ) -> Backend: ...
+
+
+def _redis(url_fixture: str) -> Factory:
+    def make(
+        ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+    ) -> Backend:
+        return RedisBackend(
+            fixture(url_fixture), reservation_ttl=ttl, read_lease=lease, hash_index=hash_index
+        )
+
+    return make
+
+
+def _memory(
+    ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+) -> Backend:
+    return MemoryBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
+
 
 BACKENDS: dict[str, Factory] = {
-    "memory": lambda ttl, lease, fixture: MemoryBackend(
-        MemoryStore(reservation_ttl=ttl, read_lease=lease)
-    ),
-    "redis": lambda ttl, lease, fixture: RedisBackend(
-        fixture("redis_url"), reservation_ttl=ttl, read_lease=lease
-    ),
-    "redis-cluster": lambda ttl, lease, fixture: RedisBackend(
-        fixture("redis_cluster_url"), reservation_ttl=ttl, read_lease=lease
-    ),
-    "redis-sentinel": lambda ttl, lease, fixture: RedisBackend(
-        fixture("redis_sentinel_url"), reservation_ttl=ttl, read_lease=lease
-    ),
+    "memory": _memory,
+    "redis": _redis("redis_url"),
+    "redis-cluster": _redis("redis_cluster_url"),
+    "redis-sentinel": _redis("redis_sentinel_url"),
+}
+# The fixture of each Redis topology's servers (``client()``: redis-py to its primary/cluster).
+REDIS_SERVERS = {
+    "redis": "redis_server",
+    "redis-cluster": "redis_cluster",
+    "redis-sentinel": "redis_sentinel",
 }
 
 
 class Sync:
     """A started backend, called synchronously: ``b.reserve(pool, keys)``."""
 
-    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, backend: Backend, loop: asyncio.AbstractEventLoop, kind: str = "") -> None:
         self.backend = backend
         self.loop = loop
+        self.kind = kind  # the BACKENDS entry it was built by
 
     def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         return self.loop.run_until_complete(coro)
@@ -56,27 +79,32 @@ class Sync:
         return lambda *args: self._run(method(*args))
 
     def check(self) -> None:
-        """Assert the page invariant of every pool holds."""
+        """Assert the page invariant of every pool holds, and every hash index matches its
+        pool's stored keys."""
         if isinstance(self.backend, MemoryBackend):
-            for pool in self.backend.store.pools.values():
+            store = self.backend.store
+            for pool in store.pools.values():
                 check_pool(pool)
+            for pid, index in (store.hash_indexes or {}).items():
+                check_hash_index(store.pools[pid].stored_keys(), index.counts())
         else:
             assert self._run(self.backend.check()).problems == []
 
 
 @pytest.fixture(params=sorted(BACKENDS))
 def make_backend(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
-    """Build a started backend of the parametrised kind: ``make_backend(ttl=..., lease=...)``."""
+    """Build a started backend of the parametrised kind: ``make_backend(ttl=..., lease=...,
+    hash_index=...)``. Redis backends built in one test share one Redis."""
     loop = asyncio.new_event_loop()
     started: list[Sync] = []
 
     def fixture(name: str) -> str:
         return str(request.getfixturevalue(name))
 
-    def make(ttl: float = 300.0, lease: float = 0.0) -> Sync:
-        backend = BACKENDS[request.param](ttl, lease, fixture)
+    def make(ttl: float = 300.0, lease: float = 0.0, hash_index: bool = False) -> Sync:
+        backend = BACKENDS[request.param](ttl, lease, fixture, hash_index=hash_index)
         loop.run_until_complete(backend.start())
-        started.append(Sync(backend, loop))
+        started.append(Sync(backend, loop, request.param))
         return started[-1]
 
     yield make

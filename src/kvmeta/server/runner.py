@@ -46,6 +46,7 @@ def build_backend(settings: Settings) -> Backend:
             failover_timeout=settings.failover_timeout,
             min_replicas_ack=settings.min_replicas_ack,
             replica_ack_timeout=settings.replica_ack_timeout,
+            hash_index=settings.hash_index,
         )
     store = MemoryStore(
         reservation_ttl=settings.reservation_ttl,

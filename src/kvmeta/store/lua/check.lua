@@ -2,7 +2,11 @@
 -- every part chunk by chunk ('totals' last), so no call holds Redis for longer than a chunk.
 -- Each entry is checked against the other structures within one call (atomic), so writes
 -- between chunks never produce a false report; 'totals' compares the sizes, O(1), in one call.
--- KEYS the pool's keys; ARGV[1] part (pk, stored, reserved, free, cool, lru, resq, totals),
+-- A pool with the hash index (meta hx) has its index checked both ways, each entry atomically:
+-- 'stored' finds each hex-headed key's page under its head, 'hidx' each indexed page's key
+-- STORED there with that head, so the index holds exactly the stored keys' heads, each as
+-- many times as keys share it.
+-- KEYS the pool's keys; ARGV[1] part (pk, stored, reserved, free, cool, lru, resq, hidx, totals),
 -- ARGV[2] cursor (HSCAN cursor of a hash, start index of a list/zset), ARGV[3] chunk size.
 -- Returns [0, next cursor ('0': part done), violation, ...] or [1] (no pool).
 local k = pool_keys_from(KEYS)
@@ -117,6 +121,67 @@ elseif part == 'stored' or part == 'reserved' then
     end
     if both[i] then
       bad('key ' .. key .. ' is both STORED and RESERVED')
+    end
+  end
+  if part == 'stored' and st.hx then
+    local heads, at_i = {}, {}
+    for i, key in ipairs(keys) do
+      local h = head_of(key)
+      if h then
+        heads[#heads + 1], at_i[#at_i + 1] = h, i
+      end
+    end
+    local listed = hmget(k.hidx, heads)
+    for j, h in ipairs(heads) do
+      local page, found = pages[at_i[j]], false
+      for p in string.gmatch(listed[j] or '', '[^,]+') do
+        found = found or p == page
+      end
+      if not found then
+        bad('stored key ' .. keys[at_i[j]] .. ' (page ' .. page .. ') is missing from the '
+          .. 'hash index under ' .. h)
+      end
+    end
+  end
+elseif part == 'hidx' then
+  if not st.hx then
+    if redis.call('EXISTS', k.hidx) == 1 then
+      bad('hash index present but the pool is not marked as keeping one (meta hx)')
+    end
+    return cjson.encode(out)
+  end
+  local flat = hscan(k.hidx)
+  local heads, pages, seen = {}, {}, {}
+  for i = 1, #flat, 2 do
+    local h = flat[i]
+    if head_of(h) ~= h then
+      bad('hash index field ' .. h .. ' is not 16 lowercase hex digits')
+    end
+    local any = false
+    for page in string.gmatch(flat[i + 1], '[^,]+') do
+      any = true
+      if seen[page] then
+        bad('hash index lists page ' .. page .. ' twice')
+      end
+      seen[page] = true
+      heads[#heads + 1], pages[#pages + 1] = h, page
+    end
+    if not any then
+      bad('hash index field ' .. h .. ' lists no page')
+    end
+  end
+  local keys = hmget(k.pk, pages)
+  local s_keys = {}
+  for i = 1, #pages do
+    s_keys[i] = keys[i] or ''
+  end
+  local s_at = hmget(k.stored, s_keys)
+  for i, page in ipairs(pages) do
+    if not keys[i] or s_at[i] ~= page then
+      bad('hash index ' .. heads[i] .. ' -> page ' .. page .. ', which is not STORED')
+    elseif head_of(keys[i]) ~= heads[i] then
+      bad('hash index ' .. heads[i] .. ' -> page ' .. page .. ', whose key ' .. keys[i]
+        .. ' has another head')
     end
   end
 elseif part == 'free' then

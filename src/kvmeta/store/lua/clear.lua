@@ -9,7 +9,8 @@
 -- Returns [0, next cursor, keys cleared by this chunk(, [change counter] from the last chunk
 -- when ARGV[3] is '1')] or [1] (no pool).
 local k = pool_keys_from(KEYS)
-if redis.call('HEXISTS', k.meta, 'n') == 0 then
+local hx = pool_hx(k)
+if hx == nil then
   return cjson.encode({ 1 })
 end
 local now = now_s(ARGV[4])
@@ -18,7 +19,7 @@ expire(k, now, c)
 if ARGV[1] == '0' then
   bump(c, 'clears', 1)
 end
-local cursor, cleared = clear_chunk(k, now, ARGV[1], tonumber(ARGV[2]))
+local cursor, cleared = clear_chunk(k, now, ARGV[1], tonumber(ARGV[2]), hx)
 flush(k, c)
 if cursor == '0' and ARGV[3] == '1' then
   return cjson.encode({ 0, cursor, cleared, feed(k, ARGV[3], {}) })

@@ -129,6 +129,7 @@ if #w_keys > 0 then
   call_many('ZREM', k.resq, w_pages)
   call_many('HSET', k.stored, w_stored)
   call_many('ZADD', k.lru, w_lru)
+  hidx_change(k, st.hx, w_keys, w_pages, true)
 end
 bump(c, 'commits', #w_keys)
 bump(c, 'confirms_refused', refused)

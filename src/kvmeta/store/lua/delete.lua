@@ -4,7 +4,8 @@
 -- Returns [0, removed(, [change counter, removed key, ...] when ARGV[2] is '1' and it
 -- removed any)] or [1] (no pool).
 local k = pool_keys_from(KEYS)
-if redis.call('HEXISTS', k.meta, 'n') == 0 then
+local hx = pool_hx(k)
+if hx == nil then
   return cjson.encode({ 1 })
 end
 local keys = cjson.decode(ARGV[1])
@@ -26,6 +27,7 @@ if #dead_keys > 0 then
   call_many('HDEL', k.stored, dead_keys)
   call_many('ZREM', k.lru, dead_pages)
   call_many('HDEL', k.pk, dead_pages)
+  hidx_change(k, hx, dead_keys, dead_pages, false)
   for _, page in ipairs(dead_pages) do
     free_page(k, page, now)
   end

@@ -252,6 +252,7 @@ end
 if #ev_pages > 0 then
   call_many('HDEL', k.stored, ev_keys)
   call_many('ZREM', k.lru, ev_pages)
+  hidx_change(k, st.hx, ev_keys, ev_pages, false)
 end
 call_many('ZADD', k.lru, lru_w) -- in order: a page moved twice keeps its last tick
 call_many('HSET', k.pk, w_pk)

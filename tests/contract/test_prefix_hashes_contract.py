@@ -1,0 +1,337 @@
+"""``prefix_length_hashes`` (``prefix_match`` by SGLang's block hashes) on every backend.
+
+A backend built with ``hash_index=True`` (``--hash-index``) keeps each SGLang pool's stored keys
+by block hash: the first 16 hex digits of a key, read as a signed 64-bit int
+(``events.wire.sglang_hash``). Every workload ends with ``check()`` (the fixture's, and
+explicit ones in between), which compares the index with the stored keys in the store itself.
+On Redis, whether a pool keeps the index is the pool's own property, so servers with and
+without the flag sharing one Redis agree.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from kvmeta._types import PoolId
+from kvmeta.config import Settings
+from kvmeta.errors import NoHashIndex, NotInitialized
+from kvmeta.events.wire import sglang_hash
+from kvmeta.server.runner import build_backend
+from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
+from tests.contract.conftest import REDIS_SERVERS, Sync
+
+S0 = PoolId("s", 0, "kv")
+S1 = PoolId("s", 1, "other ns/with:odd{chars}")
+V0 = PoolId("v", 0, "")
+
+
+def _key(i: int, tail: str = "") -> str:
+    """A SHA-256-like page key: 64 hex digits (the first 16 distinct per ``i``)."""
+    return f"{(i * 0x9E3779B97F4A7C15) % (1 << 64):016x}" + "ab" * 24 + tail
+
+
+def _store(b: Sync, pool: PoolId, keys: list[str]) -> list[int]:
+    pages = [page for _, page in b.reserve(pool, keys)]
+    assert -1 not in pages
+    assert b.confirm(pool, list(zip(keys, pages, strict=True)), []) == 0
+    return pages
+
+
+def _hashes(keys: list[str]) -> list[int]:
+    return [sglang_hash(k) for k in keys]
+
+
+def _found(b: Sync, pool: PoolId, keys: list[str]) -> list[bool]:
+    """Whether each key's hash is found, asked one by one."""
+    return [b.prefix_length_hashes(pool, [h]) == 1 for h in _hashes(keys)]
+
+
+@pytest.fixture
+def hb(make_backend: Callable[..., Sync]) -> Sync:
+    """A backend with the hash index on."""
+    return make_backend(hash_index=True)
+
+
+def _redis_only(b: Sync) -> None:
+    if b.kind not in REDIS_SERVERS:
+        pytest.skip("servers sharing one state: Redis only")
+
+
+def _hidx(b: Sync, request: pytest.FixtureRequest, pool: PoolId) -> tuple[Any, str]:
+    """redis-py to the backend's Redis, and the pool's index key."""
+    client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
+    return client, pool_keys(pool)[POOL_PARTS.index("hidx")]
+
+
+def test_stored_keys_are_found_in_order_and_the_match_stops_at_the_first_miss(hb: Sync) -> None:
+    hb.initialize(S0, 64)
+    keys = [_key(i) for i in range(10)]
+    _store(hb, S0, keys[:6])
+    hashes = _hashes(keys)
+    assert hb.prefix_length_hashes(S0, hashes) == 6
+    assert hb.prefix_length_hashes(S0, hashes[:3]) == 3
+    assert hb.prefix_length_hashes(S0, [hashes[7], *hashes[:6]]) == 0
+    assert hb.prefix_length_hashes(S0, [*hashes[:2], hashes[8], *hashes[2:6]]) == 2
+    assert hb.prefix_length_hashes(S0, []) == 0
+    # The same answer as by keys.
+    assert hb.prefix_length(S0, keys) == 6
+    # Negative hashes (a head from 8000...) and the extremes round-trip.
+    edge = ["8000000000000000" + "0" * 48, "ffffffffffffffff" + "1" * 48, "7fffffffffffffff"]
+    _store(hb, S0, edge)
+    assert _hashes(edge) == [-(1 << 63), -1, (1 << 63) - 1]
+    assert hb.prefix_length_hashes(S0, _hashes(edge)) == 3
+    # Pools are separate.
+    hb.initialize(S1, 8)
+    assert hb.prefix_length_hashes(S1, hashes) == 0
+    hb.check()
+
+
+def test_evictions_remove_their_hashes(hb: Sync) -> None:
+    hb.initialize(S0, 4)
+    first = [_key(i) for i in range(4)]
+    _store(hb, S0, first)
+    later = [_key(i) for i in range(100, 103)]
+    _store(hb, S0, later)  # evicts the three coldest of ``first``
+    assert hb.exists(S0, first) == [False, False, False, True]
+    assert _found(hb, S0, first) == [False, False, False, True]
+    assert hb.prefix_length_hashes(S0, _hashes(later)) == 3
+    hb.check()
+
+
+def test_deletes_and_clear_remove_their_hashes(hb: Sync) -> None:
+    hb.initialize(S0, 16)
+    keys = [_key(i) for i in range(6)]
+    _store(hb, S0, keys)
+    assert hb.delete(S0, [keys[1], keys[4], "never stored"]) == 2
+    assert _found(hb, S0, keys) == [True, False, True, True, False, True]
+    assert hb.prefix_length_hashes(S0, _hashes(keys)) == 1
+    hb.check()
+    assert hb.clear(S0) == 4
+    assert _found(hb, S0, keys) == [False] * 6
+    _store(hb, S0, keys[:2])  # stored again after the clear: found again
+    assert hb.prefix_length_hashes(S0, _hashes(keys)) == 2
+    hb.check()
+
+
+def test_keys_sharing_a_head_keep_the_hash_while_one_is_stored(hb: Sync) -> None:
+    hb.initialize(S0, 16)
+    a, b = "0123456789abcdefX", "0123456789ABCDEFY"
+    h = sglang_hash(a)
+    assert sglang_hash(b) == h
+    _store(hb, S0, [a, b])  # both in one call
+    hb.check()
+    assert hb.delete(S0, [a]) == 1
+    assert hb.prefix_length_hashes(S0, [h]) == 1
+    hb.check()
+    assert hb.delete(S0, [b]) == 1
+    assert hb.prefix_length_hashes(S0, [h]) == 0
+    # One call after the other, and both removed in one call.
+    _store(hb, S0, [b])
+    _store(hb, S0, [a])
+    c = "0123456789abcdefZ"
+    _store(hb, S0, [c])
+    hb.check()
+    assert hb.delete(S0, [a, c]) == 2
+    assert hb.prefix_length_hashes(S0, [h]) == 1
+    assert hb.delete(S0, [b]) == 1
+    assert hb.prefix_length_hashes(S0, [h]) == 0
+    hb.check()
+
+
+def test_shared_heads_across_evictions(hb: Sync) -> None:
+    hb.initialize(S0, 3)
+    a, b = "fedcba9876543210-a", "FEDCBA9876543210-b"
+    _store(hb, S0, [a])
+    _store(hb, S0, [b, _key(1)])
+    _store(hb, S0, [_key(2)])  # evicts a, the coldest
+    assert hb.exists(S0, [a, b]) == [False, True]
+    assert hb.prefix_length_hashes(S0, [sglang_hash(a)]) == 1
+    _store(hb, S0, [_key(3)])  # evicts b
+    assert hb.prefix_length_hashes(S0, [sglang_hash(a)]) == 0
+    hb.check()
+
+
+def test_keys_without_a_hex_head_are_not_indexed_and_break_nothing(hb: Sync) -> None:
+    hb.initialize(S0, 16)
+    odd = [
+        "not-a-hex-key-at-all",
+        "0123456789abcdeg" + "0" * 10,  # a 'g' in the 16th place
+        "short",
+        "0x23456789abcdef0",  # parses as hex in Python, but is not 16 hex digits
+        " 23456789abcdef01",  # (its hash is no stored key's head)
+        "é123456789abcdef0",
+        "",
+    ]
+    plain = [_key(1), "0123456789abcdef"]  # exactly 16 hex digits: indexed
+    _store(hb, S0, [*odd, *plain])
+    assert hb.exists(S0, odd) == [True] * len(odd)
+    assert _found(hb, S0, odd) == [False] * len(odd)
+    assert hb.prefix_length_hashes(S0, _hashes(plain)) == 2
+    hb.check()
+    assert hb.delete(S0, [*odd, plain[0]]) == len(odd) + 1
+    assert _found(hb, S0, plain) == [False, True]
+    hb.check()
+
+
+def test_uppercase_heads_match(hb: Sync) -> None:
+    hb.initialize(S0, 8)
+    upper = "ABCDEF0123456789" + "C" * 48
+    _store(hb, S0, [upper])
+    assert hb.prefix_length_hashes(S0, [sglang_hash(upper.lower())]) == 1
+    assert hb.delete(S0, [upper]) == 1
+    assert hb.prefix_length_hashes(S0, [sglang_hash(upper)]) == 0
+
+
+def test_an_unknown_pool_is_not_initialized(hb: Sync) -> None:
+    for hashes in ([1, 2], []):
+        with pytest.raises(NotInitialized):
+            hb.prefix_length_hashes(S0, hashes)
+        with pytest.raises(NotInitialized):
+            hb.prefix_length_hashes(V0, hashes)
+
+
+def test_a_vllm_pool_keeps_no_hash_index(hb: Sync) -> None:
+    hb.v_register(0, 8, None)
+    key = _key(5)
+    _store(hb, V0, [key])
+    for hashes in ([sglang_hash(key)], []):
+        with pytest.raises(NoHashIndex, match="vLLM rank 0"):
+            hb.prefix_length_hashes(V0, hashes)
+
+
+def test_a_backend_without_the_index_answers_no_hash_index(
+    make_backend: Callable[..., Sync],
+) -> None:
+    b = make_backend()
+    b.initialize(S0, 8)
+    key = _key(3)
+    _store(b, S0, [key])
+    for hashes in ([sglang_hash(key)], []):
+        with pytest.raises(NoHashIndex, match="--hash-index"):
+            b.prefix_length_hashes(S0, hashes)
+    assert b.prefix_length(S0, [key]) == 1
+
+
+def test_a_random_workload_keeps_the_index_exact(hb: Sync) -> None:
+    """Reserves (evicting), confirms, deletes and clears over a small pool, with keys that
+    share heads and keys without one; after each step every head is found exactly when some
+    key with it is stored."""
+    rng = random.Random(7)
+    heads = [f"{rng.getrandbits(64):016x}" for _ in range(12)]
+    universe = [h + t for h in heads for t in ("", "-1", "-2")]
+    universe += [h.upper() + "-U" for h in heads[:4]] + ["no-head-1", "no-head-2"]
+    hb.initialize(S0, 10)
+    for step in range(120):
+        op = rng.random()
+        if op < 0.7:
+            keys = rng.sample(universe, rng.randint(1, 6))
+            got = hb.reserve(S0, keys)
+            pairs = [(k, p) for k, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
+            hb.confirm(S0, pairs, [])
+        elif op < 0.95:
+            hb.delete(S0, rng.sample(universe, rng.randint(1, 5)))
+        else:
+            hb.clear(S0)
+        stored = {k for k, s in zip(universe, hb.exists(S0, universe), strict=True) if s}
+        want = [any(k[:16].lower() == h for k in stored) for h in heads]
+        found = [hb.prefix_length_hashes(S0, [sglang_hash(h)]) == 1 for h in heads]
+        assert found == want, f"step {step}"
+        if step % 20 == 0:
+            hb.check()
+    hb.check()
+
+
+# ---------------------------------------------------------------- servers sharing one Redis
+
+
+def test_a_server_with_the_flag_builds_the_index_of_an_existing_pool(
+    make_backend: Callable[..., Sync],
+) -> None:
+    plain = make_backend()
+    _redis_only(plain)
+    plain.initialize(S0, 16)
+    keys = [_key(i) for i in range(8)] + ["0123456789abcdefX", "0123456789ABCDEFY", "odd"]
+    _store(plain, S0, keys)
+    assert plain.delete(S0, [keys[2]]) == 1
+    with pytest.raises(NoHashIndex):
+        plain.prefix_length_hashes(S0, _hashes(keys))
+    indexed = make_backend(hash_index=True)
+    result = indexed.initialize(S0, 16)
+    assert not result.created
+    indexed.check()
+    assert indexed.prefix_length_hashes(S0, _hashes(keys)) == 2
+    assert _found(indexed, S0, keys[:-1]) == [True, True, False] + [True] * 7
+    # Now the pool keeps it, whichever server asks.
+    assert plain.prefix_length_hashes(S0, _hashes(keys[:2])) == 2
+    # Initialising again does not rebuild (nor break) it.
+    indexed.initialize(S0, 16)
+    plain.initialize(S0, 16)
+    indexed.check()
+    assert indexed.delete(S0, ["0123456789abcdefX"]) == 1
+    assert indexed.prefix_length_hashes(S0, [sglang_hash("0123456789abcdefX")]) == 1
+
+
+def test_a_server_without_the_flag_maintains_a_pool_s_index(
+    make_backend: Callable[..., Sync],
+) -> None:
+    indexed = make_backend(hash_index=True)
+    _redis_only(indexed)
+    plain = make_backend()
+    indexed.initialize(S0, 4)
+    plain.initialize(S0, 4)
+    first = [_key(i) for i in range(4)]
+    _store(plain, S0, first)
+    assert indexed.prefix_length_hashes(S0, _hashes(first)) == 4
+    _store(plain, S0, [_key(10), _key(11)])  # evicts first[0] and first[1]
+    assert _found(indexed, S0, first) == [False, False, True, True]
+    assert plain.delete(S0, [first[2]]) == 1
+    assert _found(indexed, S0, first) == [False, False, False, True]
+    plain.check()
+    plain.clear(S0)
+    assert _found(indexed, S0, [*first, _key(10), _key(11)]) == [False] * 6
+    indexed.check()
+    # A pool created by the flagless server keeps none, and asks say so.
+    plain.initialize(S1, 4)
+    with pytest.raises(NoHashIndex):
+        indexed.prefix_length_hashes(S1, [1])
+
+
+def test_check_reports_an_index_out_of_step(hb: Sync, request: pytest.FixtureRequest) -> None:
+    _redis_only(hb)
+    hb.initialize(S0, 16)
+    keys = [_key(i) for i in range(5)]
+    pages = _store(hb, S0, keys)
+    hb.check()
+    client, hidx = _hidx(hb, request, S0)
+    field = keys[0][:16]
+    original = client.hget(hidx, field)
+    assert original is not None and int(original) == pages[0]
+    corruptions = [
+        ("hset", ("0000000000000bad", str(pages[1]))),  # a bogus head, on a used page
+        ("hset", ("00000000000000ff", "15")),  # a page that is not STORED
+        ("hdel", (field,)),  # a stored key's head missing
+        ("hset", (field, f"{pages[0]},{pages[0]}")),  # one key counted twice
+        ("hset", ("NOT-A-HEAD", str(pages[0]))),
+    ]
+    for command, args in corruptions:
+        getattr(client, command)(hidx, *args)
+        report = hb._run(hb.backend.check())
+        assert report.problems, f"{command} {args} not reported"
+        assert all(str(S0) in p for p in report.problems)
+        # Put it back.
+        if command == "hset" and args[0] != field:
+            client.hdel(hidx, args[0])
+        client.hset(hidx, field, original)
+        hb.check()
+    client.close()
+
+
+def test_the_server_flag_reaches_the_redis_backend() -> None:
+    for flag in (False, True):
+        settings = Settings(backend="redis://127.0.0.1:1/0", hash_index=flag)
+        backend = build_backend(settings)
+        assert isinstance(backend, RedisBackend) and backend.hash_index is flag
