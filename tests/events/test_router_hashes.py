@@ -18,10 +18,14 @@ from tests.support import ServerProcess
 EVENTS = ("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0")
 
 
-@pytest.fixture(params=["memory", "durable"])
+@pytest.fixture(params=["memory", "durable", pytest.param("redis", marks=pytest.mark.slow)])
 def hash_server(request: pytest.FixtureRequest, tmp_path: Any) -> Iterator[ServerProcess]:
-    where = ["--in-memory"] if request.param == "memory" else ["--data-dir", str(tmp_path)]
-    server = ServerProcess(*where, "--read-lease", "0", "--hash-index", *EVENTS).start()
+    where = {
+        "memory": ["--in-memory"],
+        "durable": ["--data-dir", str(tmp_path)],
+        "redis": ["--backend", str(request.getfixturevalue("redis_url"))],
+    }[request.param]
+    server = ServerProcess(*where, "--read-lease", "0", "--hash-index", *EVENTS).start(timeout=60)
     yield server
     server.stop()
 
