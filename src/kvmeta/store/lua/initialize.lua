@@ -11,7 +11,9 @@ local k = pool_keys_from(KEYS)
 local out = init_pool(k, tonumber(ARGV[1]))
 if out[1] == 0 and ARGV[2] == '1' then
   local flags = redis.call('HMGET', k.meta, 'hx', 'hb')
-  if flags[1] ~= '1' then
+  if out[2] == 1 then
+    redis.call('HSET', k.meta, 'hx', '1') -- new: nothing stored yet
+  elseif flags[1] ~= '1' then
     if flags[2] ~= '1' then
       redis.call('UNLINK', k.hidx) -- (nothing maintained it: no such key, but for a stray one)
       redis.call('HSET', k.meta, 'hb', '1')
