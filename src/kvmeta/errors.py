@@ -198,7 +198,8 @@ class ConfigError(InvalidRequest):
 class NoHashIndex(InvalidRequest):
     """Raised when ``prefix_match`` sends 64-bit block ``hashes`` for a pool that is not
     indexed by them: a vLLM pool (its events publish the keys themselves), or an SGLang pool
-    on a server without ``--hash-index`` (400, field ``hashes``; nothing was changed)."""
+    on a server without ``--hash-index`` (400, field ``hashes``; nothing was changed), or an
+    SGLang pool whose index is still being built from its stored keys (``building``)."""
 
     @classmethod
     def for_pool(cls, dialect: str, rank: int, namespace: str) -> NoHashIndex:
@@ -212,6 +213,17 @@ class NoHashIndex(InvalidRequest):
             f"rank {rank} namespace '{namespace}' keeps no block-hash index: start the "
             "servers with --hash-index (KVMETA_HASH_INDEX=1) to match SGLang pools by "
             "`hashes`, or send `keys` (the KV event feed publishes each hash's key)",
+            "hashes",
+        )
+
+    @classmethod
+    def building(cls, rank: int, namespace: str) -> NoHashIndex:
+        """The pool's index is being built from the keys it stored before it had one (a
+        server with ``--hash-index`` initialised it): a lookup by hashes could miss some."""
+        return cls(
+            f"rank {rank} namespace '{namespace}' has its block-hash index being built from "
+            "the keys it stored before it had one: retry `hashes` shortly (a few seconds per "
+            "million stored keys), or send `keys` meanwhile",
             "hashes",
         )
 

@@ -10,7 +10,9 @@ without the flag sharing one Redis agree.
 
 from __future__ import annotations
 
+import asyncio
 import random
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -335,3 +337,157 @@ def test_the_server_flag_reaches_the_redis_backend() -> None:
         settings = Settings(backend="redis://127.0.0.1:1/0", hash_index=flag)
         backend = build_backend(settings)
         assert isinstance(backend, RedisBackend) and backend.hash_index is flag
+
+
+# ---------------------------------------------- building the index of an existing pool (Redis)
+
+BIG = 5000
+
+
+def _flags(b: Sync, request: pytest.FixtureRequest, pool: PoolId) -> tuple[bool, bool]:
+    """The pool's meta flags: (index complete (hx), index being built (hb))."""
+    client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
+    try:
+        hx, hb = client.hmget(pool_keys(pool)[0], "hx", "hb")
+    finally:
+        client.close()
+    return hx == b"1", hb == b"1"
+
+
+def _filled(b: Sync, pool: PoolId, count: int) -> list[str]:
+    """A pool created without the index, holding ``count`` stored keys."""
+    b.initialize(pool, count)
+    keys = [_key(i) for i in range(count)]
+    for i in range(0, count, 1000):
+        _store(b, pool, keys[i : i + 1000])
+    return keys
+
+
+def _until_built(
+    b: Sync, request: pytest.FixtureRequest, pool: PoolId, seconds: float = 60
+) -> None:
+    """Let the event loop run (the walk is a task on it) until the pool's index is complete."""
+    deadline = time.monotonic() + seconds
+    while _flags(b, request, pool) != (True, False):
+        assert time.monotonic() < deadline, "the index was not built in time"
+        b._run(asyncio.sleep(0.01))
+
+
+def _answer_or_building(b: Sync, pool: PoolId, hashes: list[int], want: int) -> bool:
+    """True if the lookup answered ``want``, False if it said the index is being built."""
+    try:
+        got = b.prefix_length_hashes(pool, hashes)
+    except NoHashIndex as exc:
+        assert "being built" in str(exc) and exc.field == "hashes"
+        return False
+    assert got == want
+    return True
+
+
+def test_a_big_existing_pool_is_built_in_the_background(
+    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    plain = make_backend()
+    _redis_only(plain)
+    keys = _filled(plain, S0, BIG)
+    indexed = make_backend(hash_index=True)
+    indexed.backend.build_chunk = 200  # a walk of many chunks
+    assert not indexed.initialize(S0, BIG).created  # answers at once: the walk is a task
+    assert _flags(indexed, request, S0) in ((False, True), (True, False))
+    hashes = _hashes(keys)
+    answered = [_answer_or_building(indexed, S0, hashes, BIG)]
+    answered.append(_answer_or_building(plain, S0, hashes[:1], 1))
+    indexed.check()  # a partial index lists only stored keys' pages
+    _until_built(indexed, request, S0)
+    assert not all(answered), "the index was complete before the walk ran"
+    assert indexed.prefix_length_hashes(S0, hashes) == BIG
+    assert plain.prefix_length_hashes(S0, hashes) == BIG
+    indexed.check()
+    # Initialising again changes nothing.
+    indexed.initialize(S0, BIG)
+    assert _flags(indexed, request, S0) == (True, False)
+
+
+def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
+    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    """Stores that evict, deletes and a clear, through a server with the flag and one
+    without, while the walk goes on in small chunks: the index ends exact."""
+    plain = make_backend()
+    _redis_only(plain)
+    n = 3000
+    keys = _filled(plain, S0, n)
+    indexed = make_backend(hash_index=True)
+    indexed.backend.build_chunk = 20
+    indexed.initialize(S0, n)
+    rng = random.Random(11)
+    universe = keys + [_key(i) for i in range(n, n + 1000)] + ["no-head", "0123456789abcdefX"]
+    steps = 0
+    while _flags(indexed, request, S0)[1] or steps < 60:
+        b = indexed if steps % 2 else plain
+        op = rng.random()
+        if steps == 30:
+            assert _flags(b, request, S0) == (False, True), "the walk ended before the clear"
+            b.clear(S0)
+        elif op < 0.6:
+            batch = rng.sample(universe, 50)
+            got = b.reserve(S0, batch)
+            pairs = [(k, p) for k, (hit, p) in zip(batch, got, strict=True) if not hit and p >= 0]
+            b.confirm(S0, pairs, [])
+        else:
+            b.delete(S0, rng.sample(universe, 40))
+        if steps % 10 == 0:
+            b.check()  # mid-build too
+        steps += 1
+        assert steps < 5000, "the walk did not finish"
+    _until_built(indexed, request, S0)
+    indexed.check()
+    stored = [k for k, s in zip(universe, indexed.exists(S0, universe), strict=True) if s]
+    assert stored
+    assert _found(indexed, S0, stored) == [True] * len(stored)
+    heads = {k[:16].lower() for k in stored}
+    gone = [k for k in universe if k[:16].lower() not in heads]
+    assert gone and not any(_found(indexed, S0, gone))
+
+
+def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
+    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    plain = make_backend()
+    _redis_only(plain)
+    keys = _filled(plain, S0, BIG)
+    first = make_backend(hash_index=True)
+    first.backend.build_chunk = 10  # 500 chunks: cut after a few
+    first.initialize(S0, BIG)
+    for _ in range(3):
+        first._run(asyncio.sleep(0.005))
+    assert _flags(first, request, S0) == (False, True), "the walk finished before it was cut"
+    first._run(first.backend.close())  # the server stops mid-walk
+    assert plain.delete(S0, keys[:100]) == 100  # while no one walks: maintained all the same
+    assert _flags(plain, request, S0) == (False, True)
+    plain.check()
+    with pytest.raises(NoHashIndex, match="being built"):
+        plain.prefix_length_hashes(S0, _hashes(keys))
+    # Two servers with the flag initialise it: both walk, and the index ends exact.
+    second, third = make_backend(hash_index=True), make_backend(hash_index=True)
+    second.backend.build_chunk = third.backend.build_chunk = 100
+    second.initialize(S0, BIG)
+    third.initialize(S0, BIG)
+    _until_built(second, request, S0)
+    assert second.prefix_length_hashes(S0, _hashes(keys[100:])) == BIG - 100
+    assert _found(second, S0, keys[:100]) == [False] * 100
+    second.check()
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_a_pool_with_few_stored_keys_is_built_by_its_initialize(
+    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    plain = make_backend()
+    _redis_only(plain)
+    keys = _filled(plain, S0, 300)
+    indexed = make_backend(hash_index=True)
+    indexed.backend.build_chunk = 300
+    indexed.initialize(S0, 300)
+    assert _flags(indexed, request, S0) == (True, False)
+    assert indexed.prefix_length_hashes(S0, _hashes(keys)) == 300

@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest, NotInitialized, PayloadTooLarge
+from kvmeta.errors import InvalidRequest, NoHashIndex, NotInitialized, PayloadTooLarge
 from kvmeta.events.wire import sglang_hash
 from kvmeta.server import prefix_routes
 from kvmeta.server.http import Request, Response
@@ -153,6 +153,22 @@ def test_prefix_match_by_hashes_errors_name_the_field_and_the_fix() -> None:
     with pytest.raises(InvalidRequest) as err:  # a server without --hash-index
         _match(_service(), {"pools": [{"rank": 0, "hashes": [h]}]})
     assert err.value.field == "hashes" and "--hash-index" in str(err.value)
+    assert "send `keys`" in str(err.value)
+
+
+def test_prefix_match_by_hashes_while_the_index_is_built_says_so() -> None:
+    """A Redis pool whose index is being built (``NoHashIndex.building``): 400 naming
+    ``hashes``, as for a pool without an index (a router falls back to `keys` for both)."""
+    svc, keys = _hash_service()
+
+    async def building(pool: PoolId, hashes: list[int]) -> int:
+        raise NoHashIndex.building(pool.rank, pool.namespace)
+
+    svc.backend.prefix_length_hashes = building  # type: ignore[method-assign]
+    with pytest.raises(NoHashIndex) as err:
+        _match(svc, {"pools": [{"rank": 0, "namespace": "kv", "hashes": [sglang_hash(keys[0])]}]})
+    assert err.value.status == 400 and err.value.field == "hashes"
+    assert "being built" in str(err.value) and "namespace 'kv'" in str(err.value)
     assert "send `keys`" in str(err.value)
 
 

@@ -133,6 +133,7 @@ _SCRIPTS = (
     "v_remove",
     "v_world",
     "v_index",
+    "hidx_fill",
 )
 # One pool's Redis keys, in the order a pool script receives them in KEYS (see _lib.lua).
 POOL_PARTS = (
@@ -154,6 +155,11 @@ _HIDX = POOL_PARTS.index("hidx")
 # or check of any size.
 CLEAR_CHUNK = 500
 CHECK_CHUNK = 1000
+# Stored keys per chunk of building a pool's hash index (``hidx_fill.lua``): about 2 ms of
+# Redis each, 6.5 ms at most, as measured in ``_lib.lua`` (``hidx_fill_chunk``); twice as big
+# chunks took twice as long each and no less in all. A pool with no more stored keys than this
+# gets its index built inside its initialize.
+BUILD_CHUNK = 500
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
@@ -287,6 +293,7 @@ class RedisBackend:
         replica_ack_timeout: float = 1.0,
         functions: bool | None = None,
         hash_index: bool = False,
+        build_chunk: int = BUILD_CHUNK,
     ):
         """``clock`` is for tests only: every script that reads the time gets ``clock()``
         (seconds) instead of Redis ``TIME``, so a test can drive this backend and a
@@ -304,10 +311,15 @@ class RedisBackend:
         index of its stored keys by block hash (``prefix_length_hashes``). Whether a pool
         keeps one is the pool's own property in Redis (meta ``hx``), so servers sharing the
         Redis agree whatever their flags: every server maintains the index of a pool that has
-        it. A pool created without it gets its index built at its first initialise by a server
-        with the flag: one script, O(stored keys), that blocks Redis meanwhile (about 6 s per
-        million stored keys as measured, see ``_lib.lua`` ``hidx_build``). Keeping it costs
-        each confirm and each evicting reserve about 3-4 us of Redis CPU per key."""
+        it. A pool created without it gets its index built when a server with the flag
+        initialises it: the initialize answers at once, and a task of this server walks the
+        pool's stored keys in chunks of ``build_chunk`` (one short script each, see
+        ``_lib.lua`` ``hidx_fill_chunk``) while every script maintains the index; lookups by
+        hash answer ``NoHashIndex.building`` (400) until the walk is done (a few seconds per
+        million stored keys). A walk cut short (this server stopped, Redis unreachable for
+        longer than ``failover_timeout``) is resumed by the next initialise of the pool by a
+        server with the flag. Keeping the index costs each confirm and each evicting reserve
+        about 3-4 us of Redis CPU per key. ``build_chunk`` is for tests (a slow walk)."""
         self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
@@ -318,6 +330,11 @@ class RedisBackend:
         self.replica_ack_timeout = replica_ack_timeout
         self._scripts = ScriptLibrary(functions=functions)
         self.hash_index = hash_index
+        self.build_chunk = build_chunk
+        self._builds: dict[PoolId, asyncio.Task[None]] = {}  # pools whose index this walks
+        # Pools seen with a complete index (meta hx), and the epoch they were seen in: hx is
+        # never taken back while the pool exists, and a pool goes away only with Redis's data.
+        self._built: dict[PoolId, str] = {}
         self._client: aioredis.Redis | None = None  # single endpoint only: start-up checks
         self._topo: Topology | None = None
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
@@ -393,26 +410,33 @@ class RedisBackend:
 
     async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
         """``prefix_length`` by block hashes: one ``HMGET`` of the pool's hash index (its
-        fields are ``hash_field`` of each hash, as ``_lib.lua`` writes them); whether the pool
-        exists and keeps an index is read only when no hash matched (a pool without an index
-        has no index key, so nothing matches)."""
+        fields are ``hash_field`` of each hash, as ``_lib.lua`` writes them). Whether the pool
+        exists and its index is complete is read when a hash missed, unless this server saw
+        the index complete before (``_built``): a pool without an index has no index key, so
+        nothing matches, and one whose index is being built may miss what is stored
+        (``NoHashIndex.building``). Every hash found is an answer even mid-build: the index
+        never lists a page that is not stored under that hash."""
         n = 0
         if hashes and pool.dialect == "s":
             index = pool_keys(pool)[_HIDX]
             fields = Strings([hash_field(h) for h in hashes])
-            pages = await self._command(index, "HMGET", index, fields)
+            pages: list[Any] = await self._command(index, "HMGET", index, fields)
             try:
                 n = pages.index(None)
             except ValueError:
-                n = len(pages)
-        if n == 0:
-            meta = pool_keys(pool)[0]
-            size, hx = await self._command(meta, "HMGET", meta, "n", "hx")
-            if size is None:
-                raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
-            if pool.dialect != "s" or hx is None or _text(hx) != "1":
-                raise NoHashIndex.for_pool(pool.dialect, pool.rank, pool.namespace)
-        return n
+                return len(pages)
+            if n and self._built.get(pool) == self._epoch:
+                return n
+        meta = pool_keys(pool)[0]
+        size, hx, hb = await self._command(meta, "HMGET", meta, "n", "hx", "hb")
+        if size is None:
+            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+        if pool.dialect == "s" and hx is not None and _text(hx) == "1":
+            self._built[pool] = self._epoch
+            return n
+        if pool.dialect == "s" and hb is not None and _text(hb) == "1":
+            raise NoHashIndex.building(pool.rank, pool.namespace)
+        raise NoHashIndex.for_pool(pool.dialect, pool.rank, pool.namespace)
 
     async def _pool_exists(self, pool: PoolId) -> None:
         """Raises NotInitialized unless the pool exists (its meta hash has a size)."""
@@ -600,6 +624,10 @@ class RedisBackend:
         self._epoch = epoch
 
     async def close(self) -> None:
+        builds = list(self._builds.values())
+        for task in builds:
+            task.cancel()  # left marked as being built: the next initialise resumes it
+        await asyncio.gather(*builds, return_exceptions=True)
         if self._topo is not None:
             await self._topo.close()
             self._topo = None
@@ -837,10 +865,56 @@ class RedisBackend:
         if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
             return await self.v_register(pool.rank, num_pages, None, pool.tenant)
         await self._sadd_pool(pool)
-        args = [num_pages, "1" if self.hash_index else "0"]
+        args = [num_pages, "1" if self.hash_index else "0", self.build_chunk]
         reply = await self._run("initialize", pool_keys(pool), args)
         _checked(pool, reply, None)
+        if len(reply) > 3 and reply[3]:
+            self._start_build(pool)
         return self._init_result(pool, reply, num_pages)
+
+    def _start_build(self, pool: PoolId) -> None:
+        """Walk ``pool``'s stored keys into its hash index in the background (``_build``),
+        unless this server walks it already."""
+        task = self._builds.get(pool)
+        if task is not None and not task.done():
+            return
+        self._builds[pool] = asyncio.create_task(self._build(pool), name=f"hash index {pool}")
+
+    async def _build(self, pool: PoolId) -> None:
+        """Build ``pool``'s hash index: ``hidx_fill`` chunk by chunk, each on the normal call
+        path (retries across a failover), until the chunk that completes it. Another server
+        walking the same pool at once does no harm (adding a page is idempotent). A failure
+        leaves the pool marked as being built, for the next initialise with the flag."""
+        keys, cursor, visited = pool_keys(pool), "0", 0
+        started = time.monotonic()
+        logger.info("%s: building its block-hash index from its stored keys", pool)
+        try:
+            while True:
+                reply = await self._run("hidx_fill", keys, [cursor, self.build_chunk])
+                if int(reply[0]):
+                    return  # the pool went away (Redis lost its data)
+                cursor, visited = _text(reply[1]), visited + int(reply[2])
+                if cursor == "0":
+                    break
+        except KvmetaError as exc:
+            logger.warning(
+                "%s: building its block-hash index stopped after %d keys: %s; lookups by hash "
+                "answer 'being built' until a server with --hash-index initialises the pool "
+                "again, which resumes it",
+                pool,
+                visited,
+                exc,
+            )
+            return
+        finally:
+            if self._builds.get(pool) is asyncio.current_task():
+                del self._builds[pool]
+        logger.info(
+            "%s: block-hash index built (%d stored keys visited in %.1fs)",
+            pool,
+            visited,
+            time.monotonic() - started,
+        )
 
     async def _sadd_pool(self, pool: PoolId) -> None:
         # Before the pool exists, so a crash in between leaves a listed-but-absent pool (stats

@@ -44,8 +44,9 @@ LIBRARY_NAME = "kvmeta"
 # 2: the change-feed flag argument (the test clock moved one ARGV on); 3: meta 'exp', the
 # lower bound of lease ends every lease write keeps (a format-2 script would not lower it);
 # 4: the pool's hash index, an eleventh pool key (KEYS) that every script storing or removing
-# keys maintains when meta 'hx' says so, and initialize's ARGV[2] (a format-3 script would
-# neither take the key nor keep the index)
+# keys maintains when meta 'hx' or 'hb' (being built) says so, initialize's ARGV[2] and ARGV[3]
+# and its reply's 4th element (walk the pool to build its index), and hidx_fill (a format-3
+# script would neither take the key nor keep the index)
 LIBRARY_FORMAT = 4
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"

