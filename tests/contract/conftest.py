@@ -95,6 +95,17 @@ class Sync:
 def make_backend(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
     """Build a started backend of the parametrised kind: ``make_backend(ttl=..., lease=...,
     hash_index=...)``. Redis backends built in one test share one Redis."""
+    yield from _maker(request)
+
+
+@pytest.fixture(params=sorted(REDIS_SERVERS))
+def make_redis_backend(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
+    """``make_backend`` on the Redis topologies alone: for what only servers sharing one
+    state can show (two backends on one Redis, Redis's own keys)."""
+    yield from _maker(request)
+
+
+def _maker(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
     loop = asyncio.new_event_loop()
     started: list[Sync] = []
 

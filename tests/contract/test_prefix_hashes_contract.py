@@ -58,11 +58,6 @@ def hb(make_backend: Callable[..., Sync]) -> Sync:
     return make_backend(hash_index=True)
 
 
-def _redis_only(b: Sync) -> None:
-    if b.kind not in REDIS_SERVERS:
-        pytest.skip("servers sharing one state: Redis only")
-
-
 def _hidx(b: Sync, request: pytest.FixtureRequest, pool: PoolId) -> tuple[Any, str]:
     """redis-py to the backend's Redis, and the pool's index key."""
     client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
@@ -251,17 +246,16 @@ def test_a_random_workload_keeps_the_index_exact(hb: Sync) -> None:
 
 
 def test_a_server_with_the_flag_builds_the_index_of_an_existing_pool(
-    make_backend: Callable[..., Sync],
+    make_redis_backend: Callable[..., Sync],
 ) -> None:
-    plain = make_backend()
-    _redis_only(plain)
+    plain = make_redis_backend()
     plain.initialize(S0, 16)
     keys = [_key(i) for i in range(8)] + ["0123456789abcdefX", "0123456789ABCDEFY", "odd"]
     _store(plain, S0, keys)
     assert plain.delete(S0, [keys[2]]) == 1
     with pytest.raises(NoHashIndex):
         plain.prefix_length_hashes(S0, _hashes(keys))
-    indexed = make_backend(hash_index=True)
+    indexed = make_redis_backend(hash_index=True)
     result = indexed.initialize(S0, 16)
     assert not result.created
     indexed.check()
@@ -278,11 +272,10 @@ def test_a_server_with_the_flag_builds_the_index_of_an_existing_pool(
 
 
 def test_a_server_without_the_flag_maintains_a_pool_s_index(
-    make_backend: Callable[..., Sync],
+    make_redis_backend: Callable[..., Sync],
 ) -> None:
-    indexed = make_backend(hash_index=True)
-    _redis_only(indexed)
-    plain = make_backend()
+    indexed = make_redis_backend(hash_index=True)
+    plain = make_redis_backend()
     indexed.initialize(S0, 4)
     plain.initialize(S0, 4)
     first = [_key(i) for i in range(4)]
@@ -302,8 +295,10 @@ def test_a_server_without_the_flag_maintains_a_pool_s_index(
         indexed.prefix_length_hashes(S1, [1])
 
 
-def test_check_reports_an_index_out_of_step(hb: Sync, request: pytest.FixtureRequest) -> None:
-    _redis_only(hb)
+def test_check_reports_an_index_out_of_step(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    hb = make_redis_backend(hash_index=True)
     hb.initialize(S0, 16)
     keys = [_key(i) for i in range(5)]
     pages = _store(hb, S0, keys)
@@ -385,12 +380,11 @@ def _answer_or_building(b: Sync, pool: PoolId, hashes: list[int], want: int) -> 
 
 
 def test_a_big_existing_pool_is_built_in_the_background(
-    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_backend()
-    _redis_only(plain)
+    plain = make_redis_backend()
     keys = _filled(plain, S0, BIG)
-    indexed = make_backend(hash_index=True)
+    indexed = make_redis_backend(hash_index=True)
     indexed.backend.build_chunk = 200  # a walk of many chunks
     assert not indexed.initialize(S0, BIG).created  # answers at once: the walk is a task
     assert _flags(indexed, request, S0) in ((False, True), (True, False))
@@ -409,15 +403,14 @@ def test_a_big_existing_pool_is_built_in_the_background(
 
 
 def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
-    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
     """Stores that evict, deletes and a clear, through a server with the flag and one
     without, while the walk goes on in small chunks: the index ends exact."""
-    plain = make_backend()
-    _redis_only(plain)
+    plain = make_redis_backend()
     n = 3000
     keys = _filled(plain, S0, n)
-    indexed = make_backend(hash_index=True)
+    indexed = make_redis_backend(hash_index=True)
     indexed.backend.build_chunk = 20
     indexed.initialize(S0, n)
     rng = random.Random(11)
@@ -451,12 +444,11 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
 
 
 def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
-    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_backend()
-    _redis_only(plain)
+    plain = make_redis_backend()
     keys = _filled(plain, S0, BIG)
-    first = make_backend(hash_index=True)
+    first = make_redis_backend(hash_index=True)
     first.backend.build_chunk = 10  # 500 chunks: cut after a few
     first.initialize(S0, BIG)
     for _ in range(3):
@@ -469,7 +461,7 @@ def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
     with pytest.raises(NoHashIndex, match="being built"):
         plain.prefix_length_hashes(S0, _hashes(keys))
     # Two servers with the flag initialise it: both walk, and the index ends exact.
-    second, third = make_backend(hash_index=True), make_backend(hash_index=True)
+    second, third = make_redis_backend(hash_index=True), make_redis_backend(hash_index=True)
     second.backend.build_chunk = third.backend.build_chunk = 100
     second.initialize(S0, BIG)
     third.initialize(S0, BIG)
@@ -481,12 +473,11 @@ def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
 
 
 def test_a_pool_with_few_stored_keys_is_built_by_its_initialize(
-    make_backend: Callable[..., Sync], request: pytest.FixtureRequest
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_backend()
-    _redis_only(plain)
+    plain = make_redis_backend()
     keys = _filled(plain, S0, 300)
-    indexed = make_backend(hash_index=True)
+    indexed = make_redis_backend(hash_index=True)
     indexed.backend.build_chunk = 300
     indexed.initialize(S0, 300)
     assert _flags(indexed, request, S0) == (True, False)

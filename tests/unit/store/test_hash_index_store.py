@@ -16,7 +16,7 @@ from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.errors import NoHashIndex
 from kvmeta.events.wire import sglang_hash
 from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.memory import MemoryBackend, MemoryStore
 from tests.unit.store.durable_support import crash
 from tests.unit.store.test_evict_ahead import Sink
 
@@ -122,3 +122,19 @@ def test_a_restart_rebuilds_the_index_from_the_recovered_keys(tmp_path: Path) ->
         await plain.close()
 
     asyncio.run(main())
+
+
+def test_check_reports_an_index_out_of_step_with_the_stored_keys() -> None:
+    backend = MemoryBackend(MemoryStore(read_lease=0.0, hash_index=True))
+    store = backend.store
+    store.initialize(S0, 16)
+    keys = [_key(i) for i in range(6)]
+    _store(store, S0, keys)
+    assert asyncio.run(backend.check()).problems == []
+    assert store.hash_indexes is not None
+    store.hash_indexes[S0].remove(keys[:1])  # a stored page hidden from routers
+    (problem,) = asyncio.run(backend.check()).problems
+    assert "hash index out of step" in problem and "1 missing" in problem
+    store.hash_indexes[S0].add(keys[:1] + [_key(99)])  # and one advertising nothing stored
+    (problem,) = asyncio.run(backend.check()).problems
+    assert "1 hash(es) with a wrong count" in problem
