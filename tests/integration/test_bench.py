@@ -102,6 +102,8 @@ def test_memory_per_key_counts_the_key_and_structures() -> None:
     mem = memory_per_key(5000)
     # A 64-hex key alone is 113 bytes; the pool's structures come on top.
     assert mem["bytes_per_stored_key"] > mem["key_str_bytes"]
+    # The hash index holds one int per key (an int object alone is 32 bytes or more).
+    assert mem["hash_index_bytes_per_key"] > 32
 
 
 @pytest.mark.slow

@@ -17,6 +17,7 @@ from typing import Any
 import msgspec
 
 from kvmeta._types import PoolId
+from kvmeta.core.hash_index import HashIndex
 from kvmeta.core.pool import Pool
 from kvmeta.store.memory import MemoryStore
 
@@ -206,13 +207,16 @@ def memory_per_key(n: int = 200_000) -> dict[str, float]:
         _fill(pool, keys, 0.0)
         gc.collect()
         full = tracemalloc.get_traced_memory()[0] - base
+        index = HashIndex(pool.stored_keys())  # what --hash-index adds
+        indexed = tracemalloc.get_traced_memory()[0] - base
     finally:
         tracemalloc.stop()
-    assert pool.stored_count == n
+    assert pool.stored_count == n and len(index) == n
     return {
         "pages": n,
         "bytes_per_stored_key": full / n,
         "bytes_per_page_empty": empty / n,
+        "hash_index_bytes_per_key": (indexed - full) / n,
         "key_str_bytes": 49 + 64,
     }
 
@@ -251,5 +255,7 @@ def format_report(result: dict[str, Any]) -> str:
             + ("; with the --auth-token check)" if result.get("app_auth_token") else ")"),
             f"  memory      {mem['bytes_per_stored_key']:>12.1f} bytes per stored key "
             f"(64-hex key, structures included; target <= 230)",
+            f"  hash index  {mem['hash_index_bytes_per_key']:>12.1f} bytes per stored key more "
+            "(--hash-index)",
         ]
     )
