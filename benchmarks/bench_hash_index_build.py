@@ -17,12 +17,8 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import shutil
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 from pathlib import Path
@@ -32,10 +28,10 @@ import redis
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from compare_lua import read_lua, server_binary  # noqa: E402
+from compare_lua import private_server, read_lua, server_binary  # noqa: E402
 
 from kvmeta._types import PoolId  # noqa: E402
-from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys  # noqa: E402
+from kvmeta.store.redis import BUILD_CHUNK, POOL_PARTS, RedisBackend, pool_keys  # noqa: E402
 
 POOL = PoolId("s", 0, "bench")
 
@@ -145,30 +141,13 @@ async def build(port: int, r: redis.Redis, args: argparse.Namespace) -> None:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--keys", type=int, default=1_000_000)
-    parser.add_argument("--chunk", type=int, default=1000)
+    parser.add_argument("--chunk", type=int, default=BUILD_CHUNK)
     parser.add_argument("--old", help="git revision whose initialize builds in one script")
     parser.add_argument("--server", default=server_binary())
     args = parser.parse_args()
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="kvmeta-hidx-build-")
-    command = [args.server, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    command += ["--appendonly", "no", "--dir", tmp]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    try:
-        r = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
+    with private_server(args.server) as (r, _):
+        port = r.connection_pool.connection_kwargs["port"]
         asyncio.run(build(port, r, args))
-    finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(tmp, ignore_errors=True)
     return 0
 
 

@@ -37,6 +37,7 @@ with ``--hash-index``), so ``--old WORKTREE --new WORKTREE --hash-index`` gives 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import os
@@ -48,6 +49,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -221,29 +223,24 @@ def main() -> int:
     parser.add_argument("--json", help="write the medians to this file")
     args = parser.parse_args()
 
+    env = {**os.environ, "LD_PRELOAD": args.preload} if args.preload else None
+    with private_server(args.server, args.server_arg, env) as (r, pid):
+        return run(args, r, pid)
+
+
+@contextlib.contextmanager
+def private_server(
+    binary: str, flags: Sequence[str] = (), env: dict[str, str] | None = None
+) -> Iterator[tuple[redis.Redis, int]]:
+    """A redis/valkey-server of our own on a free loopback port, nothing saved to disk: a
+    redis-py client of it once it answers, and its pid."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="kvmeta-compare-lua-")
-    proc = subprocess.Popen(
-        [
-            args.server,
-            "--port",
-            str(port),
-            "--bind",
-            "127.0.0.1",
-            "--save",
-            "",
-            "--appendonly",
-            "no",
-            "--dir",
-            tmp,
-            *args.server_arg,
-        ],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-        env={**os.environ, "LD_PRELOAD": args.preload} if args.preload else None,
-    )
+    tmp = tempfile.mkdtemp(prefix="kvmeta-bench-redis-")
+    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
+    command += ["--appendonly", "no", "--dir", tmp, *flags]
+    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
     try:
         r = redis.Redis(port=port)
         for _ in range(200):
@@ -252,7 +249,7 @@ def main() -> int:
                 break
             except redis.ConnectionError:
                 time.sleep(0.05)
-        return run(args, r, proc.pid)
+        yield r, proc.pid
     finally:
         proc.terminate()
         proc.wait(timeout=30)

@@ -411,7 +411,9 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
     n = 3000
     keys = _filled(plain, S0, n)
     indexed = make_redis_backend(hash_index=True)
-    indexed.backend.build_chunk = 20
+    # Chunks of 2 keys: about 1,500 walk calls, each waiting for the loop between this test's
+    # calls, so the clear at step 30 comes long before the walk could end.
+    indexed.backend.build_chunk = 2
     indexed.initialize(S0, n)
     rng = random.Random(11)
     universe = keys + [_key(i) for i in range(n, n + 1000)] + ["no-head", "0123456789abcdefX"]

@@ -307,6 +307,19 @@ local function init_pool(k, requested)
   return { 0, 1, requested }
 end
 
+-- One HSCAN chunk of the stored hash from cursor: the next cursor ('0': the walk is done), and
+-- the chunk's keys and their pages.
+local function scan_stored(k, cursor, count)
+  local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
+  local flat = scan[2]
+  local keys, pages = {}, {}
+  for i = 1, #flat, 2 do
+    keys[#keys + 1] = flat[i]
+    pages[#pages + 1] = flat[i + 1]
+  end
+  return scan[1], keys, pages
+end
+
 -- The hash index (P.hidx): a key's head, the field it is indexed under, or nil when its first
 -- 16 characters are not all hex digits (bytes here, characters in Python: the same when they
 -- are hex digits, which are ASCII).
@@ -415,15 +428,9 @@ end
 -- their pages added to the index. Returns the next cursor ('0': the walk is done) and how many
 -- keys it visited.
 local function hidx_fill_chunk(k, cursor, count)
-  local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
-  local flat = scan[2]
-  local keys, pages = {}, {}
-  for i = 1, #flat, 2 do
-    keys[#keys + 1] = flat[i]
-    pages[#pages + 1] = flat[i + 1]
-  end
+  local nxt, keys, pages = scan_stored(k, cursor, count)
   hidx_change(k, true, keys, pages, true)
-  return scan[1], #keys
+  return nxt, #keys
 end
 
 -- The build is done: the index is complete from now on.
@@ -453,13 +460,7 @@ end
 -- stored since the first chunk's cursor was handed out has been visited) and how many keys.
 -- hx: the pool keeps the hash index (the chunk's keys leave it).
 local function clear_chunk(k, now, cursor, count, hx)
-  local scan = redis.call('HSCAN', k.stored, cursor, 'COUNT', count)
-  local flat = scan[2]
-  local keys, pages = {}, {}
-  for i = 1, #flat, 2 do
-    keys[#keys + 1] = flat[i]
-    pages[#pages + 1] = flat[i + 1]
-  end
+  local nxt, keys, pages = scan_stored(k, cursor, count)
   if #keys > 0 then
     call_many('HDEL', k.stored, keys)
     call_many('ZREM', k.lru, pages)
@@ -473,5 +474,5 @@ local function clear_chunk(k, now, cursor, count, hx)
       end
     end
   end
-  return scan[1], #keys
+  return nxt, #keys
 end
