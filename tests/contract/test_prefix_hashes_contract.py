@@ -484,3 +484,32 @@ def test_a_pool_with_few_stored_keys_is_built_by_its_initialize(
     indexed.initialize(S0, 300)
     assert _flags(indexed, request, S0) == (True, False)
     assert indexed.prefix_length_hashes(S0, _hashes(keys)) == 300
+
+
+def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    """No initialise comes (the engines run on): a server with the flag that finds the
+    build waiting in a lookup resumes it once the walk has taken no step for ``walk_stale``
+    seconds, and not while a walk is under way."""
+    plain = make_redis_backend()
+    keys = _filled(plain, S0, BIG)
+    first = make_redis_backend(hash_index=True)
+    first.backend.build_chunk = 10
+    first.initialize(S0, BIG)
+    router = make_redis_backend(hash_index=True)
+    router.backend.walk_stale = 1.0
+    hashes = _hashes(keys)
+    assert not _answer_or_building(router, S0, hashes, BIG)  # a walk under way: left to it
+    assert S0 not in router.backend._builds
+    first._run(first.backend.close())  # its server stops mid-walk
+    assert _flags(plain, request, S0) == (False, True)
+    assert not _answer_or_building(router, S0, hashes, BIG)
+    assert S0 not in router.backend._builds  # (its last step is recent yet)
+    time.sleep(1.2)
+    assert not _answer_or_building(router, S0, hashes, BIG)  # still: this one resumes it
+    assert S0 in router.backend._builds
+    _until_built(router, request, S0)
+    assert router.prefix_length_hashes(S0, hashes) == BIG
+    router.check()
+    first._run(first.backend.start())  # (for the fixture's final check)

@@ -160,6 +160,10 @@ CHECK_CHUNK = 1000
 # chunks took twice as long each and no less in all. A pool with no more stored keys than this
 # gets its index built inside its initialize.
 BUILD_CHUNK = 500
+# A build whose walk has taken no step for this long is resumed by a server with --hash-index
+# that a lookup finds waiting for it: far above one step's time (a few ms of Redis, a round
+# trip, a failover's retries within --failover-timeout).
+WALK_STALE = 30.0
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
@@ -331,6 +335,8 @@ class RedisBackend:
         self._scripts = ScriptLibrary(functions=functions)
         self.hash_index = hash_index
         self.build_chunk = build_chunk
+        # Seconds without a step after which a walk counts as stopped (for tests: shorter).
+        self.walk_stale = WALK_STALE
         self._builds: dict[PoolId, asyncio.Task[None]] = {}  # pools whose index this walks
         # Pools seen with a complete index (meta hx), and the epoch they were seen in: hx is
         # never taken back while the pool exists, and a pool goes away only with Redis's data.
@@ -428,13 +434,15 @@ class RedisBackend:
             if n and self._built.get(pool) == self._epoch:
                 return n
         meta = pool_keys(pool)[0]
-        size, hx, hb = await self._command(meta, "HMGET", meta, "n", "hx", "hb")
+        size, hx, hb, stamp = await self._command(meta, "HMGET", meta, "n", "hx", "hb", "hbt")
         if size is None:
             raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
         if pool.dialect == "s" and hx is not None and _text(hx) == "1":
             self._built[pool] = self._epoch
             return n
         if pool.dialect == "s" and hb is not None and _text(hb) == "1":
+            if self.hash_index:
+                await self._resume_stopped_build(pool, stamp)
             raise NoHashIndex.building(pool.rank, pool.namespace)
         raise NoHashIndex.for_pool(pool.dialect, pool.rank, pool.namespace)
 
@@ -872,6 +880,27 @@ class RedisBackend:
             self._start_build(pool)
         return self._init_result(pool, reply, num_pages)
 
+    async def _resume_stopped_build(self, pool: PoolId, stamp: Any) -> None:
+        """A lookup found ``pool``'s index being built: walk it from this server when no walk
+        has taken a step for ``walk_stale`` seconds (its server stopped, or lost Redis), so a
+        stopped build does not wait for the pool's next initialise. Live walks stamp each step
+        (meta ``hbt``, Redis time), so a walk under way is not doubled."""
+        task = self._builds.get(pool)
+        if task is not None and not task.done():
+            return
+        meta = pool_keys(pool)[0]
+        if stamp is not None:
+            seconds, micros = await self._command(meta, "TIME")
+            idle = int(seconds) + int(micros) / 1e6 - float(_text(stamp))
+            if idle < self.walk_stale:
+                return
+        logger.warning(
+            "%s: the build of its block-hash index has taken no step for %s; resuming it here",
+            pool,
+            "ever" if stamp is None else f"{idle:.0f} s",
+        )
+        self._start_build(pool)
+
     def _start_build(self, pool: PoolId) -> None:
         """Walk ``pool``'s stored keys into its hash index in the background (``_build``),
         unless this server walks it already."""
@@ -884,7 +913,8 @@ class RedisBackend:
         """Build ``pool``'s hash index: ``hidx_fill`` chunk by chunk, each on the normal call
         path (retries across a failover), until the chunk that completes it. Another server
         walking the same pool at once does no harm (adding a page is idempotent). A failure
-        leaves the pool marked as being built, for the next initialise with the flag."""
+        leaves the pool marked as being built, for the next initialise with the flag or the
+        first lookup after ``walk_stale`` seconds (``_resume_stopped_build``)."""
         keys, cursor, visited = pool_keys(pool), "0", 0
         started = time.monotonic()
         logger.info("%s: building its block-hash index from its stored keys", pool)
@@ -899,11 +929,13 @@ class RedisBackend:
         except KvmetaError as exc:
             logger.warning(
                 "%s: building its block-hash index stopped after %d keys: %s; lookups by hash "
-                "answer 'being built' until a server with --hash-index initialises the pool "
-                "again, which resumes it",
+                "answer 'being built' until a server with --hash-index resumes it (at the "
+                "pool's next initialise, or at a lookup once the walk has taken no step for "
+                "%.0f s)",
                 pool,
                 visited,
                 exc,
+                self.walk_stale,
             )
             return
         finally:

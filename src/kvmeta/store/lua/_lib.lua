@@ -8,7 +8,8 @@
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
 --                     conflicts (re-initialisations with another size), c:<counter> ...,
 --                     hx = 1 when the pool keeps the hash index (P.hidx), hb = 1 while
---                     the index of a pool that had none is being built (hidx_fill)
+--                     the index of a pool that had none is being built (hidx_fill), hbt:
+--                     the Redis time of that build's latest step
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -433,10 +434,16 @@ local function hidx_fill_chunk(k, cursor, count)
   return nxt, #keys
 end
 
+-- A walk is under way: meta hbt, the Redis time of its latest step, tells a server that finds
+-- the index still being built whether the walk has stopped (store.redis WALK_STALE).
+local function hidx_stamp(k)
+  redis.call('HSET', k.meta, 'hbt', fmt(now_s(nil)))
+end
+
 -- The build is done: the index is complete from now on.
 local function hidx_built(k)
   redis.call('HSET', k.meta, 'hx', '1')
-  redis.call('HDEL', k.meta, 'hb')
+  redis.call('HDEL', k.meta, 'hb', 'hbt')
 end
 
 -- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear

@@ -25,6 +25,7 @@ if out[1] == 0 and ARGV[2] == '1' then
       until cursor == '0'
       hidx_built(k)
     else
+      hidx_stamp(k)
       out[4] = 1
     end
   end
