@@ -411,9 +411,21 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
     n = 3000
     keys = _filled(plain, S0, n)
     indexed = make_redis_backend(hash_index=True)
-    # Chunks of 2 keys: about 1,500 walk calls, each waiting for the loop between this test's
-    # calls, so the clear at step 30 comes long before the walk could end.
-    indexed.backend.build_chunk = 2
+    indexed.backend.build_chunk = 20
+    # The walk may take 50 steps (about 1,000 of the 3,000 keys), interleaved with the
+    # workload's calls, then waits until the clear is done: so the clear comes mid-walk
+    # however fast the walk runs.
+    gate = {"steps": 50}
+    run = indexed.backend._run
+
+    async def gated(script: str, keys: tuple[str, ...], args: list[Any]) -> list[Any]:
+        if script == "hidx_fill":
+            while gate["steps"] <= 0:
+                await asyncio.sleep(0.005)
+            gate["steps"] -= 1
+        return await run(script, keys, args)
+
+    indexed.backend._run = gated  # type: ignore[method-assign]
     indexed.initialize(S0, n)
     rng = random.Random(11)
     universe = keys + [_key(i) for i in range(n, n + 1000)] + ["no-head", "0123456789abcdefX"]
@@ -423,7 +435,9 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
         op = rng.random()
         if steps == 30:
             assert _flags(b, request, S0) == (False, True), "the walk ended before the clear"
+            assert gate["steps"] < 50, "the walk took no step alongside the workload"
             b.clear(S0)
+            gate["steps"] = 1 << 30
         elif op < 0.6:
             batch = rng.sample(universe, 50)
             got = b.reserve(S0, batch)
