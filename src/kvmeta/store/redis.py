@@ -322,8 +322,10 @@ class RedisBackend:
         hash answer ``NoHashIndex.building`` (400) until the walk is done (a few seconds per
         million stored keys). A walk cut short (this server stopped, Redis unreachable for
         longer than ``failover_timeout``) is resumed by the next initialise of the pool by a
-        server with the flag. Keeping the index costs each confirm and each evicting reserve
-        about 3-4 us of Redis CPU per key. ``build_chunk`` is for tests (a slow walk)."""
+        server with the flag, or by a lookup on one once the walk has taken no step for
+        ``walk_stale`` seconds (``_resume_stopped_build``). Keeping the index costs each
+        confirm and each evicting reserve about 3-4 us of Redis CPU per key. ``build_chunk``
+        is for tests (a slow walk)."""
         self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
