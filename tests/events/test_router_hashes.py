@@ -41,6 +41,7 @@ def _lengths(server: ServerProcess, pools: list[dict[str, Any]]) -> list[int]:
 
 def test_prefix_match_by_the_feeds_hashes_answers_as_by_keys(hash_server: ServerProcess) -> None:
     int64 = sglang_hash_function()
+    hash_server.wait_for_log("hash index: on (--hash-index)", timeout=30)
     ends = endpoints(hash_server)
     sub = Subscriber(ends.pub).start()
     try:

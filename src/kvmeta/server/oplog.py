@@ -104,6 +104,11 @@ def log_startup(settings: Settings, backend_description: str) -> None:
         settings.max_namespace_length,
         settings.max_pages,
     )
+    if settings.hash_index:
+        logger.info(
+            "hash index: on (--hash-index): SGLang pools are indexed by block hash, so "
+            "/v1/prefix_match takes `hashes`"
+        )
     if settings.auth_file:
         logger.info(
             "auth: on, tokens file %s (per-tenant scopes and quotas; SIGHUP reloads it)%s; "
