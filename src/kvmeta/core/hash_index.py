@@ -21,7 +21,9 @@ import binascii
 import struct
 from collections.abc import Iterable, Sequence
 
-__all__ = ["HashIndex", "HEAD_DIGITS", "head_hashes", "hash_field"]
+from kvmeta.core.pool import leading_in
+
+__all__ = ["HashIndex", "HEAD_DIGITS", "hash_field", "head_hashes", "signed64"]
 
 HEAD_DIGITS = 16
 _U64 = 1 << 64
@@ -47,14 +49,16 @@ def head_hashes(keys: Sequence[str]) -> list[int]:
             return list(struct.unpack(f">{n}q", binascii.a2b_hex(text)))
         except (binascii.Error, ValueError):
             pass
-    return [_signed(int(k[:HEAD_DIGITS], 16)) for k in keys if _has_head(k)]
+    return [signed64(int(k[:HEAD_DIGITS], 16)) for k in keys if _has_head(k)]
 
 
 def _has_head(key: str) -> bool:
     return len(key) >= HEAD_DIGITS and _HEX.issuperset(key[:HEAD_DIGITS])
 
 
-def _signed(value: int) -> int:
+def signed64(value: int) -> int:
+    """An unsigned 64-bit value as the signed int64 of the same bits (SGLang's block hashes
+    are signed; a router may hold them unsigned)."""
     return value - _U64 if value > _I64_MAX else value
 
 
@@ -116,13 +120,7 @@ class HashIndex:
 
     def leading(self, hashes: Sequence[int]) -> int:
         """How many of ``hashes``, from the first, belong to stored keys."""
-        present = self._present
-        n = 0
-        for h in hashes:
-            if h not in present:
-                break
-            n += 1
-        return n
+        return leading_in(hashes, self._present)
 
     def counts(self) -> dict[int, int]:
         """Hash -> stored keys with it: what an invariant check compares with the pool."""

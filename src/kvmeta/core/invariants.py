@@ -12,6 +12,7 @@ serving while the pool changes under it.
 from __future__ import annotations
 
 from array import array
+from collections import Counter
 from typing import Any
 
 from kvmeta.core.hash_index import head_hashes
@@ -73,9 +74,7 @@ def check_hash_index(stored_keys: list[str], counts: dict[int, int]) -> None:
     """A pool's hash index (``HashIndex.counts``) holds exactly its stored keys' hashes, each
     as many times as stored keys share it: a missing hash would hide a stored page from a
     router, a stale one would advertise an evicted page."""
-    expected: dict[int, int] = {}
-    for h in head_hashes(stored_keys):
-        expected[h] = expected.get(h, 0) + 1
+    expected = Counter(head_hashes(stored_keys))
     if counts != expected:
         stale = [h for h in counts if counts[h] != expected.get(h)]
         missing = [h for h in expected if h not in counts]

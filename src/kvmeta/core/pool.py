@@ -38,6 +38,7 @@ from __future__ import annotations
 import heapq
 from array import array
 from collections import deque
+from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
 from itertools import compress
 from operator import itemgetter
@@ -52,6 +53,7 @@ __all__ = [
     "ConfirmOutcome",
     "Pool",
     "PoolCounters",
+    "leading_in",
     "lru_order",
 ]
 
@@ -253,13 +255,7 @@ class Pool:
     def leading_stored(self, keys: list[str]) -> int:
         """How many of ``keys``, from the first, are STORED (stops at the first miss). A pure
         read for routers: no LRU touch, no counter, no lease."""
-        stored = self._stored
-        n = 0
-        for key in keys:
-            if key not in stored:
-                break
-            n += 1
-        return n
+        return leading_in(keys, self._stored)
 
     def stored_keys_from(self, start: int, limit: int, window: int) -> tuple[list[str], int]:
         """Keys of STORED pages ``start..``, in page order: at most ``limit`` keys from at most
@@ -791,6 +787,17 @@ class Pool:
             self._tail = prev
         else:
             self._prev[nxt] = prev
+
+
+def leading_in(items: Iterable[Hashable], container: Container[Hashable]) -> int:
+    """How many of ``items``, from the first, are in ``container`` (stops at the first miss):
+    a router's prefix match, by keys or by block hashes."""
+    n = 0
+    for item in items:
+        if item not in container:
+            break
+        n += 1
+    return n
 
 
 def lru_order(

@@ -20,13 +20,13 @@ from __future__ import annotations
 
 import binascii
 import hashlib
-import struct
 from collections.abc import Sequence
 from typing import Union
 
 import msgspec
 
 from kvmeta._types import PoolId
+from kvmeta.core.hash_index import head_hashes, signed64
 
 __all__ = [
     "ENCODINGS",
@@ -44,9 +44,6 @@ BlockHash = Union[int, bytes]  # noqa: UP007 - msgspec reads the annotation at r
 # What an event's ``block_hashes`` holds: the hashes, or their msgpack array already encoded.
 Hashes = Union[Sequence[BlockHash], msgspec.Raw]  # noqa: UP007
 
-_U64 = 1 << 64
-_I64_MAX = (1 << 63) - 1
-
 
 def sglang_hash(key: str) -> int:
     """The signed 64-bit block hash SGLang's events carry for a page key: the first 16 hex
@@ -62,17 +59,16 @@ def sglang_hash(key: str) -> int:
         value = int(key[:16], 16)
     except ValueError:
         return int.from_bytes(hashlib.sha256(key.encode()).digest()[:8], "big", signed=True)
-    return value - _U64 if value > _I64_MAX else value
+    return signed64(value)
 
 
 def sglang_hashes(keys: Sequence[str]) -> list[int]:
-    """``sglang_hash`` of each key: read from ``raw_hash_array`` when every key starts with 16
-    hex digits (SGLang's SHA-256 keys), else key by key."""
-    raw = raw_hash_array(keys)
-    if raw is None:
-        return [sglang_hash(k) for k in keys]
-    n = len(keys)  # (behind the array's header, 9 bytes a key: the 0xd3 marker, the value)
-    return list(struct.unpack_from(">" + "xq" * n, raw, len(raw) - 9 * n))
+    """``sglang_hash`` of each key: all at once (``core.hash_index.head_hashes``) when every
+    key starts with 16 hex digits (SGLang's SHA-256 keys), else key by key."""
+    hashes = head_hashes(keys)
+    if len(hashes) == len(keys):
+        return hashes
+    return [sglang_hash(k) for k in keys]
 
 
 _ARRAY_FORMATS: dict[int, str] = {}

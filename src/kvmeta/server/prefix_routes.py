@@ -19,6 +19,7 @@ from urllib.parse import parse_qsl
 import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
+from kvmeta.core.hash_index import signed64
 from kvmeta.errors import InvalidRequest
 from kvmeta.server.access import sglang_pool, vllm_pool
 from kvmeta.server.app import (
@@ -115,7 +116,7 @@ def _query_of(i: int, p: PrefixPool) -> tuple[list[str], list[int] | None]:
                     "hash: send the signed int64 values the KV event feed publishes",
                     f"pools[{i}].hashes",
                 )
-        hashes = [h - _U64 if h > INT64_MAX else h for h in hashes]  # the unsigned form
+        hashes = list(map(signed64, hashes))  # (some in the unsigned form)
     return [], hashes
 
 
