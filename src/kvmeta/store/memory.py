@@ -418,7 +418,8 @@ class MemoryStore:
 
     def _index(self, record: Record) -> None:
         """Apply a journal record to its pool's hash index: the index follows the journal, so
-        it holds the stored keys' hashes whatever removed or stored them."""
+        it holds the stored keys' hashes whatever removed or stored them. (Only SGLang pools
+        have one; a ``Drop`` is a vLLM rank's.)"""
         assert self.hash_indexes is not None
         pid: PoolId | None = getattr(record, "pool", None)
         if pid is None or pid not in self.hash_indexes:
@@ -430,8 +431,6 @@ class MemoryStore:
             index.remove(list(map(_first, record.entries)))
         elif isinstance(record, Clear):
             index.clear()
-        elif isinstance(record, Drop):
-            del self.hash_indexes[pid]
 
     def _withheld(self, pool: Pool) -> None:
         if self.write_ahead is not None:

@@ -406,15 +406,19 @@ class RedisBackend:
         shares (benchmarks/README.md, "Router endpoints")."""
         n = 0
         if keys:
-            stored = pool_keys(pool)[1]
-            pages = await self._command(stored, "HMGET", stored, Strings(keys))
-            try:
-                n = pages.index(None)  # the first miss, found in C
-            except ValueError:
-                n = len(pages)
+            n = await self._leading_fields(pool_keys(pool)[1], Strings(keys))
         if n == 0:
             await self._pool_exists(pool)
         return n
+
+    async def _leading_fields(self, key: str, fields: Strings) -> int:
+        """How many of ``fields``, from the first, the Redis hash ``key`` holds: one plain
+        ``HMGET``, the first miss found in C."""
+        values: list[Any] = await self._command(key, "HMGET", key, fields)
+        try:
+            return values.index(None)
+        except ValueError:
+            return len(values)
 
     async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
         """``prefix_length`` by block hashes: one ``HMGET`` of the pool's hash index (its
@@ -426,14 +430,9 @@ class RedisBackend:
         never lists a page that is not stored under that hash."""
         n = 0
         if hashes and pool.dialect == "s":
-            index = pool_keys(pool)[_HIDX]
             fields = Strings([hash_field(h) for h in hashes])
-            pages: list[Any] = await self._command(index, "HMGET", index, fields)
-            try:
-                n = pages.index(None)
-            except ValueError:
-                return len(pages)
-            if n and self._built.get(pool) == self._epoch:
+            n = await self._leading_fields(pool_keys(pool)[_HIDX], fields)
+            if n == len(hashes) or (n and self._built.get(pool) == self._epoch):
                 return n
         meta = pool_keys(pool)[0]
         size, hx, hb, stamp = await self._command(meta, "HMGET", meta, "n", "hx", "hb", "hbt")
