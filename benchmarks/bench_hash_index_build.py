@@ -27,8 +27,10 @@ import redis
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from compare_lua import private_server, read_lua, server_binary  # noqa: E402
+from compare_lua import read_lua  # noqa: E402
+from tests.redis_support import REDIS_SERVER, RedisServer  # noqa: E402
 
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.store.redis import BUILD_CHUNK, POOL_PARTS, RedisBackend, pool_keys  # noqa: E402
@@ -143,11 +145,14 @@ def main() -> int:
     parser.add_argument("--keys", type=int, default=1_000_000)
     parser.add_argument("--chunk", type=int, default=BUILD_CHUNK)
     parser.add_argument("--old", help="git revision whose initialize builds in one script")
-    parser.add_argument("--server", default=server_binary())
+    parser.add_argument("--server", default=REDIS_SERVER)
     args = parser.parse_args()
-    with private_server(args.server) as (r, _):
-        port = r.connection_pool.connection_kwargs["port"]
-        asyncio.run(build(port, r, args))
+    server = RedisServer(binary=args.server).start()
+    try:
+        with server.client() as r:
+            asyncio.run(build(server.port, r, args))
+    finally:
+        server.close()
     return 0
 
 

