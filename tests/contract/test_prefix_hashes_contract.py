@@ -358,6 +358,18 @@ def _filled(b: Sync, pool: PoolId, count: int) -> list[str]:
     return keys
 
 
+def _without_index(
+    make: Callable[..., Sync], count: int, chunk: int
+) -> tuple[Sync, list[str], Sync]:
+    """A pool of ``count`` stored keys made through a server without the flag, that server,
+    and one with the flag whose walks go in chunks of ``chunk``: (plain, keys, indexed)."""
+    plain = make()
+    keys = _filled(plain, S0, count)
+    indexed = make(hash_index=True)
+    indexed.backend.build_chunk = chunk
+    return plain, keys, indexed
+
+
 def _until_built(
     b: Sync, request: pytest.FixtureRequest, pool: PoolId, seconds: float = 60
 ) -> None:
@@ -382,10 +394,7 @@ def _answer_or_building(b: Sync, pool: PoolId, hashes: list[int], want: int) -> 
 def test_a_big_existing_pool_is_built_in_the_background(
     make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_redis_backend()
-    keys = _filled(plain, S0, BIG)
-    indexed = make_redis_backend(hash_index=True)
-    indexed.backend.build_chunk = 200  # a walk of many chunks
+    plain, keys, indexed = _without_index(make_redis_backend, BIG, 200)  # a walk of many chunks
     assert not indexed.initialize(S0, BIG).created  # answers at once: the walk is a task
     assert _flags(indexed, request, S0) in ((False, True), (True, False))
     hashes = _hashes(keys)
@@ -407,11 +416,8 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
 ) -> None:
     """Stores that evict, deletes and a clear, through a server with the flag and one
     without, while the walk goes on in small chunks: the index ends exact."""
-    plain = make_redis_backend()
     n = 3000
-    keys = _filled(plain, S0, n)
-    indexed = make_redis_backend(hash_index=True)
-    indexed.backend.build_chunk = 20
+    plain, keys, indexed = _without_index(make_redis_backend, n, 20)
     # The walk may take 50 steps (about 1,000 of the 3,000 keys), interleaved with the
     # workload's calls, then waits until the clear is done: so the clear comes mid-walk
     # however fast the walk runs.
@@ -462,10 +468,7 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
 def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
     make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_redis_backend()
-    keys = _filled(plain, S0, BIG)
-    first = make_redis_backend(hash_index=True)
-    first.backend.build_chunk = 10  # 500 chunks: cut after a few
+    plain, keys, first = _without_index(make_redis_backend, BIG, 10)  # 500 chunks: cut after a few
     first.initialize(S0, BIG)
     for _ in range(3):
         first._run(asyncio.sleep(0.005))
@@ -491,10 +494,7 @@ def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
 def test_a_pool_with_few_stored_keys_is_built_by_its_initialize(
     make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
-    plain = make_redis_backend()
-    keys = _filled(plain, S0, 300)
-    indexed = make_redis_backend(hash_index=True)
-    indexed.backend.build_chunk = 300
+    plain, keys, indexed = _without_index(make_redis_backend, 300, 300)
     indexed.initialize(S0, 300)
     assert _flags(indexed, request, S0) == (True, False)
     assert indexed.prefix_length_hashes(S0, _hashes(keys)) == 300
@@ -506,10 +506,7 @@ def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
     """No initialise comes (the engines run on): a server with the flag that finds the
     build waiting in a lookup resumes it once the walk has taken no step for ``walk_stale``
     seconds, and not while a walk is under way."""
-    plain = make_redis_backend()
-    keys = _filled(plain, S0, BIG)
-    first = make_redis_backend(hash_index=True)
-    first.backend.build_chunk = 10
+    plain, keys, first = _without_index(make_redis_backend, BIG, 10)
     first.initialize(S0, BIG)
     router = make_redis_backend(hash_index=True)
     router.backend.walk_stale = 1.0
