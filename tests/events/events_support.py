@@ -3,6 +3,7 @@ rebuilt from the events (what a router's indexer does)."""
 
 from __future__ import annotations
 
+import random
 import re
 import threading
 import time
@@ -14,6 +15,7 @@ import requests
 import zmq
 
 from kvmeta.events.wire import sglang_hash
+from tests.events.workloads import sglang_workload
 from tests.support import ServerProcess
 
 _EVENTS_RE = re.compile(
@@ -169,3 +171,19 @@ def complete(messages: list[tuple[bytes, int, bytes]], replay_endpoint: str | No
     seqs = sorted(merged)
     assert seqs == list(range(len(seqs))), "a batch is missing"
     return [merged[seq] for seq in seqs]
+
+
+def observed_sglang_workload(
+    server: ServerProcess, seed: int, cycles: int
+) -> tuple[list[tuple[bytes, int, bytes]], dict[str, list[str]], dict[str, str | None]]:
+    """``sglang_workload`` on ``server`` with a subscriber listening throughout: every batch
+    published (the replay socket fills in what the subscriber missed while joining), and the
+    workload's keys per pool and prefixes."""
+    ends = endpoints(server)
+    sub = Subscriber(ends.pub).start()
+    try:
+        used, prefix_of = sglang_workload(server.url, random.Random(seed), cycles)
+        sub.wait_for(server)
+    finally:
+        sub.close()
+    return complete(sub.messages, ends.replay), used, prefix_of

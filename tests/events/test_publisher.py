@@ -13,8 +13,15 @@ import pytest
 import requests
 
 from tests.compat.stock_clients import load, load_events, sglang_hash_function
-from tests.events.events_support import Subscriber, complete, endpoints, hashed, rebuild
-from tests.events.workloads import page_key, sglang_state, sglang_workload, vllm_workload
+from tests.events.events_support import (
+    Subscriber,
+    complete,
+    endpoints,
+    hashed,
+    observed_sglang_workload,
+    rebuild,
+)
+from tests.events.workloads import page_key, sglang_state, vllm_workload
 from tests.support import ServerProcess
 
 
@@ -50,13 +57,7 @@ def test_sglang_events_decode_with_both_engines_classes_and_rebuild_the_pools(
     sglang_int64: Any,
 ) -> None:
     ends = endpoints(events_server)
-    sub = Subscriber(ends.pub).start()
-    try:
-        used, prefix_of = sglang_workload(events_server.url, random.Random(7), 60)
-        sub.wait_for(events_server)
-    finally:
-        sub.close()
-    messages = complete(sub.messages, ends.replay)
+    messages, used, prefix_of = observed_sglang_workload(events_server, 7, 60)
     reasons = set()
     chained = 0
     for topic, _, payload in messages:

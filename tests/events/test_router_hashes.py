@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 
 from tests.compat.stock_clients import sglang_hash_function
-from tests.events.events_support import Subscriber, complete, endpoints, rebuild
-from tests.events.workloads import sglang_state, sglang_workload
+from tests.events.events_support import observed_sglang_workload, rebuild
+from tests.events.workloads import sglang_state
 from tests.support import ServerProcess
 
 EVENTS = ("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0")
@@ -42,14 +42,8 @@ def _lengths(server: ServerProcess, pools: list[dict[str, Any]]) -> list[int]:
 def test_prefix_match_by_the_feeds_hashes_answers_as_by_keys(hash_server: ServerProcess) -> None:
     int64 = sglang_hash_function()
     hash_server.wait_for_log("hash index: on (--hash-index)", timeout=30)
-    ends = endpoints(hash_server)
-    sub = Subscriber(ends.pub).start()
-    try:
-        used, prefix_of = sglang_workload(hash_server.url, random.Random(11), 60)
-        sub.wait_for(hash_server)
-    finally:
-        sub.close()
-    view = rebuild(complete(sub.messages, ends.replay))  # the router's index: pool -> hashes
+    messages, used, prefix_of = observed_sglang_workload(hash_server, 11, 60)
+    view = rebuild(messages)  # the router's index: pool -> hashes
     stored = sglang_state(hash_server.url, used)
     assert view.keys() == stored.keys() and stored
 
