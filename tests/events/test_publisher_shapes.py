@@ -11,16 +11,19 @@ from __future__ import annotations
 
 import hashlib
 import random
+from collections.abc import Sequence
 from typing import Any
 
 import msgspec
 import pytest
 
 from kvmeta._types import PoolId
+from kvmeta.events import publisher
 from kvmeta.events.publisher import Publisher
 from kvmeta.events.wire import (
+    array_header,
+    hash_body,
     pool_label,
-    raw_hash_array,
     sglang_hash,
     sglang_hashes,
 )
@@ -78,6 +81,12 @@ def test_hash_array_headers(n: int) -> None:
     assert msgspec.msgpack.decode(raw) == list(range(n))
     assert sglang_hashes(keys) == list(range(n))
     assert raw_hash_array(keys[1:]) is not None  # (a cached format of another length)
+
+
+def raw_hash_array(keys: Sequence[str]) -> bytes | None:
+    """The msgpack array of the keys' SGLang hashes, as the publisher embeds it."""
+    body = hash_body(keys)
+    return None if body is None else array_header(len(keys)) + body
 
 
 def _strict_hex(text: str) -> bool:
@@ -206,6 +215,17 @@ def workload(rng: random.Random, pools: list[PoolId], steps: int) -> list[tuple[
             keys = tuple(rng.choice(list(prefix_of) or [key_of(0)]) for _ in range(3))
             ops.append(("change", Change(pool, REMOVED, keys, REASON_CAPACITY)))
             continue
+        if roll < 0.2 and len(confirmed) >= 2:  # evictions that do not line up with confirms
+            first, second = confirmed.pop(0), confirmed[0]
+            cut, into = rng.randint(1, len(first)), rng.randint(0, len(second))
+            ops.append(("change", Change(pool, REMOVED, first[:cut], REASON_CAPACITY)))
+            if cut < len(first) or into:
+                removed = first[cut:] + second[:into]
+                ops.append(("change", Change(pool, REMOVED, removed, REASON_CAPACITY)))
+            confirmed[0] = second[into:]
+            if not confirmed[0]:
+                confirmed.pop(0)
+            continue
         if roll < 0.25 and confirmed:  # an eviction of what one confirm stored
             keys = confirmed.pop(rng.randrange(len(confirmed)))
             how = rng.random()
@@ -330,22 +350,26 @@ def note_chain(pub: Publisher, pool: PoolId, run: tuple[str, ...]) -> None:
     pub.note_reserve(pool, [(k, p) for k, p in zip(run, (None, *run[:-1]), strict=True)])
 
 
-def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
+def test_an_eviction_of_a_stored_run_reuses_its_published_hashes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """The usual eviction removes the pages of one old confirm, in its order: its hash array is
     the one published with the confirm (not made again from the cold keys); any other
     grouping gets its hashes made, and a clear forgets the pool's kept arrays."""
+    made = count_hash_bodies(monkeypatch)
     pool = PoolId("s", 0, "kv")
     run = tuple(key_of(i) for i in range(8))
     pub = Publisher("tcp://127.0.0.1:0")
     try:
         note_chain(pub, pool, run)
         pub.on_changes([Change(pool, STORED, run)])
-        kept = pub._stored[pool][run[0]][1]  # noqa: SLF001
-        assert pub._removed_hashes(pool, tuple(run)) is kept  # noqa: SLF001
+        assert made == [8]
+        assert bytes(pub._removed_hashes(pool, run)) == raw_hash_array(run)  # noqa: SLF001
+        assert made == [8]  # nothing made again
         assert pub._stored_keys == 0 and not pub._stored[pool]  # noqa: SLF001 - taken back
         pub.on_changes([Change(pool, STORED, run)])
         reordered = pub._removed_hashes(pool, run[::-1])  # noqa: SLF001
-        assert reordered == raw_hash_array(run[::-1])
+        assert bytes(reordered) == raw_hash_array(run[::-1])
         pub.on_changes([Change(pool, STORED, run), Change(pool, CLEARED, (), REASON_CLEAR)])
         assert pool not in pub._stored and pub._stored_keys == 0  # noqa: SLF001
         pub.on_changes([Change(pool, STORED, run), Change(pool, REMOVED, run, REASON_CAPACITY)])
@@ -355,6 +379,89 @@ def test_an_eviction_of_a_stored_run_reuses_its_published_hashes() -> None:
         pub.close()
     removed = [e for e in got if e[0] == "BlockRemoved"]
     assert [e[2] for e in removed] == [sglang_hashes(run)]
+
+
+def count_hash_bodies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """The length of every key list the publisher makes hashes of from the keys (the count
+    appended before the call)."""
+    made: list[int] = []
+    real = publisher.hash_body
+
+    def counted(keys: Sequence[str]) -> bytes | None:
+        made.append(len(keys))
+        return real(keys)
+
+    monkeypatch.setattr(publisher, "hash_body", counted)
+    return made
+
+
+def test_evictions_that_cut_across_confirms_are_cut_from_the_kept_arrays(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A data directory evicts ahead of need by the pages it lacks, so its evictions take the
+    end of one confirm and the start of the next: each eviction's hashes are pieced together
+    from the arrays the confirms published, and none is made from the keys again."""
+    made = count_hash_bodies(monkeypatch)
+    pool = PoolId("s", 0, "kv")
+    runs = [tuple(key_of(100 * r + i) for i in range(64)) for r in range(6)]
+    pub = Publisher("tcp://127.0.0.1:0")
+    try:
+        for run in runs:
+            note_chain(pub, pool, run)
+            pub.on_changes([Change(pool, STORED, run)])
+        assert made == [64] * 6
+        lru = [key for run in runs for key in run]
+        sizes = [100, 64, 64, 1, 127, 28]  # the first one: what the spare lacked at first
+        removals = []
+        for size in sizes:
+            removals.append(tuple(lru[:size]))
+            lru = lru[size:]
+            pub.on_changes([Change(pool, REMOVED, removals[-1], REASON_CAPACITY)])
+        assert not lru and made == [64] * 6
+        assert pub._stored_keys == 0 and not pub._partial  # noqa: SLF001 - nothing left
+        pub.flush()
+        got = published(pub)
+    finally:
+        pub.close()
+    assert [e[2] for e in got if e[0] == "BlockRemoved"] == [
+        sglang_hashes(keys) for keys in removals
+    ]
+
+
+def test_a_removal_that_leaves_the_kept_runs_makes_the_rest_of_its_hashes(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Keys past the kept runs (here: a run the pool stored but too short to keep) get their
+    hashes made, those alone; a rest no removal takes is forgotten at the pool's next one."""
+    made = count_hash_bodies(monkeypatch)
+    pool = PoolId("s", 0, "kv")
+    a = tuple(key_of(i) for i in range(16))
+    short = tuple(key_of(50 + i) for i in range(3))
+    pub = Publisher("tcp://127.0.0.1:0")
+    try:
+        for run in (a, short):
+            note_chain(pub, pool, run)
+            pub.on_changes([Change(pool, STORED, run)])
+        del made[:]
+        pub.on_changes([Change(pool, REMOVED, a[:10], REASON_CAPACITY)])
+        assert made == [] and pub._partial[pool][0] == a[10:]  # noqa: SLF001
+        pub.on_changes([Change(pool, REMOVED, a[10:] + short, REASON_CAPACITY)])
+        assert made == [3] and not pub._partial  # noqa: SLF001
+        b = tuple(key_of(100 + i) for i in range(16))
+        note_chain(pub, pool, b)
+        pub.on_changes([Change(pool, STORED, b), Change(pool, REMOVED, b[:4], REASON_DELETE)])
+        pub.on_changes([Change(pool, REMOVED, b[8:], REASON_DELETE)])  # not where b's rest is
+        assert not pub._partial and made == [3, 16, 8]  # noqa: SLF001
+        pub.flush()
+        got = published(pub)
+    finally:
+        pub.close()
+    assert [e[2] for e in got if e[0] == "BlockRemoved"] == [
+        sglang_hashes(a[:10]),
+        sglang_hashes(a[10:] + short),
+        sglang_hashes(b[:4]),
+        sglang_hashes(b[8:]),
+    ]
 
 
 def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,7 +2,7 @@
 
 Changes arrive on the event loop once durable (the backend's rule); each is turned into the
 engines' events and encoded at once, while its keys are fresh in the CPU caches (the SGLang
-hashes go straight from the hex keys to msgpack, ``raw_hash_array``: no Python int per
+hashes go straight from the hex keys to msgpack, ``hash_body``: no Python int per
 key), and the encoded events are sent as one batch every few milliseconds (``_GATHER``), so a
 burst of requests costs one send, not one per request. Holding the changes (or the requests'
 objects) until the batch is sent measured dearer: the held objects push the next requests'
@@ -24,11 +24,13 @@ one entry under its first key, and a confirm of exactly those keys takes it back
 any other shape (and any confirm not matching a kept chain) goes through a per-key table, into
 which the kept chains are first spread, so the newest reserve of a key always names its parent.
 
-Removals: the pages an eviction takes are usually those of one old confirm, in its order (the
-least recently used end of the pool), so each SGLang run's hash array is kept from its
-``BlockStored`` until its keys are removed together (``_removed_hashes``; the pool reports the
-very key objects the confirm did, so the match is a comparison of pointers). Other groupings
-get their hashes made; ``_RUNS_CAP`` bounds what is kept (``_removed_hashes`` says how).
+Removals: the pages an eviction takes are usually those of the oldest confirms, each in its
+order (the least recently used end of the pool), so each SGLang run's hash array is kept from
+its ``BlockStored`` until its keys are removed, and an eviction's array is cut from the kept
+arrays of the runs it takes, whole or in part (``_removed_hashes``; the pool reports the very
+key objects the confirm did, so the match is a comparison of pointers). Keys that follow no
+kept run get their hashes made; ``_RUNS_CAP`` bounds what is kept (``_removed_hashes`` says
+how).
 """
 
 from __future__ import annotations
@@ -54,7 +56,8 @@ from kvmeta.events.wire import (
     Encoder,
     Event,
     Hashes,
-    raw_hash_array,
+    array_header,
+    hash_body,
     sglang_hash,
 )
 from kvmeta.store.changes import CLEARED, REASON_RESTART, REMOVED, STORED, Change
@@ -180,8 +183,10 @@ class Publisher:
         self._noted = 0
         # The hash arrays of the SGLang runs stored, by first key (oldest first), kept for
         # their removal (``_removed_hashes``), and how many keys they hold together.
-        self._stored: dict[PoolId, dict[str, tuple[tuple[str, ...], Hashes]]] = {}
+        self._stored: dict[PoolId, dict[str, tuple[tuple[str, ...], bytes]]] = {}
         self._stored_keys = 0
+        # Per pool, the rest of the kept run its last removal took in part (its keys, hashes).
+        self._partial: dict[PoolId, tuple[tuple[str, ...], bytes]] = {}
 
     # ------------------------------------------------------------------ inputs
 
@@ -322,6 +327,7 @@ class Publisher:
         if kind == CLEARED:
             self._chains.pop(pool, None)
             self._prefixes.pop(pool, None)
+            self._partial.pop(pool, None)
             dropped = self._stored.pop(pool, None)
             if dropped:
                 self._stored_keys -= sum(len(run) for run, _ in dropped.values())
@@ -344,13 +350,17 @@ class Publisher:
             return
         for run, parent in self._runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
-            hashes = _hashes(run)
+            body = hash_body(run)
+            if body is None:
+                out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
+                continue
+            hashes = msgspec.Raw(array_header(len(run)) + body)
             out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
-            self._keep(pool, run, hashes)
+            self._keep(pool, run, body)
 
-    def _keep(self, pool: PoolId, run: tuple[str, ...], hashes: Hashes) -> None:
-        """Keep a stored run's hash array for its removal (``_removed_hashes``), in place of
-        an older run with the same first key."""
+    def _keep(self, pool: PoolId, run: tuple[str, ...], body: bytes) -> None:
+        """Keep a stored run's hash array (``hash_body``) for its removal
+        (``_removed_hashes``), in place of an older run with the same first key."""
         stored = self._stored.get(pool)
         if stored is None:
             stored = self._stored[pool] = {}
@@ -359,33 +369,67 @@ class Publisher:
             if replaced is not None:
                 self._stored_keys -= len(replaced[0])
         if len(run) >= _RUN_MIN and self._stored_keys + len(run) <= _RUNS_CAP:
-            stored[run[0]] = (run, hashes)
+            stored[run[0]] = (run, body)
             self._stored_keys += len(run)
 
     def _removed_hashes(self, pool: PoolId, keys: tuple[str, ...]) -> Hashes:
-        """The removed keys' hashes: the array published when exactly these keys were stored
-        as one run (the usual eviction: the least recently used pages are those of one old
-        confirm, in its order), else computed. A hash depends on its key alone, so a kept
-        array is right whenever the keys are equal, however old it is. Any other grouping
-        drops the kept runs that start with a removed key, so none outlives its first key.
+        """The removed keys' hashes, cut from the arrays published when they were stored.
+
+        The usual eviction takes the least recently used pages, which are those of the oldest
+        confirms, each in its order: the removed keys are the kept runs that start at
+        ``keys[0]``, one after the other, the last one perhaps in part. The rest of a run
+        removed in part is remembered (one per pool, ``_partial``) for the pool's next
+        removal, which takes it when it starts there: evictions need not line up with confirms
+        (a data directory evicts ahead of need by the pages it lacks, whatever the confirms'
+        sizes). A hash depends on its key alone, so a kept array is right whenever the keys
+        are equal, however old it is. Where the keys stop following kept runs, the rest get
+        their hashes made, and the kept runs that start with one of them are dropped, so none
+        outlives its first key (nor a rest the pool's next removal).
 
         When full (``_RUNS_CAP``), new runs are not kept and the kept ones wait for their
         evictions: a pool bigger than the cap still finds a share of its evictions kept,
         where forgetting the oldest runs would forget exactly the next ones evicted."""
+        partial = self._partial.pop(pool, None)
         stored = self._stored.get(pool)
-        if not stored:
+        n = len(keys)
+        if partial is not None and partial[0][0] == keys[0]:
+            kept: tuple[tuple[str, ...], bytes] | None = partial
+        elif stored:
+            kept = stored.pop(keys[0], None)
+            if kept is not None:
+                self._stored_keys -= len(kept[0])
+                if kept[0] == keys:  # one whole run: the commonest eviction in memory
+                    return msgspec.Raw(array_header(n) + kept[1])
+        else:
             return _hashes(keys)
-        kept = stored.pop(keys[0], None)
-        if kept is not None:
-            self._stored_keys -= len(kept[0])
-            if kept[0] == keys:
-                return kept[1]
-        pop = stored.pop
-        for key in keys:
-            other = pop(key, None)
-            if other is not None:
-                self._stored_keys -= len(other[0])
-        return _hashes(keys)
+        parts: list[bytes] = []
+        pos = 0
+        while kept is not None:
+            run, body = kept
+            m = min(len(run), n - pos)
+            if run[:m] != keys[pos : pos + m]:
+                break
+            if m < len(run):  # the removal's end: the run's other keys go next time
+                self._partial[pool] = (run[m:], body[9 * m :])
+                parts.append(body[: 9 * m])
+            else:
+                parts.append(body)
+            pos += m
+            if pos == n:
+                return msgspec.Raw(array_header(n) + b"".join(parts))
+            kept = stored.pop(keys[pos], None) if stored else None
+            if kept is not None:
+                self._stored_keys -= len(kept[0])
+        if stored:
+            for key in islice(keys, pos + 1, None):
+                other = stored.pop(key, None)
+                if other is not None:
+                    self._stored_keys -= len(other[0])
+        rest = hash_body(keys[pos:]) if parts else None
+        if rest is None:
+            return _hashes(keys)
+        parts.append(rest)
+        return msgspec.Raw(array_header(n) + b"".join(parts))
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
@@ -479,8 +523,10 @@ class Publisher:
 
 def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
-    raw = raw_hash_array(keys)
-    return [sglang_hash(k) for k in keys] if raw is None else raw
+    body = hash_body(keys)
+    if body is None:
+        return [sglang_hash(k) for k in keys]
+    return msgspec.Raw(array_header(len(keys)) + body)
 
 
 def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:

@@ -31,8 +31,9 @@ from kvmeta.core.hash_index import head_hashes, signed64
 __all__ = [
     "ENCODINGS",
     "FORMATS",
+    "array_header",
+    "hash_body",
     "pool_label",
-    "raw_hash_array",
     "sglang_hash",
     "sglang_hashes",
 ]
@@ -71,38 +72,48 @@ def sglang_hashes(keys: Sequence[str]) -> list[int]:
     return [sglang_hash(k) for k in keys]
 
 
-_ARRAY_FORMATS: dict[int, str] = {}
+_BODY_FORMATS: dict[int, str] = {}
+_HEADERS: dict[int, bytes] = {}
 
 
-def raw_hash_array(keys: Sequence[str]) -> msgspec.Raw | None:
-    """The msgpack array of the keys' ``sglang_hash`` values, ready to be embedded as an
-    event's ``block_hashes``; None unless every key starts with 16 hex digits (then
-    ``sglang_hashes``).
+def hash_body(keys: Sequence[str]) -> bytes | None:
+    """The elements of the msgpack array of the keys' ``sglang_hash`` values (9 bytes each,
+    no array header: ``array_header``); None unless every key starts with 16 hex digits
+    (then ``sglang_hashes``).
 
-    One format (the array header, then ``d3%.16s`` a key: each key's first 16 digits behind
-    the int64 marker's two) and one strict hex decode make it all: the digits' bytes *are*
-    SGLang's int64 in two's complement, so no Python int is made, kept or encoded per key, and
-    only the head of each key is read (an evicted key's other bytes are often out of the CPU
-    caches)."""
+    One format (``d3%.16s`` a key: each key's first 16 digits behind the int64 marker's two)
+    and one strict hex decode make it all: the digits' bytes *are* SGLang's int64 in two's
+    complement, so no Python int is made, kept or encoded per key, and only the head of each
+    key is read (an evicted key's other bytes are often out of the CPU caches). Being fixed
+    size, a body is cut at ``9 * i`` into the bodies of its keys' slices."""
     n = len(keys)
-    fmt = _ARRAY_FORMATS.get(n)
+    fmt = _BODY_FORMATS.get(n)
     if fmt is None:
-        if n < 16:
-            head = f"9{n:x}"
-        elif n < 1 << 16:
-            head = f"dc{n:04x}"
-        else:
-            head = f"dd{n:08x}"
-        fmt = head + "d3%.16s" * n
+        fmt = "d3%.16s" * n
         if n <= 1024:
-            _ARRAY_FORMATS[n] = fmt
+            _BODY_FORMATS[n] = fmt
     text = fmt % tuple(keys)
-    if len(text) != len(fmt) + 11 * n:  # a key shorter than 16 (each "d3%.16s" makes 18)
+    if len(text) != 18 * n:  # a key shorter than 16 (each "d3%.16s" makes 18)
         return None
     try:  # strict: no whitespace, signs, prefixes, non-ASCII
-        return msgspec.Raw(binascii.a2b_hex(text))
+        return binascii.a2b_hex(text)
     except (binascii.Error, ValueError):
         return None
+
+
+def array_header(n: int) -> bytes:
+    """The msgpack header of an array of ``n`` elements."""
+    head = _HEADERS.get(n)
+    if head is None:
+        if n < 16:
+            head = bytes((0x90 | n,))
+        elif n < 1 << 16:
+            head = b"\xdc" + n.to_bytes(2, "big")
+        else:
+            head = b"\xdd" + n.to_bytes(4, "big")
+        if n <= 1024:
+            _HEADERS[n] = head
+    return head
 
 
 def pool_label(pool: PoolId) -> str:
