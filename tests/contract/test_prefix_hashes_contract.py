@@ -477,6 +477,7 @@ def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
     assert plain.delete(S0, keys[:100]) == 100  # while no one walks: maintained all the same
     assert _flags(plain, request, S0) == (False, True)
     plain.check()
+    assert [s.stored for s in plain.stats() if s.pool == S0] == [BIG - 100]  # (meta has hbt)
     with pytest.raises(NoHashIndex, match="being built"):
         plain.prefix_length_hashes(S0, _hashes(keys))
     # Two servers with the flag initialise it: both walk, and the index ends exact.

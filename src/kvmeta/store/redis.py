@@ -1167,7 +1167,9 @@ class RedisBackend:
             if int(reply[0]):
                 continue  # listed before it was created (see _sadd_pool)
             n, reserved, stored = int(reply[1]), int(reply[2]), int(reply[3])
-            meta = {_text(reply[4][i]): int(reply[4][i + 1]) for i in range(0, len(reply[4]), 2)}
+            # Only counters are read: meta also holds fields that are not integers (the time
+            # of a hash-index build's latest step, hbt).
+            meta = {_text(reply[4][i]): reply[4][i + 1] for i in range(0, len(reply[4]), 2)}
             cooling = int(reply[5])
             out.append(
                 PoolStats(
@@ -1176,8 +1178,8 @@ class RedisBackend:
                     free=n - reserved - stored - cooling,
                     reserved=reserved,
                     stored=stored,
-                    counters={name: meta.get("c:" + name, 0) for name in _COUNTERS},
-                    size_conflicts=meta.get("conflicts", 0),
+                    counters={name: int(meta.get("c:" + name, 0)) for name in _COUNTERS},
+                    size_conflicts=int(meta.get("conflicts", 0)),
                     cooling=cooling,
                 )
             )
