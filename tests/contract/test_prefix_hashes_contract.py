@@ -13,7 +13,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 import pytest
@@ -23,7 +23,7 @@ from kvmeta.config import Settings
 from kvmeta.errors import NoHashIndex, NotInitialized
 from kvmeta.events.wire import sglang_hash
 from kvmeta.server.runner import build_backend
-from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
+from kvmeta.store.redis import POOL_PARTS, WALK_STALE, RedisBackend, pool_keys
 from tests.contract.conftest import REDIS_SERVERS, Sync
 
 S0 = PoolId("s", 0, "kv")
@@ -380,6 +380,66 @@ def _until_built(
         b._run(asyncio.sleep(0.01))
 
 
+def _age_walk(b: Sync, request: pytest.FixtureRequest, pool: PoolId, seconds: float) -> None:
+    """Move the time of the build's latest step (meta hbt) ``seconds`` back, as if its walk
+    had taken no step for that long."""
+    client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
+    meta = pool_keys(pool)[0]
+    try:
+        stamp = client.hget(meta, "hbt")
+        assert stamp is not None, "no walk stamped the build"
+        client.hset(meta, "hbt", f"{float(stamp) - seconds:.6f}")
+    finally:
+        client.close()
+
+
+def _fills(b: Sync, before: Callable[[int], Awaitable[None]] | None = None) -> list[list[Any]]:
+    """The replies to ``b``'s ``hidx_fill`` calls, as they come: ``[0, cursor, visited]`` for a
+    step of its walk, ``[2]`` where another server's walk holds the build. ``before(n)`` is
+    awaited before its call n (from 0): a test's gate."""
+    replies: list[list[Any]] = []
+    run = b.backend._run
+
+    async def recorded(script: str, keys: tuple[str, ...], args: list[Any]) -> list[Any]:
+        if script != "hidx_fill":
+            return await run(script, keys, args)
+        if before is not None:
+            await before(len(replies))
+        reply = await run(script, keys, args)
+        replies.append(list(reply))
+        return reply
+
+    b.backend._run = recorded  # type: ignore[method-assign]
+    return replies
+
+
+def _steps(gate: dict[str, int]) -> Callable[[int], Awaitable[None]]:
+    """A ``_fills`` gate letting a walk take ``gate["steps"]`` steps (a test raises it)."""
+
+    async def before(n: int) -> None:
+        while n >= gate["steps"]:
+            await asyncio.sleep(0.005)
+
+    return before
+
+
+def _at_once(b: Sync, *calls: Awaitable[Any]) -> list[Any]:
+    """Run ``calls`` concurrently on the tests' event loop: their results, or the errors."""
+
+    async def gathered() -> list[Any]:
+        return await asyncio.gather(*calls, return_exceptions=True)
+
+    return b._run(gathered())
+
+
+def _until(b: Sync, done: Callable[[], bool], seconds: float = 60) -> None:
+    """Let the event loop run until ``done()``."""
+    deadline = time.monotonic() + seconds
+    while not done():
+        assert time.monotonic() < deadline, "not done in time"
+        b._run(asyncio.sleep(0.005))
+
+
 def _answer_or_building(b: Sync, pool: PoolId, hashes: list[int], want: int) -> bool:
     """True if the lookup answered ``want``, False if it said the index is being built."""
     try:
@@ -465,7 +525,7 @@ def test_a_workload_while_the_index_is_built_ends_with_an_exact_index(
     assert gone and not any(_found(indexed, S0, gone))
 
 
-def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
+def test_a_walk_cut_short_is_taken_over_by_an_initialize_once_it_has_been_still(
     make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
 ) -> None:
     plain, keys, first = _without_index(make_redis_backend, BIG, 10)  # 500 chunks: cut after a few
@@ -480,16 +540,126 @@ def test_a_walk_cut_short_is_resumed_by_the_next_initialize(
     assert [s.stored for s in plain.stats() if s.pool == S0] == [BIG - 100]  # (meta has hbt)
     with pytest.raises(NoHashIndex, match="being built"):
         plain.prefix_length_hashes(S0, _hashes(keys))
-    # Two servers with the flag initialise it: both walk, and the index ends exact.
     second, third = make_redis_backend(hash_index=True), make_redis_backend(hash_index=True)
     second.backend.build_chunk = third.backend.build_chunk = 100
+    fills = [_fills(second), _fills(third)]
+    # Its latest step was a moment ago: an initialise leaves the walk to its server.
+    assert not second.initialize(S0, BIG).created
+    assert S0 not in second.backend._builds
+    # Once it has taken no step for the stale time, the next initialise takes it over, and
+    # one a moment later leaves it to that one.
+    _age_walk(plain, request, S0, WALK_STALE + 1)
     second.initialize(S0, BIG)
     third.initialize(S0, BIG)
+    assert S0 in second.backend._builds and S0 not in third.backend._builds
     _until_built(second, request, S0)
+    assert fills[0] and all(r[0] == 0 for r in fills[0]) and fills[1] == []
     assert second.prefix_length_hashes(S0, _hashes(keys[100:])) == BIG - 100
     assert _found(second, S0, keys[:100]) == [False] * 100
     second.check()
     first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_servers_initialising_a_pool_at_once_leave_its_walk_to_one(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    """A fleet restart: every server with the flag initialises the pool at once; the first
+    initialise claims the walk and the others leave it."""
+    plain, keys, indexed = _without_index(make_redis_backend, BIG, 500)
+    servers = [indexed, make_redis_backend(hash_index=True), make_redis_backend(hash_index=True)]
+    for b in servers:
+        b.backend.build_chunk = 500
+    fills = [_fills(b) for b in servers]
+    results = _at_once(plain, *(b.backend.initialize(S0, BIG) for b in servers))
+    assert [r.created for r in results] == [False] * 3
+    _until_built(plain, request, S0)
+    _until(plain, lambda: not any(S0 in b.backend._builds for b in servers))  # (its last reply)
+    calls = [len(f) for f in fills]
+    assert sum(1 for n in calls if n) == 1, f"hidx_fill calls per server: {calls}"
+    walked = fills[[bool(n) for n in calls].index(True)]
+    assert all(r[0] == 0 for r in walked) and sum(r[2] for r in walked) >= BIG, walked
+    hashes = _hashes(keys)
+    for b in (plain, *servers):
+        assert b.prefix_length_hashes(S0, hashes) == BIG
+    indexed.check()
+
+
+def test_servers_whose_lookups_find_a_stopped_walk_at_once_leave_it_to_one(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    """Two routers' servers find the build waiting, its walk still for longer than the stale
+    time, at once: both try to take it over, and the first step of one claims it."""
+    plain, keys, first = _without_index(make_redis_backend, BIG, 10)
+    first.initialize(S0, BIG)
+    first._run(first.backend.close())  # its server stops mid-walk
+    assert _flags(plain, request, S0) == (False, True), "the walk finished before it was cut"
+    routers = [make_redis_backend(hash_index=True) for _ in range(2)]
+    # No step goes until both lookups have answered (so both find the walk still, neither
+    # finds the other's claim); then each router's first step (its claim) goes, and the rest
+    # wait until both are answered.
+    gate = {"steps": 0}
+    fills = [_fills(r, _steps(gate)) for r in routers]
+    for r in routers:
+        r.backend.build_chunk = 500
+    _age_walk(plain, request, S0, WALK_STALE + 1)
+    hashes = _hashes(keys)
+    got = _at_once(plain, *(r.backend.prefix_length_hashes(S0, hashes) for r in routers))
+    assert all(isinstance(g, NoHashIndex) and "being built" in str(g) for g in got), got
+    assert all(S0 in r.backend._builds for r in routers)  # both try
+    gate["steps"] = 1
+    _until(plain, lambda: all(fills))
+    gate["steps"] = 1 << 30
+    _until_built(plain, request, S0)
+    assert sorted(f[0][0] for f in fills) == [0, 2], fills  # one claimed, one found it taken
+    assert [len(f) for f in fills if f[0] == [2]] == [1]
+    for r in routers:
+        assert r.prefix_length_hashes(S0, hashes) == BIG
+    plain.check()
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_a_walk_that_keeps_stepping_is_not_taken_over_and_one_taken_over_stops(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    plain, keys, first = _without_index(make_redis_backend, BIG, 100)
+    gate = {"steps": 3}
+    first_fills = _fills(first, _steps(gate))
+    first.initialize(S0, BIG)
+    _until(first, lambda: len(first_fills) == 3)
+    other = make_redis_backend(hash_index=True)
+    other.backend.build_chunk = 100
+    other_gate = {"steps": 1}
+    other_fills = _fills(other, _steps(other_gate))
+    hashes = _hashes(keys)
+
+    def left_alone() -> None:
+        """An initialise and a lookup by ``other`` leave the walk to ``first``."""
+        assert not other.initialize(S0, BIG).created
+        assert not _answer_or_building(other, S0, hashes, BIG)
+        assert S0 not in other.backend._builds and other_fills == []
+
+    left_alone()  # its latest step was a moment ago
+    # Its stamp ages past the stale time, but its next step is its own and stamps it again.
+    _age_walk(plain, request, S0, WALK_STALE + 1)
+    gate["steps"] = 4
+    _until(first, lambda: len(first_fills) == 4)
+    assert first_fills[-1][0] == 0
+    left_alone()
+    # Now it holds still for longer than the stale time (its server stalls): the next
+    # initialise takes it over, and the stalled walk's next step finds it taken and stops.
+    _age_walk(plain, request, S0, WALK_STALE + 1)
+    assert not other.initialize(S0, BIG).created
+    assert S0 in other.backend._builds
+    _until(other, lambda: len(other_fills) == 1)
+    assert other_fills[0][0] == 0
+    gate["steps"] = 1 << 30
+    _until(first, lambda: S0 not in first.backend._builds)
+    assert first_fills[-1] == [2] and len(first_fills) == 5
+    other_gate["steps"] = 1 << 30
+    _until_built(other, request, S0)
+    assert all(r[0] == 0 for r in other_fills)
+    assert other.prefix_length_hashes(S0, hashes) == BIG
+    other.check()
 
 
 def test_a_pool_with_few_stored_keys_is_built_by_its_initialize(
@@ -510,7 +680,6 @@ def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
     plain, keys, first = _without_index(make_redis_backend, BIG, 10)
     first.initialize(S0, BIG)
     router = make_redis_backend(hash_index=True)
-    router.backend.walk_stale = 1.0
     hashes = _hashes(keys)
     assert not _answer_or_building(router, S0, hashes, BIG)  # a walk under way: left to it
     assert S0 not in router.backend._builds
@@ -518,7 +687,7 @@ def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
     assert _flags(plain, request, S0) == (False, True)
     assert not _answer_or_building(router, S0, hashes, BIG)
     assert S0 not in router.backend._builds  # (its last step is recent yet)
-    time.sleep(1.2)
+    _age_walk(plain, request, S0, WALK_STALE + 1)
     assert not _answer_or_building(router, S0, hashes, BIG)  # still: this one resumes it
     assert S0 in router.backend._builds
     _until_built(router, request, S0)

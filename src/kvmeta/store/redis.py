@@ -45,6 +45,7 @@ import asyncio
 import dataclasses
 import functools
 import logging
+import secrets
 import time
 from collections.abc import Callable
 from typing import Any
@@ -160,9 +161,10 @@ CHECK_CHUNK = 1000
 # chunks took twice as long each and no less in all. A pool with no more stored keys than this
 # gets its index built inside its initialize.
 BUILD_CHUNK = 500
-# A build whose walk has taken no step for this long is resumed by a server with --hash-index
-# that a lookup finds waiting for it: far above one step's time (a few ms of Redis, a round
-# trip, a failover's retries within --failover-timeout).
+# A build's walk is one server's (``_lib.lua`` ``hidx_claim``) until it has taken no step for
+# this long; then the next server with --hash-index that initialises the pool, or that a lookup
+# finds waiting for the build, takes it over: far above one step's time (a few ms of Redis, a
+# round trip, a failover's retries within --failover-timeout).
 WALK_STALE = 30.0
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
@@ -320,10 +322,13 @@ class RedisBackend:
         pool's stored keys in chunks of ``build_chunk`` (one short script each, see
         ``_lib.lua`` ``hidx_fill_chunk``) while every script maintains the index; lookups by
         hash answer ``NoHashIndex.building`` (400) until the walk is done (a few seconds per
-        million stored keys). A walk cut short (this server stopped, Redis unreachable for
-        longer than ``failover_timeout``) is resumed by the next initialise of the pool by a
-        server with the flag, or by a lookup on one once the walk has taken no step for
-        ``walk_stale`` seconds (``_resume_stopped_build``). Keeping the index costs each
+        million stored keys). One server walks a build: the initialize that asks for the walk
+        claims it in Redis in the same script (``_lib.lua`` ``hidx_claim``), and each step
+        stamps the time, so servers initialising the pool meanwhile leave it to that one. A
+        walk cut short (this server stopped, Redis unreachable for longer than
+        ``failover_timeout``) is taken over once it has taken no step for ``walk_stale``
+        seconds, by the next initialise of the pool by a server with the flag or by a lookup
+        on one (``_resume_stopped_build``). Keeping the index costs each
         confirm and each evicting reserve about 3-4 us of Redis CPU per key. ``build_chunk``
         is for tests (a slow walk)."""
         self.target: RedisTarget = parse_target(url)
@@ -339,6 +344,9 @@ class RedisBackend:
         self.build_chunk = build_chunk
         # Seconds without a step after which a walk counts as stopped (for tests: shorter).
         self.walk_stale = WALK_STALE
+        # This server's name in the claim of a build it walks (meta hbw, ``_lib.lua``
+        # ``hidx_claim``): its own steps go on, another server's only after ``walk_stale``.
+        self._walker = secrets.token_hex(8)
         self._builds: dict[PoolId, asyncio.Task[None]] = {}  # pools whose index this walks
         # Pools seen with a complete index (meta hx), and the epoch they were seen in: hx is
         # never taken back while the pool exists, and a pool goes away only with Redis's data.
@@ -635,7 +643,7 @@ class RedisBackend:
     async def close(self) -> None:
         builds = list(self._builds.values())
         for task in builds:
-            task.cancel()  # left marked as being built: the next initialise resumes it
+            task.cancel()  # still being built: taken over once its claim is stale
         await asyncio.gather(*builds, return_exceptions=True)
         if self._topo is not None:
             await self._topo.close()
@@ -874,56 +882,80 @@ class RedisBackend:
         if pool.dialect == "v":  # a vLLM pool is a registered rank (as in MemoryStore)
             return await self.v_register(pool.rank, num_pages, None, pool.tenant)
         await self._sadd_pool(pool)
-        args = [num_pages, "1" if self.hash_index else "0", self.build_chunk]
+        args: list[Any] = [num_pages, "1" if self.hash_index else "0", self.build_chunk]
+        if self.hash_index:
+            args += [self.walk_stale, self._walker]
         reply = await self._run("initialize", pool_keys(pool), args)
         _checked(pool, reply, None)
         if len(reply) > 3 and reply[3]:
-            self._start_build(pool)
+            self._start_build(pool)  # the script claimed the walk for this server
         return self._init_result(pool, reply, num_pages)
 
     async def _resume_stopped_build(self, pool: PoolId, stamp: Any) -> None:
-        """A lookup found ``pool``'s index being built: walk it from this server when no walk
-        has taken a step for ``walk_stale`` seconds (its server stopped, or lost Redis), so a
-        stopped build does not wait for the pool's next initialise. Live walks stamp each step
-        (meta ``hbt``, Redis time), so a walk under way is not doubled."""
+        """A lookup found ``pool``'s index being built: take the walk over when it has taken
+        no step for ``walk_stale`` seconds (its server stopped, or lost Redis), so a stopped
+        build does not wait for the pool's next initialise. Live walks stamp each step (meta
+        ``hbt``, Redis time), so a walk under way is left alone; of servers whose lookups find
+        a stopped walk at once, the first step of one takes it over and the others' first
+        steps find it taken (``_lib.lua`` ``hidx_claim``): one walks."""
         task = self._builds.get(pool)
         if task is not None and not task.done():
             return
         meta = pool_keys(pool)[0]
+        idle = "ever"
         if stamp is not None:
             seconds, micros = await self._command(meta, "TIME")
-            idle = int(seconds) + int(micros) / 1e6 - float(_text(stamp))
-            if idle < self.walk_stale:
+            still = int(seconds) + int(micros) / 1e6 - float(_text(stamp))
+            if still < self.walk_stale:
                 return
-        logger.warning(
-            "%s: the build of its block-hash index has taken no step for %s; resuming it here",
-            pool,
-            "ever" if stamp is None else f"{idle:.0f} s",
-        )
-        self._start_build(pool)
+            idle = f"{still:.0f} s"
+        self._start_build(pool, idle)
 
-    def _start_build(self, pool: PoolId) -> None:
+    def _start_build(self, pool: PoolId, idle: str | None = None) -> None:
         """Walk ``pool``'s stored keys into its hash index in the background (``_build``),
-        unless this server walks it already."""
+        unless this server walks it already. ``idle``: taking over a walk that has taken no
+        step for that long (its first step claims it, or finds it taken)."""
         task = self._builds.get(pool)
         if task is not None and not task.done():
             return
-        self._builds[pool] = asyncio.create_task(self._build(pool), name=f"hash index {pool}")
+        self._builds[pool] = asyncio.create_task(self._build(pool, idle), name=f"hash index {pool}")
 
-    async def _build(self, pool: PoolId) -> None:
+    async def _build(self, pool: PoolId, idle: str | None = None) -> None:
         """Build ``pool``'s hash index: ``hidx_fill`` chunk by chunk, each on the normal call
-        path (retries across a failover), until the chunk that completes it. Another server
-        walking the same pool at once does no harm (adding a page is idempotent). A failure
-        leaves the pool marked as being built, for the next initialise with the flag or the
-        first lookup after ``walk_stale`` seconds (``_resume_stopped_build``)."""
+        path (retries across a failover), until the chunk that completes it. Each step goes on
+        only while the walk is this server's (``_lib.lua`` ``hidx_claim``): claimed by this
+        server's initialize, or by the first step here (``idle``: taking over a stopped walk).
+        A step that finds another server's walk live stops this one: that server walks it. A
+        failure leaves the pool marked as being built, and its walk is taken over once it has
+        taken no step for ``walk_stale`` seconds, by the next initialise with the flag or a
+        lookup (``_resume_stopped_build``)."""
         keys, cursor, visited = pool_keys(pool), "0", 0
         started = time.monotonic()
-        logger.info("%s: building its block-hash index from its stored keys", pool)
+        if idle is None:
+            logger.info("%s: building its block-hash index from its stored keys", pool)
         try:
             while True:
-                reply = await self._run("hidx_fill", keys, [cursor, self.build_chunk])
-                if int(reply[0]):
+                args = [cursor, self.build_chunk, self._walker, self.walk_stale]
+                reply = await self._run("hidx_fill", keys, args)
+                code = int(reply[0])
+                if code == 1:
                     return  # the pool went away (Redis lost its data)
+                if code == 2:
+                    logger.info(
+                        "%s: another kvmeta server walks the build of its block-hash index; "
+                        "this one leaves it (after %d keys)",
+                        pool,
+                        visited,
+                    )
+                    return
+                if idle is not None:
+                    logger.warning(
+                        "%s: the build of its block-hash index has taken no step for %s; "
+                        "resuming it here",
+                        pool,
+                        idle,
+                    )
+                    idle = None
                 cursor, visited = _text(reply[1]), visited + int(reply[2])
                 if cursor == "0":
                     break
@@ -931,7 +963,7 @@ class RedisBackend:
             logger.warning(
                 "%s: building its block-hash index stopped after %d keys: %s; lookups by hash "
                 "answer 'being built' until a server with --hash-index resumes it (at the "
-                "pool's next initialise, or at a lookup once the walk has taken no step for "
+                "pool's next initialise or at a lookup, once the walk has taken no step for "
                 "%.0f s)",
                 pool,
                 visited,

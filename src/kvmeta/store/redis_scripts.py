@@ -46,8 +46,10 @@ LIBRARY_NAME = "kvmeta"
 # 4: the pool's hash index, an eleventh pool key (KEYS) that every script storing or removing
 # keys maintains when meta 'hx' or 'hb' (being built) says so, initialize's ARGV[2] and ARGV[3]
 # and its reply's 4th element (walk the pool to build its index), and hidx_fill (a format-3
-# script would neither take the key nor keep the index)
-LIBRARY_FORMAT = 4
+# script would neither take the key nor keep the index); 5: one server walks a build
+# (initialize's ARGV[4] and ARGV[5], hidx_fill's ARGV[3] and ARGV[4] and its reply [2]: a
+# format-4 server would walk every build it is asked to, and fail to pass the claim)
+LIBRARY_FORMAT = 5
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

