@@ -126,7 +126,7 @@ class Pool:
         self.calls += 1
         flag = ("1",) if self.side.events and op in FEED else ()
         if op == "initialize" and self.side.hash_index:
-            flag = ("1",)
+            flag = ("1", "500", "30", "compare_lua")  # chunk, stale s, walker: new pools ignore
         raw = self.r.evalsha(self.side.sha[op], len(self.keys), *self.keys, arg, *flag)
         reply: list[Any] = json.loads(raw)
         assert reply[0] == 0, (op, reply)
