@@ -19,11 +19,20 @@ from typing import Any
 
 import msgspec
 
-from kvmeta.events.wire import ENCODINGS, ArrayCleared, ArrayRemoved, ArrayStored
+from kvmeta.events.wire import (
+    ENCODINGS,
+    ArrayCleared,
+    ArrayRemoved,
+    ArrayStored,
+    MapCleared,
+    MapRemoved,
+    MapStored,
+)
 
 __all__ = [
     "ALL_POOLS",
     "Batch",
+    "FIELDS",
     "Follower",
     "MalformedEvent",
     "Step",
@@ -41,13 +50,25 @@ __all__ = [
 # How a line shows the pool of an ``AllBlocksCleared`` that has none: every pool of the server.
 ALL_POOLS = "*"
 # Each type's field names in the positional encoding, in order (the single source is ``wire``).
-POSITIONAL: dict[str, tuple[str, ...]] = {
+_POSITIONAL: dict[str, tuple[str, ...]] = {
     str(cls.__struct_config__.tag): cls.__struct_fields__
     for cls in (ArrayStored, ArrayRemoved, ArrayCleared)
 }
-# kvmeta's own fields that the map encoding leaves out at their default; a decoded event always
-# has them, so a filter (``jq 'select(.reason == "capacity")'``) needs no default of its own.
+# kvmeta's own fields in every event, and their values where an event has none (a pool of ""
+# in a clear: every pool).
 _DEFAULTS: dict[str, Any] = {"pool": "", "reason": "", "tenant": ""}
+# Each type's fields (the map encoding's, which has them all) and the value of each that an
+# event leaves out: the map encoding omits kvmeta's fields at their default, the positional one
+# has no ``lora_name``, an engine's own events have no kvmeta fields. A decoded event has every
+# field whichever the encoding, so a filter (``jq 'select(.reason == "capacity")'``) needs no
+# default of its own and both encodings read the same.
+FIELDS: dict[str, dict[str, Any]] = {
+    str(cls.__struct_config__.tag): {
+        f.name: _DEFAULTS.get(f.name) if f.default is msgspec.NODEFAULT else f.default
+        for f in msgspec.structs.fields(cls)
+    }
+    for cls in (MapStored, MapRemoved, MapCleared)
+}
 _TYPE_WIDTH = len("AllBlocksCleared")
 
 
@@ -93,8 +114,9 @@ def decode_batch(topic: bytes, seq: int, payload: bytes) -> Batch:
 
 def event_fields(event: Any, encoding: str | None = None) -> dict[str, Any]:
     """An event as ``{"type": ..., field: value, ...}`` from either encoding (``encoding``
-    None: told by its shape; else the shape must be that one). kvmeta's ``pool``, ``reason``
-    and ``tenant`` are always present. Values are as decoded (hashes int or bytes)."""
+    None: told by its shape; else the shape must be that one), with every field of its type
+    (``FIELDS``: the ones it leaves out at their defaults), in the map encoding's order.
+    Values are as decoded (hashes int or bytes)."""
     if encoding is not None and encoding not in ENCODINGS:
         raise ValueError(f"encoding must be one of {ENCODINGS}, got {encoding!r}")
     if isinstance(event, dict):
@@ -112,16 +134,22 @@ def event_fields(event: Any, encoding: str | None = None) -> dict[str, Any]:
         kind = event.get("type")
         if not isinstance(kind, str):
             raise MalformedEvent(f"a map without a type: {_preview(event)}")
-        fields = {"type": kind, **_DEFAULTS, **{str(k): v for k, v in event.items()}}
-        return fields
-    kind, values = event[0], event[1:]
-    names = POSITIONAL.get(kind)
-    if names is None:  # a type kvmeta does not publish: shown, its values unnamed
-        return {"type": kind, **_DEFAULTS, "values": values}
-    fields = {"type": kind, **_DEFAULTS, **dict(zip(names, values, strict=False))}
-    if len(values) > len(names):
-        fields["extra"] = values[len(names) :]
-    return fields
+        given = {str(k): v for k, v in event.items() if k != "type"}
+    else:
+        kind, values = event[0], event[1:]
+        names = _POSITIONAL.get(kind)
+        if names is None:  # a type kvmeta does not publish: shown, its values unnamed
+            return {"type": kind, **_DEFAULTS, "values": values}
+        given = dict(zip(names, values, strict=False))
+        if len(values) > len(names):
+            given["extra"] = values[len(names) :]
+    defaults = FIELDS.get(kind, _DEFAULTS)
+    return {"type": kind, **{k: _plain(v) for k, v in defaults.items()}, **given}
+
+
+def _plain(value: Any) -> Any:
+    """A default as decoded msgpack has it: a (shared, immutable) tuple as a new list."""
+    return list(value) if isinstance(value, tuple) else value
 
 
 def _preview(value: Any) -> str:
