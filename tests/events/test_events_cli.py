@@ -562,3 +562,17 @@ def test_a_replay_socket_nobody_listens_on_exits_2_at_once(
         "--replay out"
     )
     assert not any("Traceback" in x for x in watcher.err)
+
+
+def test_a_replay_address_of_another_kind_of_socket_exits_2(
+    server: ServerProcess, watchers: Callable[..., Watcher]
+) -> None:
+    ends = endpoints(server)
+    http = server.url.replace("http://", "tcp://")
+    for wrong in (ends.pub, http):  # the PUB socket; the HTTP port, which answers anything
+        watcher = watchers(ends.pub, "--replay", wrong, "--from", "0")
+        assert watcher.exit_code() == 2
+        assert time.monotonic() - watcher.started < 8  # told at once, not timed out
+        assert watcher.out == [] and len(watcher.err) == 1, watcher.err
+        assert watcher.err[0].startswith(f"kvmeta: error: --replay {wrong}: ")
+        assert "--events-replay" in watcher.err[0]

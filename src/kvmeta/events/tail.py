@@ -123,7 +123,9 @@ def fetch_replay(
     comes within ``wait`` seconds."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
-    monitor = sock.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED)
+    monitor = sock.get_monitor_socket(
+        zmq.EVENT_CONNECTED | zmq.EVENT_CONNECT_RETRIED | zmq.EVENT_DISCONNECTED
+    )
     try:
         sock.connect(endpoint)
         sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
@@ -145,6 +147,13 @@ def fetch_replay(
                 event = recv_monitor_message(monitor)["event"]
                 if event == zmq.EVENT_CONNECTED:
                     connected = True
+                elif event == zmq.EVENT_DISCONNECTED:
+                    # (ZeroMQ drops a peer of the wrong kind: a PUB socket, say.)
+                    raise ServerUnavailable(
+                        f"--replay {endpoint}: the connection was closed before an answer: "
+                        "give the address of the server's replay socket (its --events-replay), "
+                        "not its --events address"
+                    )
                 elif not connected:
                     raise ServerUnavailable(
                         f"--replay {endpoint}: nothing listens there (connection refused): "
@@ -153,9 +162,14 @@ def fetch_replay(
                     )
             if sock in ready:
                 frames = sock.recv_multipart()
+                if len(frames) != 4 or frames[0] != b"" or len(frames[2]) != 8:
+                    # (Another kind of server there: an HTTP port answers every connection.)
+                    raise ServerUnavailable(
+                        f"--replay {endpoint}: the answer is not the replay protocol's: give "
+                        "the address of the server's replay socket (its --events-replay), not "
+                        "its --events or HTTP address"
+                    )
                 deadline = time.monotonic() + wait
-                if len(frames) != 4 or frames[0] != b"":
-                    continue  # not the protocol's answer: ignored, like a SUB's stray frame
                 _, topic, seq, payload = frames
                 if seq == END_MARKER:
                     return out
