@@ -119,8 +119,9 @@ def fetch_replay(
 ) -> list[Message]:
     """Every batch the replay socket at ``endpoint`` still holds from ``start`` on, up to its
     end marker (the request as a REQ socket sends it, from a DEALER). ``ServerUnavailable``,
-    naming ``--replay`` and the fix, when nothing listens there (refused at once) or no answer
-    comes within ``wait`` seconds."""
+    naming ``--replay`` and the fix, when nothing listens there (refused at once), something
+    else does (its answer is not the protocol's, or it drops the connection), or no answer
+    comes within ``wait`` seconds (a host that never answers: no connection at all)."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     monitor = sock.get_monitor_socket(
