@@ -576,3 +576,38 @@ def test_a_replay_address_of_another_kind_of_socket_exits_2(
         assert watcher.out == [] and len(watcher.err) == 1, watcher.err
         assert watcher.err[0].startswith(f"kvmeta: error: --replay {wrong}: ")
         assert "--events-replay" in watcher.err[0]
+
+
+def test_a_reader_that_goes_away_ends_it_quietly(feed: FakeFeed) -> None:
+    """``kvmeta events ... | head -1``: the closed pipe ends it with status 0, no traceback."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvmeta", "events", feed.address],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        env=env,
+    )
+    assert proc.stdout is not None and proc.stderr is not None
+    topic = b"kvmeta/e1/run1"
+    first = threading.Thread(target=proc.stdout.readline, daemon=True)
+    first.start()
+    deadline = time.monotonic() + 60
+    seq = 0
+    while first.is_alive():  # until it printed a line: then it has joined
+        assert time.monotonic() < deadline
+        feed.send(topic, seq, _payload("map", seq))
+        seq += 1
+        first.join(0.05)
+    proc.stdout.close()  # the reader goes away
+    while proc.poll() is None:  # its next line meets the closed pipe
+        assert time.monotonic() < deadline
+        feed.send(topic, seq, _payload("map", seq))
+        seq += 1
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            proc.wait(0.05)
+    err = proc.stderr.read().decode()
+    proc.stderr.close()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err and "Exception ignored" not in err, err
