@@ -1,4 +1,4 @@
-"""The ``kvmeta`` command: ``serve``, ``status``, ``check``, ``bench``.
+"""The ``kvmeta`` command: ``serve``, ``status``, ``events``, ``check``, ``bench``.
 
 The only module that configures logging or prints; everything else logs through its module
 logger. Each subcommand's work lives elsewhere; this module parses and dispatches.
@@ -10,6 +10,7 @@ import argparse
 import difflib
 import json
 import logging
+import os
 import sys
 import time
 from collections.abc import Sequence
@@ -112,6 +113,91 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
     cmd.set_defaults(func=_cmd_status)
 
 
+def _cmd_events(args: argparse.Namespace) -> int:
+    try:
+        from kvmeta.events.tail import TailOptions, tail
+    except ImportError as exc:
+        raise KvmetaError(
+            f"`kvmeta events` needs the pyzmq package ({exc}): pip install 'kvmeta[events]'"
+        ) from None
+    options = TailOptions(
+        address=args.address,
+        replay=args.replay,
+        start=args.start,
+        encoding=args.format,
+        as_json=args.json,
+        count=args.count,
+        timeout=args.timeout,
+        pools=tuple(args.pool or ()),
+    )
+    try:
+        return tail(options, sys.stdout, sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (``| head``): stop quietly; stdout is pointed at /dev/null so
+        # that Python's own flush at exit does not fail on the closed pipe again.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 0
+
+
+def _add_events(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    cmd = sub.add_parser(
+        "events",
+        help="print a server's KV events as they are published, one line each (exit 1: "
+        "--timeout passed, 2: wrong option or replay socket)",
+        description="Subscribe to a server's KV event feed (kvmeta serve --events) and print "
+        "each event. New runs (restarts) and missed batches are said on stderr.",
+    )
+    cmd.add_argument(
+        "address",
+        metavar="ADDRESS",
+        help="the server's --events address, e.g. tcp://127.0.0.1:5557",
+    )
+    cmd.add_argument(
+        "--replay",
+        metavar="ADDRESS",
+        default=None,
+        help="the server's --events-replay address: missed batches are fetched from it",
+    )
+    cmd.add_argument(
+        "--from",
+        dest="start",
+        type=int,
+        metavar="SEQ",
+        default=None,
+        help="first show the batches from sequence SEQ on (from --replay), then go on live",
+    )
+    cmd.add_argument(
+        "--format",
+        choices=("map", "array"),
+        default=None,
+        help="the server's --events-format (default: told by each event's shape)",
+    )
+    cmd.add_argument(
+        "--json", action="store_true", help="one JSON object per event, every field decoded"
+    )
+    cmd.add_argument(
+        "--count", type=int, metavar="N", default=None, help="stop after N events (exit 0)"
+    )
+    cmd.add_argument(
+        "--timeout",
+        type=float,
+        metavar="SECONDS",
+        default=None,
+        help="exit 1 when no batch arrives for SECONDS",
+    )
+    cmd.add_argument(
+        "--pool",
+        action="extend",
+        nargs="+",
+        metavar="POOL",
+        default=None,
+        help="show only these pools' events (s:RANK:NAMESPACE or v:RANK; may repeat); clears "
+        "of every pool are always shown",
+    )
+    cmd.set_defaults(func=_cmd_events)
+
+
 def _cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -143,6 +229,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     _add_status(sub)
+    _add_events(sub)
     check = sub.add_parser(
         "check",
         help="verify a data directory offline (exit 0 ok, 1 problems, 3 in use by a server)",

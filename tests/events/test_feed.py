@@ -1,0 +1,179 @@
+"""What ``kvmeta events`` shows, without a server: batches the publisher's own encoder makes,
+in both encodings, decoded into events, one line or one JSON object each; and where a reader
+stands in the runs and sequence numbers of a feed (``Follower``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import msgspec
+import pytest
+
+from kvmeta._types import PoolId
+from kvmeta.events.feed import (
+    Follower,
+    MalformedEvent,
+    decode_batch,
+    event_fields,
+    format_json,
+    format_line,
+    gap_notice,
+    json_value,
+    matches_pools,
+    run_notice,
+    split_topic,
+)
+from kvmeta.events.wire import Encoder, sglang_hash
+
+KV = PoolId("s", 0, "kv")
+VLLM = PoolId("v", 1, "")
+KEYS = ["a1" * 32, "b2" * 32, "c3" * 32]
+PREFIX = "d4" * 32
+TOPIC = b"kvmeta/3f6c0d2a/1a2b3c4d"
+
+
+def _batch(encoding: str) -> bytes:
+    """A batch of every kind of event kvmeta publishes, as the publisher encodes it."""
+    enc = Encoder(encoding, "EXTERNAL")
+    hashes = [sglang_hash(k) for k in KEYS]
+    events = [
+        enc.cleared(None, "restart-recovery"),
+        enc.stored(KV, hashes, sglang_hash(PREFIX), KEYS, PREFIX),
+        enc.stored(VLLM, [b"k1", b"k2"], None, (), None),
+        enc.removed(KV, hashes[:2], "capacity"),
+        enc.removed(PoolId("s", 2, "kv", "acme"), [7], "delete"),
+        enc.cleared(KV, "clear"),
+    ]
+    return enc.batch(1700000000.25, events)
+
+
+def _fields(encoding: str, forced: str | None = None) -> list[dict[str, Any]]:
+    batch = decode_batch(TOPIC, 7, _batch(encoding))
+    return [event_fields(e, forced) for e in batch.events]
+
+
+def test_split_topic_names_the_epoch_and_run() -> None:
+    assert split_topic(TOPIC) == ("3f6c0d2a", "1a2b3c4d")
+    assert split_topic(b"kvmeta//abc") == ("", "abc")
+    assert split_topic(b"") == ("", "")  # an engine's topic: the run is the topic itself
+    assert split_topic(b"engine-7") == ("", "engine-7")
+
+
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_both_encodings_decode_to_the_same_fields(encoding: str) -> None:
+    cleared, stored, vllm, evicted, deleted, pool_cleared = _fields(encoding)
+    assert cleared["type"] == "AllBlocksCleared"
+    assert (cleared["pool"], cleared["reason"]) == ("", "restart-recovery")
+    assert stored["type"] == "BlockStored" and stored["pool"] == "s:0:kv"
+    assert stored["block_hashes"] == [sglang_hash(k) for k in KEYS]
+    assert stored["parent_block_hash"] == sglang_hash(PREFIX)
+    assert stored["keys"] == KEYS and stored["parent_key"] == PREFIX
+    assert (stored["token_ids"], stored["block_size"], stored["medium"]) == ([], 0, "EXTERNAL")
+    assert stored["reason"] == "" and stored["tenant"] == ""  # defaults filled in
+    assert vllm["block_hashes"] == [b"k1", b"k2"] and vllm["parent_block_hash"] is None
+    assert vllm["pool"] == "v:1"
+    assert evicted["type"] == "BlockRemoved" and evicted["reason"] == "capacity"
+    assert evicted["block_hashes"] == [sglang_hash(k) for k in KEYS[:2]]
+    assert (deleted["tenant"], deleted["pool"], deleted["reason"]) == ("acme", "s:2:kv", "delete")
+    assert (pool_cleared["pool"], pool_cleared["reason"]) == ("s:0:kv", "clear")
+    common = ("type", "pool", "reason", "tenant", "block_hashes", "parent_block_hash", "keys")
+    other = _fields("array" if encoding == "map" else "map")
+    for mine, theirs in zip(_fields(encoding), other, strict=True):
+        assert {k: mine.get(k) for k in common} == {k: theirs.get(k) for k in common}
+
+
+def test_a_forced_encoding_refuses_the_other_shape() -> None:
+    assert _fields("array", "array")[1]["pool"] == "s:0:kv"
+    with pytest.raises(MalformedEvent, match="array encoding, not map"):
+        _fields("array", "map")
+    with pytest.raises(MalformedEvent, match="map encoding, not array"):
+        _fields("map", "array")
+
+
+def test_malformed_batches_and_events_are_named() -> None:
+    with pytest.raises(MalformedEvent, match="batch 3: not msgpack"):
+        decode_batch(TOPIC, 3, b"\xc1")
+    with pytest.raises(MalformedEvent, match="not an EventBatch"):
+        decode_batch(TOPIC, 3, msgspec.msgpack.encode({"ts": 1}))
+    with pytest.raises(MalformedEvent, match="neither a map nor a tagged array"):
+        event_fields(42)
+    with pytest.raises(MalformedEvent, match="without a type"):
+        event_fields({"pool": "s:0:kv"})
+    unknown = event_fields(["BlockMoved", 1, 2])  # a type kvmeta does not publish
+    assert unknown["type"] == "BlockMoved" and unknown["values"] == [1, 2]
+    longer = event_fields(["AllBlocksCleared", None, "s:0:kv", "clear", "", "later"])
+    assert longer["extra"] == ["later"] and longer["reason"] == "clear"
+    shorter = event_fields(["BlockRemoved", [1], None])  # an engine's own: no kvmeta fields
+    assert shorter["pool"] == "" and shorter["block_hashes"] == [1]
+
+
+def test_lines_show_type_pool_blocks_parent_and_reason() -> None:
+    lines = [format_line(7, "1a2b3c4d", f) for f in _fields("map")]
+    assert lines == [
+        "seq=7 run=1a2b3c4d AllBlocksCleared pool=* reason=restart-recovery",
+        f"seq=7 run=1a2b3c4d BlockStored      pool=s:0:kv blocks=3 parent={sglang_hash(PREFIX)}",
+        "seq=7 run=1a2b3c4d BlockStored      pool=v:1 blocks=2 parent=none",
+        "seq=7 run=1a2b3c4d BlockRemoved     pool=s:0:kv blocks=2 reason=capacity",
+        "seq=7 run=1a2b3c4d BlockRemoved     pool=s:2:kv tenant=acme blocks=1 reason=delete",
+        "seq=7 run=1a2b3c4d AllBlocksCleared pool=s:0:kv reason=clear",
+    ]
+    assert _fields("array") and [format_line(7, "1a2b3c4d", f) for f in _fields("array")] == lines
+
+
+def test_json_has_every_field_hashes_as_ints_and_vllm_keys_as_text() -> None:
+    batch = decode_batch(TOPIC, 7, _batch("map"))
+    objects = [json.loads(format_json(batch, event_fields(e))) for e in batch.events]
+    head = {"seq": 7, "run": "1a2b3c4d", "epoch": "3f6c0d2a", "topic": TOPIC.decode()}
+    assert all({k: o[k] for k in head} == head and o["ts"] == 1700000000.25 for o in objects)
+    stored = objects[1]
+    assert stored["block_hashes"] == [sglang_hash(k) for k in KEYS]  # exact 64-bit integers
+    assert stored["parent_block_hash"] == sglang_hash(PREFIX)
+    assert stored["keys"] == KEYS and stored["lora_name"] is None
+    assert objects[2]["block_hashes"] == ["k1", "k2"]
+    assert objects[0]["pool"] == "" and objects[4]["tenant"] == "acme"
+    assert json_value({"h": [b"\xff"]}) == {"h": ["\\xff"]}  # not UTF-8: still a string
+
+
+def test_pool_filter_keeps_clears_of_every_pool() -> None:
+    fields = _fields("map")
+    shown = [f["type"] + ":" + f["pool"] for f in fields if matches_pools(f, ("s:0:kv",))]
+    assert shown == [
+        "AllBlocksCleared:",
+        "BlockStored:s:0:kv",
+        "BlockRemoved:s:0:kv",
+        "AllBlocksCleared:s:0:kv",
+    ]
+    assert all(matches_pools(f, ()) for f in fields)
+
+
+def test_follower_drops_what_it_showed_and_finds_gaps_and_new_runs() -> None:
+    follower = Follower()
+    first = follower.check(b"t1", 40)  # joining mid-run: whatever comes first
+    assert not first.duplicate and not first.new_run and not first.missing
+    follower.advance(b"t1", 40)
+    assert follower.check(b"t1", 41).missing == range(0)
+    assert follower.check(b"t1", 40).duplicate and follower.check(b"t1", 3).duplicate
+    assert follower.check(b"t1", 44).missing == range(41, 44)
+    follower.advance(b"t1", 44)
+    restarted = follower.check(b"t2", 0)
+    assert restarted.new_run and not restarted.missing and not restarted.duplicate
+    late = follower.check(b"t2", 3)  # the new run's first batches went by: its resync
+    assert late.new_run and late.missing == range(0, 3)
+    follower.advance(b"t2", 3)
+    assert follower.check(b"t2", 2).duplicate
+
+
+def test_follower_from_a_sequence_number() -> None:
+    follower = Follower(start=5)
+    assert follower.check(b"t", 4).duplicate  # before --from
+    assert follower.check(b"t", 5).missing == range(0)
+    assert follower.check(b"t", 9).missing == range(5, 9)  # the buffer starts later
+
+
+def test_notices() -> None:
+    assert run_notice(TOPIC, first=True) == "following run 1a2b3c4d (epoch 3f6c0d2a)"
+    assert run_notice(TOPIC, first=False).startswith("new run 1a2b3c4d (epoch 3f6c0d2a): ")
+    assert "restarted" in run_notice(TOPIC, first=False)
+    assert gap_notice(range(3, 4), "r", "why") == "batch 3 of run r missed: why"
+    assert gap_notice(range(3, 7), "r", "why") == "batches 3-6 of run r missed: why"
