@@ -21,6 +21,14 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 _LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\d+)")
 
 
+def child_env() -> dict[str, str]:
+    """The environment for a ``python -m kvmeta`` child: this checkout's source first on its
+    path (installed or not), and no ``KVMETA_*`` setting of the caller's."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    return env
+
+
 class ServerProcess:
     """``kvmeta serve`` in a child process; ``url`` is set once it listens."""
 
@@ -49,9 +57,7 @@ class ServerProcess:
         args = list(self.args)
         if "--port" not in args:
             args += ["--port", "0"]
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
-        # The server runs this checkout's source, installed or not.
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+        env = child_env()
         env.update(self.env or {})
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmeta", "serve", *args],

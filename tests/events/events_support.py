@@ -187,3 +187,12 @@ def observed_sglang_workload(
     finally:
         sub.close()
     return complete(sub.messages, ends.replay), used, prefix_of
+
+
+def events_server_process() -> ServerProcess:
+    """A started in-memory ``kvmeta serve`` publishing events, with a replay socket (both on
+    free ports: ``endpoints`` reads them)."""
+    return ServerProcess(
+        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
+        "--events-replay", "tcp://127.0.0.1:0",
+    ).start()  # fmt: skip

@@ -12,7 +12,6 @@ import contextlib
 import hashlib
 import itertools
 import json
-import os
 import random
 import re
 import signal
@@ -30,9 +29,9 @@ import zmq
 from kvmeta._types import PoolId
 from kvmeta.events.wire import Encoder
 from tests.compat.stock_clients import load, sglang_hash_function
-from tests.events.events_support import END, endpoints
+from tests.events.events_support import END, endpoints, events_server_process
 from tests.events.workloads import page_key, sglang_workload
-from tests.support import SRC, ServerProcess, unused_port
+from tests.support import ServerProcess, child_env, unused_port
 
 LINE = re.compile(r"seq=(\d+) run=(\S+) (\w+) +(.*)")
 PROBE = "s:0:probe"  # the pool the tests store into until a watcher shows it has joined
@@ -43,8 +42,7 @@ class Watcher:
     """``kvmeta events ARGS`` in a child process; its stdout and stderr lines as they come."""
 
     def __init__(self, *args: str) -> None:
-        env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
-        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+        env = child_env()
         self.args = args
         self.started = time.monotonic()
         self.proc = subprocess.Popen(
@@ -131,10 +129,7 @@ def watchers() -> Iterator[Callable[..., Watcher]]:
 
 @pytest.fixture
 def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess(
-        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
-        "--events-replay", "tcp://127.0.0.1:0",
-    ).start()  # fmt: skip
+    proc = events_server_process()
     yield proc
     proc.stop()
 
@@ -580,8 +575,7 @@ def test_a_replay_address_of_another_kind_of_socket_exits_2(
 
 def test_a_reader_that_goes_away_ends_it_quietly(feed: FakeFeed) -> None:
     """``kvmeta events ... | head -1``: the closed pipe ends it with status 0, no traceback."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
-    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env = child_env()
     proc = subprocess.Popen(
         [sys.executable, "-m", "kvmeta", "events", feed.address],
         stdin=subprocess.DEVNULL,

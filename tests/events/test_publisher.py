@@ -17,6 +17,7 @@ from tests.events.events_support import (
     Subscriber,
     complete,
     endpoints,
+    events_server_process,
     hashed,
     observed_sglang_workload,
     rebuild,
@@ -42,10 +43,7 @@ def sglang_int64() -> Any:
 
 @pytest.fixture
 def events_server() -> Iterator[ServerProcess]:
-    server = ServerProcess(
-        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
-        "--events-replay", "tcp://127.0.0.1:0",
-    ).start()  # fmt: skip
+    server = events_server_process()
     yield server
     server.stop()
 
