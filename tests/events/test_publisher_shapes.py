@@ -21,7 +21,7 @@ from kvmeta._types import PoolId
 from kvmeta.events import publisher
 from kvmeta.events.publisher import Publisher
 from kvmeta.events.wire import (
-    array_header,
+    hash_array,
     hash_body,
     pool_label,
     sglang_hash,
@@ -86,7 +86,7 @@ def test_hash_array_headers(n: int) -> None:
 def raw_hash_array(keys: Sequence[str]) -> bytes | None:
     """The msgpack array of the keys' SGLang hashes, as the publisher embeds it."""
     body = hash_body(keys)
-    return None if body is None else array_header(len(keys)) + body
+    return None if body is None else bytes(hash_array(len(keys), body))
 
 
 def _strict_hex(text: str) -> bool:

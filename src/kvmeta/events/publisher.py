@@ -56,7 +56,7 @@ from kvmeta.events.wire import (
     Encoder,
     Event,
     Hashes,
-    array_header,
+    hash_array,
     hash_body,
     sglang_hash,
 )
@@ -351,12 +351,12 @@ class Publisher:
         for run, parent in self._runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
             body = hash_body(run)
-            if body is None:
-                out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
-                continue
-            hashes = msgspec.Raw(array_header(len(run)) + body)
+            if body is None:  # (keys without a hex head: hashed one by one)
+                hashes: Hashes = [sglang_hash(k) for k in run]
+            else:
+                hashes = hash_array(len(run), body)
+                self._keep(pool, run, body)
             out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
-            self._keep(pool, run, body)
 
     def _keep(self, pool: PoolId, run: tuple[str, ...], body: bytes) -> None:
         """Keep a stored run's hash array (``hash_body``) for its removal
@@ -399,7 +399,7 @@ class Publisher:
             if kept is not None:
                 self._stored_keys -= len(kept[0])
                 if kept[0] == keys:  # one whole run: the commonest eviction in memory
-                    return msgspec.Raw(array_header(n) + kept[1])
+                    return hash_array(n, kept[1])
         else:
             return _hashes(keys)
         parts: list[bytes] = []
@@ -416,7 +416,7 @@ class Publisher:
                 parts.append(body)
             pos += m
             if pos == n:
-                return msgspec.Raw(array_header(n) + b"".join(parts))
+                return hash_array(n, b"".join(parts))
             kept = stored.pop(keys[pos], None) if stored else None
             if kept is not None:
                 self._stored_keys -= len(kept[0])
@@ -429,7 +429,7 @@ class Publisher:
         if rest is None:
             return _hashes(keys)
         parts.append(rest)
-        return msgspec.Raw(array_header(n) + b"".join(parts))
+        return hash_array(n, b"".join(parts))
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
@@ -524,9 +524,7 @@ class Publisher:
 def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
     body = hash_body(keys)
-    if body is None:
-        return [sglang_hash(k) for k in keys]
-    return msgspec.Raw(array_header(len(keys)) + body)
+    return [sglang_hash(k) for k in keys] if body is None else hash_array(len(keys), body)
 
 
 def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:

@@ -32,6 +32,7 @@ __all__ = [
     "ENCODINGS",
     "FORMATS",
     "array_header",
+    "hash_array",
     "hash_body",
     "pool_label",
     "sglang_hash",
@@ -114,6 +115,12 @@ def array_header(n: int) -> bytes:
         if n <= 1024:
             _HEADERS[n] = head
     return head
+
+
+def hash_array(n: int, body: bytes) -> msgspec.Raw:
+    """The msgpack array of ``n`` hashes whose elements are ``body`` (``hash_body``, or cuts
+    of bodies joined), ready to be embedded as an event's ``block_hashes``."""
+    return msgspec.Raw(array_header(n) + body)
 
 
 def pool_label(pool: PoolId) -> str:
