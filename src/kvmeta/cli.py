@@ -129,6 +129,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         count=args.count,
         timeout=args.timeout,
         pools=tuple(args.pool or ()),
+        tenants=None if args.tenant is None else tuple(args.tenant),
     )
     try:
         return tail(options, sys.stdout, sys.stderr)
@@ -194,6 +195,15 @@ def _add_events(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         default=None,
         help="show only these pools' events (s:RANK:NAMESPACE or v:RANK; may repeat); clears "
         "of every pool are always shown",
+    )
+    cmd.add_argument(
+        "--tenant",
+        action="extend",
+        nargs="+",
+        metavar="TENANT",
+        default=None,
+        help='show only these tenants\' events (may repeat; "" is the default tenant); '
+        "clears of every pool are always shown",
     )
     cmd.set_defaults(func=_cmd_events)
 

@@ -288,6 +288,20 @@ def test_lines_and_json_show_what_the_workload_did(
         (mamba["seq"], "BlockStored", "s:0:mamba", ""),
         (vllm["seq"], "BlockStored", "v:0", ""),
     ]
+    # --tenant: this server has the default tenant ("") alone.
+    default = watchers(
+        ends.pub, "--replay", str(ends.replay), "--from", "0", "--json", "--tenant", "",
+        "--count", "2",
+    )  # fmt: skip
+    other = watchers(
+        ends.pub, "--replay", str(ends.replay), "--from", "0", "--json", "--tenant", "acme",
+        "--timeout", "1",
+    )  # fmt: skip
+    assert default.exit_code() == 0 and other.exit_code() == 1  # (1: --timeout)
+    first, second = map(json.loads, default.out)
+    assert (first["seq"], first["type"]) == (0, "AllBlocksCleared")
+    assert (second["type"], second["tenant"]) == ("BlockStored", "")
+    assert [(o["seq"], o["pool"]) for o in map(json.loads, other.out)] == [(0, "")]
     assert text.interrupt() == 0 and as_json.interrupt() == 0  # Ctrl-C: quietly, status 0
     assert not any("Traceback" in x or "KeyboardInterrupt" in x for x in text.err + as_json.err)
 

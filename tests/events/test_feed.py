@@ -21,6 +21,7 @@ from kvmeta.events.feed import (
     gap_notice,
     json_value,
     matches_pools,
+    matches_tenants,
     run_notice,
     split_topic,
 )
@@ -145,6 +146,22 @@ def test_pool_filter_keeps_clears_of_every_pool() -> None:
         "AllBlocksCleared:s:0:kv",
     ]
     assert all(matches_pools(f, ()) for f in fields)
+
+
+def test_tenant_filter_keeps_clears_of_every_pool_and_names_the_default_tenant_as_empty() -> None:
+    fields = _fields("map")
+    acme = [f["type"] + ":" + f["pool"] for f in fields if matches_tenants(f, ("acme",))]
+    assert acme == ["AllBlocksCleared:", "BlockRemoved:s:2:kv"]
+    default = [f["type"] + ":" + f["pool"] for f in fields if matches_tenants(f, ("",))]
+    assert default == [
+        "AllBlocksCleared:",
+        "BlockStored:s:0:kv",
+        "BlockStored:v:1",
+        "BlockRemoved:s:0:kv",
+        "AllBlocksCleared:s:0:kv",
+    ]
+    assert all(matches_tenants(f, None) for f in fields)
+    assert [f["pool"] for f in fields if matches_tenants(f, ())] == [""]  # none named: clears
 
 
 def test_follower_drops_what_it_showed_and_finds_gaps_and_new_runs() -> None:

@@ -43,6 +43,7 @@ __all__ = [
     "gap_notice",
     "json_value",
     "matches_pools",
+    "matches_tenants",
     "run_notice",
     "split_topic",
 ]
@@ -161,6 +162,13 @@ def matches_pools(fields: dict[str, Any], pools: Sequence[str]) -> bool:
     """Whether ``--pool`` shows this event: every event when no pool is named; an event
     without a pool (an ``AllBlocksCleared`` of every pool) concerns every pool, so always."""
     return not pools or not fields.get("pool") or fields["pool"] in pools
+
+
+def matches_tenants(fields: dict[str, Any], tenants: Sequence[str] | None) -> bool:
+    """Whether ``--tenant`` shows this event: every event when no tenant is named (None; the
+    default tenant is ``""``); an event without a pool (an ``AllBlocksCleared`` of every
+    pool of the server) concerns every tenant, so always."""
+    return tenants is None or not fields.get("pool") or fields.get("tenant", "") in tenants
 
 
 def _hash_text(value: Any) -> str:

@@ -34,6 +34,7 @@ from kvmeta.events.feed import (
     format_line,
     gap_notice,
     matches_pools,
+    matches_tenants,
     run_notice,
     split_topic,
 )
@@ -76,6 +77,7 @@ class TailOptions:
     count: int | None = None
     timeout: float | None = None
     pools: tuple[str, ...] = ()
+    tenants: tuple[str, ...] | None = None  # --tenant; None: every tenant
 
 
 def check_address(text: str, option: str, server_flag: str, example: str) -> str:
@@ -248,6 +250,8 @@ class _Tail:
                 self.note(f"batch {seq} event {i}: {exc}")
                 continue
             if not matches_pools(fields, options.pools):
+                continue
+            if not matches_tenants(fields, options.tenants):
                 continue
             lines.append(
                 format_json(batch, fields) if options.as_json else format_line(seq, run, fields)
