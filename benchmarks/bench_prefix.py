@@ -61,8 +61,6 @@ from urllib.parse import urlsplit
 ROOT = Path(__file__).resolve().parents[1]
 sys.path[:0] = [str(ROOT / "src")]
 
-import hiredis  # noqa: E402
-
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.bench import procstat  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
@@ -167,6 +165,8 @@ class DirectRedis:
     itself answers in: kvmeta's route cannot answer faster than that."""
 
     def __init__(self, url: str, commands: list[bytes], expect: int) -> None:
+        import hiredis  # (kvmeta[redis]: only a Redis run needs it)
+
         parts = urlsplit(url)
         if parts.scheme == "unix":
             self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
