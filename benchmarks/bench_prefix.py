@@ -227,25 +227,20 @@ def measure(
     end = perf() + seconds
     gap = arrivals(rate * (2 if direct else 1), f"prefix-{time.time_ns()}")
     nxt = perf()
-    i = 0
     while perf() < end:
         if rate:
             pause = nxt - perf()
             if pause > 0:
                 time.sleep(pause)
             nxt += gap()
-        if direct is not None and i % 2:
-            t0 = perf()
-            direct.call(i // 2)
-            lat_direct.append(perf() - t0)
-            i += 1
-            continue
-        body = bodies[(i // 2 if direct else i) % len(bodies)]
-        i += 1
         t0 = perf()
-        status, raw = client.post(ROUTE, body)
-        lat.append(perf() - t0)
-        assert status == 200, raw[:300]
+        if direct is not None and len(lat_direct) < len(lat):  # (every other arrival)
+            direct.call(len(lat_direct))
+            lat_direct.append(perf() - t0)
+        else:
+            status, raw = client.post(ROUTE, bodies[len(lat) % len(bodies)])
+            lat.append(perf() - t0)
+            assert status == 200, raw[:300]
     return lat, lat_direct
 
 
