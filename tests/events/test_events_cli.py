@@ -27,13 +27,14 @@ import requests
 import zmq
 
 from kvmeta._types import PoolId
+from kvmeta.events.feed import format_time
 from kvmeta.events.wire import Encoder
 from tests.compat.stock_clients import load, sglang_hash_function
 from tests.events.events_support import END, endpoints, events_server_process
 from tests.events.workloads import page_key, sglang_workload
 from tests.support import ServerProcess, child_env, unused_port
 
-LINE = re.compile(r"seq=(\d+) run=(\S+) (\w+) +(.*)")
+LINE = re.compile(r"(\d\d:\d\d:\d\d\.\d{3}) seq=(\d+) run=(\S+) (\w+) +(.*)")
 PROBE = "s:0:probe"  # the pool the tests store into until a watcher shows it has joined
 _PROBES = itertools.count()  # each probe a new page key
 
@@ -141,12 +142,12 @@ def sglang_int64() -> Any:
 
 
 def parse(line: str) -> dict[str, Any]:
-    """A printed line as ``{"seq", "run", "type", field: text}``."""
+    """A printed line as ``{"time", "seq", "run", "type", field: text}``."""
     match = LINE.fullmatch(line)
     assert match, line
-    seq, run, kind, rest = match.groups()
+    shown, seq, run, kind, rest = match.groups()
     fields = dict(part.split("=", 1) for part in rest.split())
-    return {"seq": int(seq), "run": run, "type": kind, **fields}
+    return {"time": shown, "seq": int(seq), "run": run, "type": kind, **fields}
 
 
 def store(url: str, ns: str, chain: list[tuple[str, str | None]]) -> None:
@@ -248,7 +249,7 @@ def test_lines_and_json_show_what_the_workload_did(
         ("BlockStored", "pool=v:0 blocks=3 parent=none"),
     ]
     lines = workload_lines(text, len(want))
-    got = [(parse(x)["type"], x.split(maxsplit=3)[3]) for x in lines]
+    got = [(parse(x)["type"], x.split(maxsplit=4)[4]) for x in lines]
     assert got == want
     run = ends.topic.rsplit("/", 1)[1]
     seqs = [parse(x)["seq"] for x in lines]
@@ -256,6 +257,7 @@ def test_lines_and_json_show_what_the_workload_did(
 
     objects = [json.loads(x) for x in workload_lines(as_json, len(want))]
     assert [o["seq"] for o in objects] == seqs  # the same batches, event for event
+    assert [parse(x)["time"] for x in lines] == [format_time(o["ts"]) for o in objects]
     assert all(o["topic"] == ends.topic and o["run"] == run for o in objects)
     stored, evicted, chained, mamba, deleted, cleared, vllm = objects
     assert stored["block_hashes"] == [h(k) for k in A] and stored["keys"] == A

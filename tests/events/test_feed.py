@@ -5,6 +5,9 @@ stands in the runs and sequence numbers of a feed (``Follower``)."""
 from __future__ import annotations
 
 import json
+import math
+import random
+import time
 from typing import Any
 
 import msgspec
@@ -12,12 +15,14 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.events.feed import (
+    NO_TIME,
     Follower,
     MalformedEvent,
     decode_batch,
     event_fields,
     format_json,
     format_line,
+    format_time,
     gap_notice,
     json_value,
     matches_pools,
@@ -109,17 +114,73 @@ def test_malformed_batches_and_events_are_named() -> None:
     assert shorter["pool"] == "" and shorter["block_hashes"] == [1]
 
 
-def test_lines_show_type_pool_blocks_parent_and_reason() -> None:
-    lines = [format_line(7, "1a2b3c4d", f) for f in _fields("map")]
+def test_lines_show_time_type_pool_blocks_parent_and_reason() -> None:
+    ts = decode_batch(TOPIC, 7, _batch("map")).ts  # 1700000000.25: 2023-11-14 22:13:20.25 UTC
+    lines = [format_line(ts, 7, "1a2b3c4d", f) for f in _fields("map")]
+    head = "22:13:20.250 seq=7 run=1a2b3c4d"
     assert lines == [
-        "seq=7 run=1a2b3c4d AllBlocksCleared pool=* reason=restart-recovery",
-        f"seq=7 run=1a2b3c4d BlockStored      pool=s:0:kv blocks=3 parent={sglang_hash(PREFIX)}",
-        "seq=7 run=1a2b3c4d BlockStored      pool=v:1 blocks=2 parent=none",
-        "seq=7 run=1a2b3c4d BlockRemoved     pool=s:0:kv blocks=2 reason=capacity",
-        "seq=7 run=1a2b3c4d BlockRemoved     pool=s:2:kv tenant=acme blocks=1 reason=delete",
-        "seq=7 run=1a2b3c4d AllBlocksCleared pool=s:0:kv reason=clear",
+        f"{head} AllBlocksCleared pool=* reason=restart-recovery",
+        f"{head} BlockStored      pool=s:0:kv blocks=3 parent={sglang_hash(PREFIX)}",
+        f"{head} BlockStored      pool=v:1 blocks=2 parent=none",
+        f"{head} BlockRemoved     pool=s:0:kv blocks=2 reason=capacity",
+        f"{head} BlockRemoved     pool=s:2:kv tenant=acme blocks=1 reason=delete",
+        f"{head} AllBlocksCleared pool=s:0:kv reason=clear",
     ]
-    assert _fields("array") and [format_line(7, "1a2b3c4d", f) for f in _fields("array")] == lines
+    array = [format_line(ts, 7, "1a2b3c4d", f) for f in _fields("array")]
+    assert array == lines
+
+
+@pytest.mark.parametrize(
+    ("ts", "shown"),
+    [
+        (1700000000.25, "22:13:20.250"),
+        (1700000000.0, "22:13:20.000"),
+        (1700000000, "22:13:20.000"),  # an int (a publisher's whole seconds)
+        # Truncated to the millisecond, never rounded up to the next one or the next second.
+        (1700000000.9996, "22:13:20.999"),
+        (1700003599.9999, "23:13:19.999"),
+        (1700006399.9999, "23:59:59.999"),  # not the next day's 00:00:00.000
+        (1700006400.0, "00:00:00.000"),  # midnight UTC: a day is 86400 s
+        # Cut from the decimal --json prints: the float of 1700000000.123 is a hair below it,
+        # yet the line agrees with the JSON object's ts.
+        (1700000000.123, "22:13:20.123"),
+        (1700000000.001, "22:13:20.001"),
+        (4.999999999999999, "00:00:04.999"),  # the float just below 5 s
+        (0.0005, "00:00:00.000"),
+        (1e300, "01:46:40.000"),  # no calendar to overflow
+    ],
+)
+def test_the_time_column_is_utc_truncated_to_the_millisecond(ts: float, shown: str) -> None:
+    assert format_time(ts) == shown
+
+
+def test_the_time_column_agrees_with_the_json_ts() -> None:
+    rng = random.Random(7)
+    for _ in range(2000):
+        ts = rng.uniform(1.6e9, 2e9)
+        whole, _, decimals = json.dumps(ts).partition(".")
+        seconds = int(whole) % 86400
+        want = f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}"
+        assert format_time(ts) == f"{want}.{decimals.ljust(3, '0')[:3]}", ts
+
+
+@pytest.mark.parametrize("ts", [0.0, 0, -0.0, -1.5, math.nan, math.inf, -math.inf])
+def test_a_batch_without_a_time_shows_the_placeholder(ts: float) -> None:
+    assert format_time(ts) == NO_TIME == "--:--:--.---"
+    assert len(NO_TIME) == len("12:03:04.123")  # the columns after it still line up
+    line = format_line(ts, 3, "1a2b3c4d", _fields("map")[0])
+    assert line == "--:--:--.--- seq=3 run=1a2b3c4d AllBlocksCleared pool=* reason=restart-recovery"
+
+
+def test_the_time_column_does_not_depend_on_the_local_timezone(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    for zone in ("UTC", "America/Los_Angeles", "Asia/Kolkata"):
+        monkeypatch.setenv("TZ", zone)
+        time.tzset()
+        assert format_time(1700000000.25) == "22:13:20.250"
+    monkeypatch.undo()
+    time.tzset()
 
 
 def test_json_has_every_field_hashes_as_ints_and_vllm_keys_as_text() -> None:

@@ -13,8 +13,10 @@ without kvmeta's fields) read the same way.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from decimal import Decimal
 from typing import Any
 
 import msgspec
@@ -35,11 +37,13 @@ __all__ = [
     "FIELDS",
     "Follower",
     "MalformedEvent",
+    "NO_TIME",
     "Step",
     "decode_batch",
     "event_fields",
     "format_json",
     "format_line",
+    "format_time",
     "gap_notice",
     "json_value",
     "matches_pools",
@@ -71,6 +75,10 @@ FIELDS: dict[str, dict[str, Any]] = {
     for cls in (MapStored, MapRemoved, MapCleared)
 }
 _TYPE_WIDTH = len("AllBlocksCleared")
+# How a line shows the time of a batch that carries none (a ts of 0, below 0 or not a finite
+# number: a publisher that does not set it): as wide as a time, so that the columns line up.
+NO_TIME = "--:--:--.---"
+_DAY_MS = 86_400_000
 
 
 class MalformedEvent(ValueError):
@@ -184,13 +192,35 @@ def _text(raw: bytes) -> str:
     return raw.decode("utf-8", "backslashreplace")
 
 
-def format_line(seq: int, run: str, fields: dict[str, Any]) -> str:
-    """One event on one line: ``seq=12 run=3f6c0d2a BlockStored      pool=s:0:kv blocks=5
-    parent=-4437…``; the type padded so that the columns line up, the rest ``key=value`` (a
-    pool of ``*``: every pool; ``tenant`` only when not the default; ``reason`` only when
-    there is one; ``parent`` only for ``BlockStored``, ``none`` when it has none)."""
+def format_time(ts: float) -> str:
+    """The time of day of ``ts`` (a batch's, seconds since the epoch) as ``HH:MM:SS.mmm`` in
+    UTC: the same on every reader whatever its timezone, and the zone of kvmeta's JSON logs.
+
+    Milliseconds are truncated, never rounded up, so that a time never shows a second that had
+    not begun. They are cut from the decimal ``--json`` prints for the same ``ts`` (the
+    shortest that reads back as that float), so a line and its JSON object agree digit for
+    digit: ``1700000000.123`` shows ``.123``, where the float's exact value, a hair below,
+    would truncate to ``.122``; and that decimal never reaches a whole second the float is
+    below, a whole second being a float itself. The time of day is ``ts`` modulo a day (epoch
+    time has no leap seconds), without ``time.gmtime``, so no ``ts`` overflows the platform's
+    calendar. ``NO_TIME`` when ``ts`` is 0, below 0 or not finite: no clock's time."""
+    if not (math.isfinite(ts) and ts > 0):
+        return NO_TIME
+    millis = int(Decimal(repr(float(ts))).scaleb(3)) % _DAY_MS
+    seconds, ms = divmod(millis, 1000)
+    return f"{seconds // 3600:02d}:{seconds // 60 % 60:02d}:{seconds % 60:02d}.{ms:03d}"
+
+
+def format_line(ts: float, seq: int, run: str, fields: dict[str, Any]) -> str:
+    """One event on one line: ``12:03:04.123 seq=12 run=3f6c0d2a BlockStored      pool=s:0:kv
+    blocks=5 parent=-4437…``. First the batch's time (``ts``, shown by ``format_time``), so
+    that an operator sees when each event happened without ``--json``; then the type padded so
+    that the columns line up, the rest ``key=value`` (a pool of ``*``: every pool; ``tenant``
+    only when not the default; ``reason`` only when there is one; ``parent`` only for
+    ``BlockStored``, ``none`` when it has none)."""
     kind = str(fields["type"])
     parts = [
+        format_time(ts),
         f"seq={seq}",
         f"run={run}",
         kind.ljust(_TYPE_WIDTH),

@@ -253,9 +253,10 @@ class _Tail:
                 continue
             if not matches_tenants(fields, options.tenants):
                 continue
-            lines.append(
-                format_json(batch, fields) if options.as_json else format_line(seq, run, fields)
-            )
+            if options.as_json:
+                lines.append(format_json(batch, fields))
+            else:
+                lines.append(format_line(batch.ts, seq, run, fields))
             self.shown += 1
             if options.count is not None and self.shown >= options.count:
                 self.done = True
