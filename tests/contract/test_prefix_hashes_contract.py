@@ -24,6 +24,7 @@ from kvmeta.errors import NoHashIndex, NotInitialized
 from kvmeta.events.wire import sglang_hash
 from kvmeta.server.runner import build_backend
 from kvmeta.store.redis import POOL_PARTS, WALK_STALE, RedisBackend, pool_keys
+from kvmeta.store.redis_scripts import ScriptLibrary
 from tests.contract.conftest import REDIS_SERVERS, Sync
 
 S0 = PoolId("s", 0, "kv")
@@ -393,6 +394,36 @@ def _age_walk(b: Sync, request: pytest.FixtureRequest, pool: PoolId, seconds: fl
         client.close()
 
 
+def _claim(b: Sync, request: pytest.FixtureRequest, pool: PoolId) -> tuple[str | None, ...]:
+    """The build's claim in the pool's meta: (hbw: the walker's id, hbt: its latest step)."""
+    client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
+    try:
+        values = client.hmget(pool_keys(pool)[0], "hbw", "hbt")
+    finally:
+        client.close()
+    return tuple(None if v is None else v.decode() for v in values)
+
+
+def _meta(b: Sync, request: pytest.FixtureRequest, pool: PoolId) -> dict[bytes, bytes]:
+    """The pool's whole meta hash."""
+    client = request.getfixturevalue(REDIS_SERVERS[b.kind]).client()
+    try:
+        return dict(client.hgetall(pool_keys(pool)[0]))
+    finally:
+        client.close()
+
+
+def _kill(b: Sync) -> None:
+    """Stop ``b``'s server as a killed process stops: its walks end where they are and their
+    claims stay in Redis (no release), to be taken over once stale."""
+
+    async def kept(pools: list[PoolId]) -> None:
+        return None
+
+    b.backend._release_walks = kept  # type: ignore[method-assign]
+    b._run(b.backend.close())
+
+
 def _fills(b: Sync, before: Callable[[int], Awaitable[None]] | None = None) -> list[list[Any]]:
     """The replies to ``b``'s ``hidx_fill`` calls, as they come: ``[0, cursor, visited]`` for a
     step of its walk, ``[2]`` where another server's walk holds the build. ``before(n)`` is
@@ -533,7 +564,7 @@ def test_a_walk_cut_short_is_taken_over_by_an_initialize_once_it_has_been_still(
     for _ in range(3):
         first._run(asyncio.sleep(0.005))
     assert _flags(first, request, S0) == (False, True), "the walk finished before it was cut"
-    first._run(first.backend.close())  # the server stops mid-walk
+    _kill(first)  # the server is killed mid-walk
     assert plain.delete(S0, keys[:100]) == 100  # while no one walks: maintained all the same
     assert _flags(plain, request, S0) == (False, True)
     plain.check()
@@ -591,7 +622,7 @@ def test_servers_whose_lookups_find_a_stopped_walk_at_once_leave_it_to_one(
     time, at once: both try to take it over, and the first step of one claims it."""
     plain, keys, first = _without_index(make_redis_backend, BIG, 10)
     first.initialize(S0, BIG)
-    first._run(first.backend.close())  # its server stops mid-walk
+    _kill(first)  # its server is killed mid-walk
     assert _flags(plain, request, S0) == (False, True), "the walk finished before it was cut"
     routers = [make_redis_backend(hash_index=True) for _ in range(2)]
     # No step goes until both lookups have answered (so both find the walk still, neither
@@ -683,7 +714,7 @@ def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
     hashes = _hashes(keys)
     assert not _answer_or_building(router, S0, hashes, BIG)  # a walk under way: left to it
     assert S0 not in router.backend._builds
-    first._run(first.backend.close())  # its server stops mid-walk
+    _kill(first)  # its server is killed mid-walk
     assert _flags(plain, request, S0) == (False, True)
     assert not _answer_or_building(router, S0, hashes, BIG)
     assert S0 not in router.backend._builds  # (its last step is recent yet)
@@ -693,4 +724,154 @@ def test_a_stopped_walk_is_resumed_by_a_lookup_once_it_has_been_still(
     _until_built(router, request, S0)
     assert router.prefix_length_hashes(S0, hashes) == BIG
     router.check()
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def _evalsha(b: Sync) -> None:
+    """Run ``b``'s Lua as EVALSHA scripts from now on (the library of a Redis without
+    Functions): its next call finds the script missing, loads it and runs it."""
+    b.backend._scripts = ScriptLibrary(functions=False)
+
+
+def _stalled_walk(
+    make: Callable[..., Sync], request: pytest.FixtureRequest, steps: int
+) -> tuple[Sync, list[str], Sync, list[list[Any]]]:
+    """A pool being built whose walk, by a server with the flag, has taken ``steps`` steps and
+    waits for more (a slow walk): (plain, keys, walker, its hidx_fill replies)."""
+    plain, keys, walker = _without_index(make, BIG, 10)
+    fills = _fills(walker, _steps({"steps": steps}))
+    assert not walker.initialize(S0, BIG).created
+    _until(walker, lambda: len(fills) == steps)
+    assert _flags(plain, request, S0) == (False, True)
+    assert _claim(plain, request, S0)[0] == walker.backend._walker
+    return plain, keys, walker, fills
+
+
+@pytest.mark.parametrize("scripts", ["functions", "evalsha"])
+@pytest.mark.parametrize("by", ["initialize", "lookup"])
+def test_a_walk_released_by_a_clean_close_is_taken_over_at_once(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest, by: str, scripts: str
+) -> None:
+    """A server that closes cleanly mid-walk releases its claim: the next server with the
+    flag to initialise the pool or look it up by hash walks at once, long before the walk
+    would count as stale."""
+    plain, keys, first, _ = _stalled_walk(make_redis_backend, request, 3)
+    if scripts == "evalsha":
+        _evalsha(first)  # (the release is the first call it makes this way)
+    first._run(first.backend.close())
+    assert _claim(plain, request, S0) == (None, None)
+    assert _flags(plain, request, S0) == (False, True)  # still being built
+    hashes = _hashes(keys)
+    assert not _answer_or_building(plain, S0, hashes, BIG)
+    second = make_redis_backend(hash_index=True)
+    second.backend.build_chunk = 500
+    assert second.backend.walk_stale == WALK_STALE
+    fills = _fills(second)
+    if by == "initialize":
+        assert not second.initialize(S0, BIG).created
+    else:
+        assert not _answer_or_building(second, S0, hashes, BIG)
+    assert S0 in second.backend._builds
+    _until_built(second, request, S0)
+    _until(second, lambda: S0 not in second.backend._builds)  # (its last reply)
+    assert fills and all(r[0] == 0 for r in fills), fills
+    assert sum(r[2] for r in fills) >= BIG, fills  # walked from the first stored key
+    assert _claim(plain, request, S0) == (None, None)
+    assert second.prefix_length_hashes(S0, hashes) == BIG
+    assert plain.prefix_length_hashes(S0, hashes) == BIG
+    second.check()
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_a_release_leaves_a_walk_another_server_took_over(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    """A server whose walk stalled and was taken over releases nothing as it closes: the
+    walk stays that other server's, its stamp as it was, and that server finishes it."""
+    plain, keys, first, first_fills = _stalled_walk(make_redis_backend, request, 2)
+    second = make_redis_backend(hash_index=True)
+    second.backend.build_chunk = 100
+    gate = {"steps": 1}
+    second_fills = _fills(second, _steps(gate))
+    _age_walk(plain, request, S0, WALK_STALE + 1)
+    assert not second.initialize(S0, BIG).created  # takes the stalled walk over
+    _until(second, lambda: len(second_fills) == 1)
+    held = _claim(plain, request, S0)
+    assert held[0] == second.backend._walker
+    assert S0 in first.backend._walked  # (its task does not know yet)
+    first._run(first.backend.close())
+    assert _claim(plain, request, S0) == held
+    assert len(first_fills) == 2  # no step after the close
+    gate["steps"] = 1 << 30
+    _until_built(second, request, S0)
+    assert all(r[0] == 0 for r in second_fills)
+    assert second.prefix_length_hashes(S0, _hashes(keys)) == BIG
+    second.check()
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_a_release_leaves_a_finished_build_and_an_absent_pool_alone(
+    make_redis_backend: Callable[..., Sync], request: pytest.FixtureRequest
+) -> None:
+    plain, keys, first, _ = _stalled_walk(make_redis_backend, request, 2)
+    second = make_redis_backend(hash_index=True)
+    second.backend.build_chunk = 500
+    _age_walk(plain, request, S0, WALK_STALE + 1)
+    second.initialize(S0, BIG)
+    _until_built(second, request, S0)
+    built = _meta(plain, request, S0)
+    assert b"hbw" not in built and b"hbt" not in built and b"hb" not in built
+    first._run(first.backend.close())  # its walk was taken over and finished meanwhile
+    assert _meta(plain, request, S0) == built
+    # Even a claim naming this server on a finished build (never left by a walk) stays.
+    client = request.getfixturevalue(REDIS_SERVERS[plain.kind]).client()
+    meta = pool_keys(S0)[0]
+    try:
+        client.hset(meta, mapping={"hbw": second.backend._walker, "hbt": "1.000000"})
+        planted = _meta(plain, request, S0)
+        release = second.backend._run("hidx_release", pool_keys(S0), [second.backend._walker])
+        assert second._run(release) == [0]
+        assert _meta(plain, request, S0) == planted
+        client.hdel(meta, "hbw", "hbt")
+    finally:
+        client.close()
+    # A pool that does not exist is not created by a release.
+    absent = pool_keys(S1)
+    assert second._run(second.backend._run("hidx_release", absent, ["anyone"])) == [0]
+    client = request.getfixturevalue(REDIS_SERVERS[plain.kind]).client()
+    try:
+        assert not client.exists(absent[0])
+    finally:
+        client.close()
+    assert second.prefix_length_hashes(S0, _hashes(keys)) == BIG
+    first._run(first.backend.start())  # (for the fixture's final check)
+
+
+def test_a_redis_that_does_not_answer_does_not_hold_up_close(
+    make_redis_backend: Callable[..., Sync],
+    request: pytest.FixtureRequest,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """The release is bounded by --failover-timeout: past it, close goes on, says the walk
+    will be resumed once stale, and the claim stays for that."""
+    plain, _, first, _ = _stalled_walk(make_redis_backend, request, 2)
+    held = _claim(plain, request, S0)
+    run = first.backend._run
+
+    async def silent(script: str, keys: tuple[str, ...], args: list[Any]) -> list[Any]:
+        if script == "hidx_release":
+            await asyncio.Event().wait()  # a Redis that never answers
+        return await run(script, keys, args)
+
+    first.backend._run = silent  # type: ignore[method-assign]
+    first.backend.failover_timeout = 0.3
+    started = time.monotonic()
+    with caplog.at_level("WARNING", logger="kvmeta.store.redis"):
+        first._run(first.backend.close())
+    assert time.monotonic() - started < 5
+    assert _claim(plain, request, S0) == held
+    assert any(
+        "could not release" in r.getMessage() and f"{WALK_STALE:.0f} s" in r.getMessage()
+        for r in caplog.records
+    ), caplog.records
     first._run(first.backend.start())  # (for the fixture's final check)

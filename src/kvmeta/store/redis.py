@@ -135,6 +135,7 @@ _SCRIPTS = (
     "v_world",
     "v_index",
     "hidx_fill",
+    "hidx_release",
 )
 # One pool's Redis keys, in the order a pool script receives them in KEYS (see _lib.lua).
 POOL_PARTS = (
@@ -161,10 +162,11 @@ CHECK_CHUNK = 1000
 # chunks took twice as long each and no less in all. A pool with no more stored keys than this
 # gets its index built inside its initialize.
 BUILD_CHUNK = 500
-# A build's walk is one server's (``_lib.lua`` ``hidx_claim``) until it has taken no step for
-# this long; then the next server with --hash-index that initialises the pool, or that a lookup
-# finds waiting for the build, takes it over: far above one step's time (a few ms of Redis, a
-# round trip, a failover's retries within --failover-timeout).
+# A build's walk is one server's (``_lib.lua`` ``hidx_claim``) until that server releases it
+# as it closes, or until it has taken no step for this long (a server that stopped without
+# closing, or lost Redis); then the next server with --hash-index that initialises the pool,
+# or that a lookup finds waiting for the build, takes it over: far above one step's time (a
+# few ms of Redis, a round trip, a failover's retries within --failover-timeout).
 WALK_STALE = 30.0
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
@@ -325,10 +327,11 @@ class RedisBackend:
         million stored keys). One server walks a build: the initialize that asks for the walk
         claims it in Redis in the same script (``_lib.lua`` ``hidx_claim``), and each step
         stamps the time, so servers initialising the pool meanwhile leave it to that one. A
-        walk cut short (this server stopped, Redis unreachable for longer than
-        ``failover_timeout``) is taken over once it has taken no step for ``walk_stale``
-        seconds, by the next initialise of the pool by a server with the flag or by a lookup
-        on one (``_resume_stopped_build``). Keeping the index costs each
+        walk this server leaves by closing cleanly is released (``close``) and taken over at
+        once; one cut short otherwise (the process killed, Redis unreachable for longer than
+        ``failover_timeout``) once it has taken no step for ``walk_stale`` seconds. Either
+        way by the next initialise of the pool by a server with the flag or by a lookup on
+        one (``_resume_stopped_build``). Keeping the index costs each
         confirm and each evicting reserve about 3-4 us of Redis CPU per key. ``build_chunk``
         is for tests (a slow walk)."""
         self.target: RedisTarget = parse_target(url)
@@ -348,6 +351,10 @@ class RedisBackend:
         # ``hidx_claim``): its own steps go on, another server's only after ``walk_stale``.
         self._walker = secrets.token_hex(8)
         self._builds: dict[PoolId, asyncio.Task[None]] = {}  # pools whose index this walks
+        # Pools whose walk this server may hold in Redis: started here and neither finished
+        # nor left to another server (a walk stopped by a failure keeps its claim), so
+        # ``close`` releases each.
+        self._walked: set[PoolId] = set()
         # Pools seen with a complete index (meta hx), and the epoch they were seen in: hx is
         # never taken back while the pool exists, and a pool goes away only with Redis's data.
         self._built: dict[PoolId, str] = {}
@@ -641,16 +648,58 @@ class RedisBackend:
         self._epoch = epoch
 
     async def close(self) -> None:
+        """Stop this server's walks of index builds and release their claims, then close the
+        connections. The walks' tasks finish before the release, so no step of theirs stamps
+        a claim again after it."""
         builds = list(self._builds.values())
         for task in builds:
-            task.cancel()  # still being built: taken over once its claim is stale
+            task.cancel()
         await asyncio.gather(*builds, return_exceptions=True)
+        await self._release_walks(sorted(self._walked))
+        self._walked.clear()
         if self._topo is not None:
             await self._topo.close()
             self._topo = None
         if self._client is not None:
             await self._client.aclose()
             self._client = None
+
+    async def _release_walks(self, pools: list[PoolId]) -> None:
+        """Let go of the walks of ``pools``' index builds (``_lib.lua`` ``hidx_release``): a
+        rolling restart gives every server a new id, so a claim left in place would keep
+        lookups by hash answering "being built" for ``walk_stale`` seconds before any server
+        resumed the walk. The normal call path, bounded by ``failover_timeout`` in all, so a
+        Redis that does not answer delays shutdown no longer than one call's retries would;
+        a claim not released is taken over once stale, as after a crash."""
+        if not pools or self._topo is None:
+            return
+        calls = [self._run("hidx_release", pool_keys(pool), [self._walker]) for pool in pools]
+        replies: list[Any]
+        try:
+            replies = await asyncio.wait_for(
+                asyncio.gather(*calls, return_exceptions=True), self.failover_timeout
+            )
+        except asyncio.TimeoutError:
+            late = BackendUnavailable(
+                f"Redis did not answer within --failover-timeout {self.failover_timeout:g}s"
+            )
+            replies = [late] * len(pools)
+        for pool, reply in zip(pools, replies, strict=True):
+            if isinstance(reply, BaseException):
+                logger.warning(
+                    "%s: could not release this server's walk of its block-hash index build "
+                    "(%s); a server with --hash-index resumes it once the walk has taken no "
+                    "step for %.0f s",
+                    pool,
+                    reply,
+                    self.walk_stale,
+                )
+            elif int(reply[0]):
+                logger.info(
+                    "%s: released the walk of its block-hash index build; the next server "
+                    "with --hash-index to initialise the pool or look it up by hash resumes it",
+                    pool,
+                )
 
     async def ready(self) -> bool:
         """Every slot has a primary and every primary answers (``INFO replication``, whose
@@ -892,24 +941,26 @@ class RedisBackend:
         return self._init_result(pool, reply, num_pages)
 
     async def _resume_stopped_build(self, pool: PoolId, stamp: Any) -> None:
-        """A lookup found ``pool``'s index being built: take the walk over when it has taken
-        no step for ``walk_stale`` seconds (its server stopped, or lost Redis), so a stopped
-        build does not wait for the pool's next initialise. Live walks stamp each step (meta
-        ``hbt``, Redis time), so a walk under way is left alone; of servers whose lookups find
-        a stopped walk at once, the first step of one takes it over and the others' first
-        steps find it taken (``_lib.lua`` ``hidx_claim``): one walks."""
+        """A lookup found ``pool``'s index being built: take the walk over when no server
+        holds it, so a stopped build does not wait for the pool's next initialise. ``stamp``
+        (meta ``hbt``, Redis time of the walk's latest step) is None once the walk's server
+        released it as it closed: taken over at once. Otherwise the walk is taken over when
+        it has taken no step for ``walk_stale`` seconds (its server was killed, or lost
+        Redis); live walks stamp each step, so a walk under way is left alone. Of servers
+        whose lookups find a stopped walk at once, the first step of one takes it over and
+        the others' first steps find it taken (``_lib.lua`` ``hidx_claim``): one walks."""
         task = self._builds.get(pool)
         if task is not None and not task.done():
             return
+        if stamp is None:
+            self._start_build(pool)  # released: a walk as any other (its first step claims it)
+            return
         meta = pool_keys(pool)[0]
-        idle = "ever"
-        if stamp is not None:
-            seconds, micros = await self._command(meta, "TIME")
-            still = int(seconds) + int(micros) / 1e6 - float(_text(stamp))
-            if still < self.walk_stale:
-                return
-            idle = f"{still:.0f} s"
-        self._start_build(pool, idle)
+        seconds, micros = await self._command(meta, "TIME")
+        still = int(seconds) + int(micros) / 1e6 - float(_text(stamp))
+        if still < self.walk_stale:
+            return
+        self._start_build(pool, f"{still:.0f} s")
 
     def _start_build(self, pool: PoolId, idle: str | None = None) -> None:
         """Walk ``pool``'s stored keys into its hash index in the background (``_build``),
@@ -918,26 +969,32 @@ class RedisBackend:
         task = self._builds.get(pool)
         if task is not None and not task.done():
             return
+        self._walked.add(pool)
         self._builds[pool] = asyncio.create_task(self._build(pool, idle), name=f"hash index {pool}")
 
     async def _build(self, pool: PoolId, idle: str | None = None) -> None:
         """Build ``pool``'s hash index: ``hidx_fill`` chunk by chunk, each on the normal call
         path (retries across a failover), until the chunk that completes it. Each step goes on
         only while the walk is this server's (``_lib.lua`` ``hidx_claim``): claimed by this
-        server's initialize, or by the first step here (``idle``: taking over a stopped walk).
-        A step that finds another server's walk live stops this one: that server walks it. A
-        failure leaves the pool marked as being built, and its walk is taken over once it has
-        taken no step for ``walk_stale`` seconds, by the next initialise with the flag or a
-        lookup (``_resume_stopped_build``)."""
+        server's initialize, or by the first step here (a walk released by its server, or
+        ``idle``: one that has taken no step for that long). A step that finds another
+        server's walk live stops this one: that server walks it. A walk always starts from
+        the first stored key (HSCAN cursor 0): its cursor is this task's alone, and adding a
+        key's page again changes nothing. A failure leaves the pool marked as being built,
+        and its walk is taken over once it has taken no step for ``walk_stale`` seconds (or
+        at once, if ``close`` released it), by the next initialise with the flag or a lookup
+        (``_resume_stopped_build``)."""
         keys, cursor, visited = pool_keys(pool), "0", 0
         started = time.monotonic()
         if idle is None:
             logger.info("%s: building its block-hash index from its stored keys", pool)
+        ended = False  # built, the pool gone, or the walk another server's: nothing held
         try:
             while True:
                 args = [cursor, self.build_chunk, self._walker, self.walk_stale]
                 reply = await self._run("hidx_fill", keys, args)
                 code = int(reply[0])
+                ended = code != 0 or _text(reply[1]) == "0"
                 if code == 1:
                     return  # the pool went away (Redis lost its data)
                 if code == 2:
@@ -964,7 +1021,7 @@ class RedisBackend:
                 "%s: building its block-hash index stopped after %d keys: %s; lookups by hash "
                 "answer 'being built' until a server with --hash-index resumes it (at the "
                 "pool's next initialise or at a lookup, once the walk has taken no step for "
-                "%.0f s)",
+                "%.0f s, or when this server releases it as it closes)",
                 pool,
                 visited,
                 exc,
@@ -974,6 +1031,8 @@ class RedisBackend:
         finally:
             if self._builds.get(pool) is asyncio.current_task():
                 del self._builds[pool]
+                if ended:
+                    self._walked.discard(pool)
         logger.info(
             "%s: block-hash index built (%d stored keys visited in %.1fs)",
             pool,

@@ -54,8 +54,10 @@ _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas
 # after them. exists/v_exists bump hit counters and stats expires leases, but a lost counter is
-# only a statistic and an expiry is recomputed from the time by the next call.
-_NO_STATE_CHANGE = frozenset({"exists", "v_exists", "stats", "check", "v_index"})
+# only a statistic and an expiry is recomputed from the time by the next call. hidx_release
+# lets go of a server's claim on an index build's walk as it closes: lost in a failover, the
+# claim is taken over once stale instead of at once, and closing waits for no replica.
+_NO_STATE_CHANGE = frozenset({"exists", "v_exists", "stats", "check", "v_index", "hidx_release"})
 # Ops whose code issues no write command at all: registered ``no-writes``, so they also run
 # where writes are refused (a replica, a primary short of ``min-replicas-to-write``). A write
 # from one of them fails loudly ("Write commands are not allowed from read-only scripts").
@@ -129,7 +131,8 @@ class ScriptLibrary:
         """True if the op can change page state, so an acknowledgement must wait for replicas
         after it. False for exists, v_exists, stats, check and v_index: they only bump
         statistics counters or expire leases, which a failover may lose at no cost (the next
-        call recomputes expiry from the time).
+        call recomputes expiry from the time); and for hidx_release, whose loss in a failover
+        only delays the taking over of a walk until its claim is stale.
 
         Raises:
             KeyError: ``name`` is not an operation.

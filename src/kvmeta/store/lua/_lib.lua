@@ -10,7 +10,7 @@
 --                     hx = 1 when the pool keeps the hash index (P.hidx), hb = 1 while
 --                     the index of a pool that had none is being built (hidx_fill); hbw:
 --                     the server walking that build, hbt: the Redis time of its latest step
---                     (hidx_claim)
+--                     (hidx_claim; neither while no server holds the walk: hidx_release)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -437,11 +437,12 @@ end
 
 -- One server walks a build: meta hbw names it (a kvmeta server's own id, store.redis), hbt is
 -- the Redis time of the walk's latest step. A server may step (initialize's claim, or a
--- hidx_fill chunk) when the walk is its own, or when no live walk holds it: no hbt, or one at
--- least stale seconds old (store.redis WALK_STALE: the walker stopped, or lost Redis); then
--- the walk becomes its own. Every step stamps hbt, so a walk that goes on is never taken
--- over, and a walker that was taken over finds another's name and a recent stamp at its next
--- step and stops. Returns whether walker holds the walk now (and has stamped it).
+-- hidx_fill chunk) when the walk is its own, or when no live walk holds it: no hbt (released,
+-- hidx_release), or one at least stale seconds old (store.redis WALK_STALE: the walker
+-- stopped without releasing, or lost Redis); then the walk becomes its own. Every step stamps
+-- hbt, so a walk that goes on is never taken over, and a walker that was taken over finds
+-- another's name and a recent stamp at its next step and stops. Returns whether walker holds
+-- the walk now (and has stamped it).
 local function hidx_claim(k, walker, stale)
   local v = redis.call('HMGET', k.meta, 'hbw', 'hbt')
   local now = now_s(nil)
@@ -449,6 +450,20 @@ local function hidx_claim(k, walker, stale)
     return false
   end
   redis.call('HSET', k.meta, 'hbw', walker, 'hbt', fmt(now))
+  return true
+end
+
+-- A server closing cleanly lets go of its walk, so the next server to claim it need not wait
+-- out the stale time: hbw and hbt go, but only while the walk is walker's (a walk another
+-- server took over stays that server's) and the build is under way (a finished one, hx, has
+-- nothing to release). The pool stays marked as being built (hb): the next claim walks it, from
+-- the start (the walk's cursor is its walker's alone, never stored). Returns whether it let go.
+local function hidx_release(k, walker)
+  local v = redis.call('HMGET', k.meta, 'hbw', 'hx', 'hb')
+  if v[1] ~= walker or v[2] == '1' or v[3] ~= '1' then
+    return false
+  end
+  redis.call('HDEL', k.meta, 'hbw', 'hbt')
   return true
 end
 

@@ -8,8 +8,9 @@
 -- being built (meta hb, see _lib.lua hidx_fill_chunk), and the reply asks the caller to walk
 -- it (hidx_fill) only if no live walk holds it (_lib.lua hidx_claim): the walk is claimed for
 -- the caller in this same step, so a server initialising the pool a moment later leaves the
--- walk to it. A build whose walk stopped is claimed the same way, once that walk has taken no
--- step for ARGV[4] seconds.
+-- walk to it. A build whose walk stopped is claimed the same way: at once if its server
+-- released it (_lib.lua hidx_release), else once that walk has taken no step for ARGV[4]
+-- seconds.
 -- Returns [0, created, num_pages(, 1: walk the stored keys to build the index)] or
 -- [3, num_pages].
 local k = pool_keys_from(KEYS)
