@@ -1,7 +1,18 @@
 """KV events on vs off at the SGLang batch-64 cycle, side by side in one run.
 
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
-                                      [--repeat 2] [--capacity-seconds 3] [--full-subscriber]
+                                      [--repeat 2] [--load saturation|normal|both]
+                                      [--load-rate REQ_PER_S] [--capacity-seconds 3]
+                                      [--app-cycles 4000] [--full-subscriber] [--json]
+
+Two loads (``--load``): *saturation*, the clients in a closed loop (each sends its next
+request as soon as the last is answered: the machine's capacity), and *normal*, the same
+clients paced at ``--load-rate`` requests/s in total at random times (``kvmeta bench --rate``;
+default half the events-off capacity just measured). At saturation a server whose requests
+cost more also serves fewer of them, and on 2 shared cores that changes how many requests each
+loop pass serves and how often the server sleeps and wakes with cold caches, so the added
+cost is magnified; at a fixed rate both servers serve the same requests per second and their
+CPU per request compares like for like.
 
 For each repeat, two fresh ``kvmeta serve`` processes are measured one after the other (in
 alternating order: off-on, on-off, ...) with ``kvmeta bench``'s engine cycle (exists, reserve,
@@ -330,36 +341,22 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
-    parser.add_argument("--duration", type=float, default=10.0)
-    parser.add_argument("--clients", type=int, default=3)
-    parser.add_argument("--repeat", type=int, default=2)
-    parser.add_argument("--capacity-seconds", type=float, default=3.0)
-    parser.add_argument(
-        "--full-subscriber",
-        action="store_true",
-        help="decode every batch as it arrives (default: keep the payloads, decode after the run)",
-    )
-    parser.add_argument("--json", action="store_true")
-    args = parser.parse_args()
+def pairs(args: argparse.Namespace, rate: float) -> list[dict[str, Any]]:
+    """``--repeat`` pairs of runs, events off and on, at ``rate`` requests/s (0: closed
+    loop), in alternating order (off-on, on-off, ...): a machine that speeds up or slows down
+    meanwhile favours neither setting."""
     runs = []
     for i in range(args.repeat):
-        # Pairs in alternating order (off-on, on-off, ...): a machine that speeds up or slows
-        # down meanwhile favours neither setting.
         for events in (False, True) if i % 2 == 0 else (True, False):
             cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
             cfg.duration = args.duration
+            cfg.rate = rate
             runs.append(one(args.launch, events, cfg, light=not args.full_subscriber))
-    cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
-    app = inprocess(64, 65536, 4000)
-    if args.json:
-        print(
-            json.dumps({"runs": runs, "cpu": summary(runs), "capacity": cap, "app": app}, indent=2)
-        )
-        return
-    print(f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s:")
+    return runs
+
+
+def print_phase(title: str, runs: list[dict[str, Any]]) -> None:
+    print(title)
     for r in runs:
         line = (
             f"  events {'on ' if r['events'] else 'off'}  {r['requests_per_s']:8,.0f} req/s  "
@@ -380,6 +377,63 @@ def main() -> None:
         + " / ".join(f"{p:+.0f}" for p in cpu["pairs"])
         + " %)"
     )
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
+    parser.add_argument("--duration", type=float, default=10.0)
+    parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument("--repeat", type=int, default=2)
+    parser.add_argument(
+        "--load",
+        default="both",
+        choices=("saturation", "normal", "both"),
+        help="saturation: the clients in a closed loop (the machine's capacity); normal: "
+        "paced at --load-rate; both: saturation, then normal (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--load-rate",
+        type=float,
+        default=0.0,
+        metavar="REQ_PER_S",
+        help="the normal load (default: half the events-off requests/s at saturation, "
+        "measured in this run; with --load normal, by one events-off run first)",
+    )
+    parser.add_argument("--capacity-seconds", type=float, default=3.0)
+    parser.add_argument("--app-cycles", type=int, default=4000, help="the app-alone cycles")
+    parser.add_argument(
+        "--full-subscriber",
+        action="store_true",
+        help="decode every batch as it arrives (default: keep the payloads, decode after the run)",
+    )
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args()
+    phases: dict[str, dict[str, Any]] = {}
+    capacity_rps = 0.0
+    if args.load in ("saturation", "both"):
+        runs = pairs(args, 0.0)
+        phases["saturation"] = {"rate": 0.0, "runs": runs, "cpu": summary(runs)}
+        capacity_rps = statistics.median(r["requests_per_s"] for r in runs if not r["events"])
+    if args.load in ("normal", "both"):
+        rate = args.load_rate
+        if not rate:
+            if not capacity_rps:
+                cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
+                cfg.duration = args.duration
+                capacity_rps = one(args.launch, False, cfg)["requests_per_s"]
+            rate = round(capacity_rps / 2)
+        runs = pairs(args, rate)
+        phases["normal"] = {"rate": rate, "runs": runs, "cpu": summary(runs)}
+    cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
+    app = inprocess(64, 65536, args.app_cycles)
+    if args.json:
+        print(json.dumps({**phases, "capacity": cap, "app": app}, indent=2))
+        return
+    head = f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s"
+    for name, phase in phases.items():
+        load = "closed loop" if not phase["rate"] else f"paced at {phase['rate']:,.0f} req/s"
+        print_phase(f"{head}, {name} load ({load}):", phase["runs"])
     print(
         f"app alone (no HTTP, turns of {app['chunk']} cycles interleaved): "
         f"off {app['off_us']:.1f} us, "

@@ -42,18 +42,15 @@ another malloc library.
 from __future__ import annotations
 
 import argparse
-import functools
 import json
 import multiprocessing as mp
 import os
 import queue
-import random
 import re
 import socket
 import statistics
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -64,6 +61,7 @@ sys.path[:0] = [str(ROOT / "src")]
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.bench import procstat  # noqa: E402
 from kvmeta.bench.launch import LaunchedServer  # noqa: E402
+from kvmeta.bench.pacing import arrivals  # noqa: E402
 from kvmeta.bench.workload import (  # noqa: E402
     HttpClient,
     KeyChain,
@@ -145,17 +143,6 @@ def within(
     counts = dict((le, n - base.get(le, 0.0)) for le, n in after)
     total = counts[float("inf")]
     return counts[bound] / total if total else 0.0
-
-
-def arrivals(rate: float, seed: str) -> Callable[[], float]:
-    """The gaps (s) of a Poisson process of ``rate`` per second (0: none). Calls and engine
-    requests on fixed schedules lock into one phase for a whole run (at 200 calls/s and 400
-    engine requests/s per client, every call meets the same point of the engines' cycle), so
-    one run measured 400 us and the next 1 ms at the same load; random gaps sample every
-    phase."""
-    if not rate:
-        return lambda: 0.0
-    return functools.partial(random.Random(seed).expovariate, rate)
 
 
 class DirectRedis:

@@ -86,6 +86,43 @@ def test_bench_drives_a_running_server_by_url_and_pid(
     assert reply.json() == {"exists": [False]}
 
 
+def test_bench_at_a_rate_serves_that_rate_not_the_capacity() -> None:
+    args = ("--launch", "memory", "--clients", "2", "--batch", "16", "--pool-pages", "1024")
+    report = _bench(*args, "--rate", "150", "--duration", "3", "--warmup", "0.3")
+    _check_sane(report, 16)
+    assert report["config"]["rate"] == 150
+    # Poisson arrivals at 150/s for 3 s: about 450 requests (a standard deviation of about
+    # 21), far below what a closed loop of these small requests serves on any machine.
+    assert 75 <= report["requests_per_s"] <= 190
+
+
+def test_bench_at_a_rate_it_cannot_keep_up_with_says_so() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "bench", "--launch", "memory", "--rate", "1000000",
+         "--requests", "100", "--clients", "1", "--pool-pages", "1024", "--warmup", "0.1"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    assert "--rate 1e+06 asked" in proc.stdout and "could not keep up" in proc.stdout
+
+
+@pytest.mark.parametrize("value", ["-5", "nan", "inf", "fast"])
+def test_bench_rejects_a_rate_that_is_not_requests_per_second(value: str) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "bench", "--launch", "memory", "--rate", value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2
+    assert "--rate" in proc.stderr
+
+
 def test_bench_without_a_server_is_a_clear_error() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmeta", "bench"],

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import os
 from typing import Any
 
@@ -21,6 +22,7 @@ from kvmeta.bench.report import (
     backend_notes,
     format_table,
     median_result,
+    pacing_notes,
     refusal_notes,
     to_json,
 )
@@ -80,6 +82,16 @@ def _non_negative_float(text: str) -> float:
     value = float(text)
     if not value >= 0:
         raise argparse.ArgumentTypeError(f"must be 0 or more, got {text}")
+    return value
+
+
+def _rate(text: str) -> float:
+    value = float(text)
+    if not (value >= 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(
+            f"must be a number of requests per second, 0 or more, got {text} (0: each client "
+            "sends its next request as soon as the last is answered)"
+        )
     return value
 
 
@@ -198,6 +210,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "%(default)s, use --duration)",
     )
     work.add_argument(
+        "--rate",
+        type=_rate,
+        default=0.0,
+        metavar="REQ_PER_S",
+        help="send this many requests per second in total, at random (Poisson) times, so "
+        "servers compared serve the same load; latencies count from each request's due "
+        "time (default: %(default)s, each client sends its next request as soon as the last "
+        "is answered: the machine's capacity)",
+    )
+    work.add_argument(
         "--warmup",
         type=_non_negative_float,
         default=1.0,
@@ -284,6 +306,7 @@ def _config(args: argparse.Namespace) -> BenchConfig:
         auth_token=args.auth_token,
         backend_pid=args.backend_pid,
         backend_url=args.backend_url,
+        rate=args.rate,
     )
 
 
@@ -326,7 +349,7 @@ def measure(cfg: BenchConfig, launch: Launch | None, repeat: int) -> dict[str, A
 def _report(results: list[dict[str, Any]], as_json: bool, payload: object) -> str:
     """The text to print; refusals are shown where they will be seen (after the table, or on
     stderr when stdout is JSON)."""
-    notes = refusal_notes(results)
+    notes = pacing_notes(results) + refusal_notes(results)
     if as_json:
         for note in notes:
             logger.warning("%s", note)

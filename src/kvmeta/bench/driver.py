@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.bench import procstat
+from kvmeta.bench.pacing import Pacer
 from kvmeta.bench.redisstat import RedisCpu, backend_url_of
 from kvmeta.bench.workload import (
     BenchHttpError,
@@ -67,6 +68,10 @@ class BenchConfig:
     backend_url: str | None = None
     # A durable server's data directory: its journal growth over the window is reported.
     data_dir: str | None = None
+    # Requests per second in total, sent at random times (``pacing``), so servers compared
+    # serve the same load; 0: each client sends its next request as soon as the last is
+    # answered (the machine's capacity).
+    rate: float = 0.0
 
 
 @dataclass
@@ -124,12 +129,14 @@ def _client_main(
     error = ""
     refused = reserved = 0
     perf = time.perf_counter
+    pacer = Pacer(cfg.rate / cfg.clients, f"{cfg.seed}-{index}") if cfg.rate else None
 
     def timed(path: str, body: object) -> object:
         nonlocal keys
+        due = pacer.wait() if pacer is not None else 0.0
         if phase.value != _MEASURE:
             return client.call(path, body)
-        t0 = perf()
+        t0 = due or perf()
         reply = client.call(path, body)
         record(perf() - t0)
         keys += cfg.batch

@@ -7,7 +7,14 @@ import statistics
 from collections.abc import Sequence
 from typing import Any
 
-__all__ = ["backend_notes", "format_table", "median_result", "refusal_notes", "to_json"]
+__all__ = [
+    "backend_notes",
+    "format_table",
+    "median_result",
+    "pacing_notes",
+    "refusal_notes",
+    "to_json",
+]
 
 # (label, result field, format)
 _COLUMNS = (
@@ -77,6 +84,23 @@ def median_result(runs: Sequence[dict[str, Any]]) -> dict[str, Any]:
 
 def to_json(obj: Any) -> str:
     return json.dumps(obj, indent=2, sort_keys=True)
+
+
+def pacing_notes(results: Sequence[dict[str, Any]]) -> list[str]:
+    """A warning per result run at ``--rate`` that served less than asked: the server (or
+    the machine) could not keep up, so its requests queued and its latencies are the queue's;
+    such a run measured an overload, not the load asked for."""
+    notes = []
+    for result in results:
+        rate = (result.get("config") or {}).get("rate") or 0
+        served = result.get("requests_per_s") or 0
+        if rate and served < 0.95 * rate:
+            notes.append(
+                f"WARNING: --rate {rate:g} asked, {served:.0f} requests/s served: the server or "
+                "this machine could not keep up, so requests queued and the latencies include "
+                "the queue. Lower --rate (or measure capacity without it)."
+            )
+    return notes
 
 
 def refusal_notes(results: Sequence[dict[str, Any]]) -> list[str]:
