@@ -78,6 +78,7 @@ class Settings:
     events: str | None = None
     events_replay: str | None = None
     events_buffer: int = 10_000
+    events_buffer_mb: int = 256
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
     # router reads: prefix_match by block hashes (see core/hash_index.py)
@@ -267,7 +268,17 @@ OPTIONS: tuple[Option, ...] = (
         "e.g. tcp://127.0.0.1:5558; unset: no replay",
         _zmq_endpoint,
     ),
-    Option("events_buffer", "event batches kept for replay", _positive_int),
+    Option(
+        "events_buffer",
+        "event batches kept for replay (with --events-replay; the oldest go first)",
+        _positive_int,
+    ),
+    Option(
+        "events_buffer_mb",
+        "MiB of event batches kept for replay at most (with --events-replay; whichever of "
+        "this and --events-buffer is reached first)",
+        _positive_int,
+    ),
     Option(
         "events_format",
         "how events are encoded: map (the current vLLM and SGLang releases) or array "

@@ -146,8 +146,21 @@ class Model:
                 start = i
 
 
+def make_publisher(**options: Any) -> Publisher:
+    """A publisher whose every batch stays readable here: its replay buffer (kept only with a
+    replay socket) large enough for a whole test."""
+    return Publisher(
+        "tcp://127.0.0.1:0",
+        replay_endpoint="tcp://127.0.0.1:0",
+        buffer=1_000_000,
+        buffer_bytes=1 << 40,
+        **options,
+    )
+
+
 def published(pub: Publisher) -> list[tuple[Any, ...]]:
     out: list[tuple[Any, ...]] = []
+    assert pub.buffer is not None
     for _, _, payload in pub.buffer:
         _, events = msgspec.msgpack.decode(payload)
         for e in events:
@@ -279,7 +292,7 @@ def test_events_equal_the_per_key_model(seed: int, encoding: str) -> None:
     rng = random.Random(seed)
     pools = [PoolId("s", 0, "kv"), PoolId("s", 0, "mamba"), PoolId("s", 1, "kv")]
     pools.append(PoolId("v", 2, ""))
-    pub = Publisher("tcp://127.0.0.1:0", encoding=encoding, buffer=1_000_000)
+    pub = make_publisher(encoding=encoding)
     model = Model()
     try:
         for op, arg in workload(rng, pools, 400):
@@ -303,7 +316,7 @@ def test_events_equal_the_per_key_model(seed: int, encoding: str) -> None:
 def test_clear_in_the_middle_of_a_batch_keeps_the_order_and_forgets_the_notes() -> None:
     pool, other = PoolId("s", 0, "kv"), PoolId("s", 0, "mamba")
     a, b, c = key_of(1), key_of(2), key_of(3)
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         pub.note_reserve(pool, [(a, None), (b, a)])
         pub.note_reserve(other, [(a, None), (b, a)])
@@ -330,7 +343,7 @@ def test_clear_in_the_middle_of_a_batch_keeps_the_order_and_forgets_the_notes() 
 def test_a_chain_noted_again_with_the_same_first_key_names_the_newest_parent() -> None:
     pool = PoolId("s", 0, "kv")
     a, b, c, x = key_of(1), key_of(2), key_of(3), key_of(4)
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         pub.note_reserve(pool, [(b, a), (c, b)])
         pub.note_reserve(pool, [(b, x), (c, b)])
@@ -359,7 +372,7 @@ def test_an_eviction_of_a_stored_run_reuses_its_published_hashes(
     made = count_hash_bodies(monkeypatch)
     pool = PoolId("s", 0, "kv")
     run = tuple(key_of(i) for i in range(8))
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         note_chain(pub, pool, run)
         pub.on_changes([Change(pool, STORED, run)])
@@ -404,7 +417,7 @@ def test_evictions_that_cut_across_confirms_are_cut_from_the_kept_arrays(
     made = count_hash_bodies(monkeypatch)
     pool = PoolId("s", 0, "kv")
     runs = [tuple(key_of(100 * r + i) for i in range(64)) for r in range(6)]
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         for run in runs:
             note_chain(pub, pool, run)
@@ -437,7 +450,7 @@ def test_a_removal_that_leaves_the_kept_runs_makes_the_rest_of_its_hashes(
     pool = PoolId("s", 0, "kv")
     a = tuple(key_of(i) for i in range(16))
     short = tuple(key_of(50 + i) for i in range(3))
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         for run in (a, short):
             note_chain(pub, pool, run)
@@ -470,7 +483,7 @@ def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
     hashes are right whether kept or made."""
     monkeypatch.setattr("kvmeta.events.publisher._RUNS_CAP", 64)
     pool = PoolId("s", 0, "kv")
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         runs = [tuple(key_of(100 * r + i) for i in range(8)) for r in range(40)]
         for run in runs:
@@ -496,7 +509,7 @@ def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_short_runs_are_not_kept_and_other_groupings_drop_what_they_start() -> None:
     pool = PoolId("s", 0, "kv")
-    pub = Publisher("tcp://127.0.0.1:0")
+    pub = make_publisher()
     try:
         short = tuple(key_of(i) for i in range(3))
         note_chain(pub, pool, short)

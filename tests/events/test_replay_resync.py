@@ -100,6 +100,70 @@ def test_subscriber_away_5s_under_load_catches_up_through_replay() -> None:
         server.stop()
 
 
+def gauges(url: str) -> dict[str, float]:
+    text = requests.get(f"{url}/metrics", timeout=30).text
+    return {
+        name: float(value)
+        for name, _, value in (line.partition(" ") for line in text.splitlines())
+        if name.startswith("kvmeta_events_replay_buffer_")
+    }
+
+
+def test_the_replay_buffer_keeps_the_latest_mib_it_is_given() -> None:
+    server = ServerProcess(
+        "--in-memory", "--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0",
+        "--events-buffer-mb", "1",
+    ).start()  # fmt: skip
+    try:
+        ends = endpoints(server)
+        assert ends.replay is not None
+        requests.post(f"{server.url}/0/initialize", json={"num_pages": 1024}, timeout=30)
+        n = 0
+        while gauges(server.url)["kvmeta_events_replay_buffer_bytes"] < 0.8 * (1 << 20) or (
+            published(server) < 20
+        ):
+            cycle(server.url, [key(n + i) for i in range(64)])
+            n += 64
+        for _ in range(50):  # well past the 1 MiB: the oldest batches must have gone
+            cycle(server.url, [key(n + i) for i in range(64)])
+            n += 64
+        time.sleep(0.1)  # the last batch sent (8 ms)
+        held = gauges(server.url)
+        total = published(server)
+        ctx = __import__("zmq").Context()
+        caught = replay(ctx, ends.replay, 0)
+        ctx.term()
+    finally:
+        server.stop()
+    sizes = [len(payload) for _, _, payload in caught]
+    assert held["kvmeta_events_replay_buffer_batches"] == len(caught)
+    assert held["kvmeta_events_replay_buffer_bytes"] == sum(sizes) <= 1 << 20
+    seqs = [seq for _, seq, _ in caught]
+    assert seqs[0] > 0, "nothing was dropped: not a test of the bound"
+    assert seqs == list(range(seqs[0], seqs[0] + len(seqs)))
+    assert seqs[-1] == total - 1  # up to the live feed
+    # Batches go only when the bytes are over the bound: what is kept is within about one
+    # batch of it, not far below.
+    assert sum(sizes) > (1 << 20) - 2 * max(sizes)
+
+
+def test_without_a_replay_socket_no_batch_is_kept() -> None:
+    server = ServerProcess("--in-memory", "--events", "tcp://127.0.0.1:0").start()
+    try:
+        endpoints(server)
+        requests.post(f"{server.url}/0/initialize", json={"num_pages": 256}, timeout=30)
+        for n in range(0, 64 * 20, 64):
+            cycle(server.url, [key(n + i) for i in range(64)])
+        time.sleep(0.1)
+        assert published(server) > 1
+        assert gauges(server.url) == {
+            "kvmeta_events_replay_buffer_batches": 0.0,
+            "kvmeta_events_replay_buffer_bytes": 0.0,
+        }
+    finally:
+        server.stop()
+
+
 @pytest.mark.slow
 def test_kill_9_then_resync_converges_and_undone_changes_were_never_announced(
     tmp_path: Path,

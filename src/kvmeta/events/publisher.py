@@ -39,7 +39,6 @@ import asyncio
 import logging
 import time
 import uuid
-from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import islice, repeat
@@ -51,7 +50,7 @@ import zmq
 
 from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized
-from kvmeta.events.replay import ReplayServer
+from kvmeta.events.replay import ReplayBuffer, ReplayServer
 from kvmeta.events.wire import (
     Encoder,
     Event,
@@ -115,6 +114,13 @@ class EventStats:
     def replay_requests(self) -> int:
         return 0 if self.replay is None else self.replay.requests
 
+    @property
+    def replay_buffer(self) -> tuple[int, int]:
+        """(batches, bytes) kept for replay now (none without a replay socket)."""
+        if self.replay is None:
+            return 0, 0
+        return len(self.replay.buffer), self.replay.buffer.bytes
+
     def lag(self, seconds: float) -> None:
         self.lag_count += 1
         self.lag_sum += seconds
@@ -142,6 +148,7 @@ class Publisher:
         *,
         replay_endpoint: str | None = None,
         buffer: int = 10_000,
+        buffer_bytes: int = 256 << 20,
         encoding: str = "map",
         medium: str = "EXTERNAL",
         epoch: str = "",
@@ -150,7 +157,8 @@ class Publisher:
         self.run = uuid.uuid4().hex[:8]
         self.topic = f"kvmeta/{epoch}/{self.run}".encode()
         self.stats = EventStats()
-        self.buffer: deque[tuple[int, bytes, bytes]] = deque(maxlen=buffer)
+        # The batches a replay answers from: only with a replay socket (``replay``).
+        self.buffer: ReplayBuffer | None = None
         self.seq = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
@@ -161,6 +169,7 @@ class Publisher:
             self.pub.bind(bindable(endpoint))
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay_endpoint:
+                self.buffer = ReplayBuffer(buffer, buffer_bytes)
                 self.replay = ReplayServer(self._ctx, bindable(replay_endpoint), self.buffer)
                 self.stats.replay = self.replay
         except zmq.ZMQError:
@@ -440,6 +449,7 @@ class Publisher:
         ts = ts or time.time()
         pub = self.pub
         topic = self.topic
+        kept = self.buffer
         for i in range(0, len(events), _MAX_EVENTS):
             chunk = events if len(events) <= _MAX_EVENTS else events[i : i + _MAX_EVENTS]
             payload = self.encoder.batch(ts, chunk)
@@ -451,7 +461,8 @@ class Publisher:
                 _SEND_FRAME(pub, payload, zmq.NOBLOCK)
             except zmq.Again:  # pragma: no cover - a PUB socket drops rather than blocks
                 pass
-            self.buffer.append((seq, topic, payload))
+            if kept is not None:
+                kept.append(seq, topic, payload)
             stats.batches += 1
         stats.events += len(events)
         stats.blocks += blocks

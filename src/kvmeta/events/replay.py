@@ -10,6 +10,13 @@ some and must rebuild from ``GET /v1/dump`` (docs/events.md).
 
 It runs on the event loop: a replay is a loop of non-blocking sends of buffered bytes, and the
 socket's high-water mark holds a whole buffer plus its marker.
+
+The buffer (``ReplayBuffer``) exists only with a replay socket: nobody could read it
+otherwise, and a batch kept is memory that is never reused until it leaves the buffer (at the
+SGLang batch-64 cycle a batch is 40-70 KB, so 10,000 of them are half a gigabyte, and each new
+one is fresh memory the kernel must fault in: about 150 us of CPU more per batch than an
+encoding whose memory is freed once sent). It is bounded in batches and in bytes, whichever
+is reached first, since a batch's size ranges from one event to 1,024 of them.
 """
 
 from __future__ import annotations
@@ -17,16 +24,47 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections import deque
+from collections.abc import Iterator
 
 import zmq
 
-__all__ = ["END_MARKER", "ReplayServer"]
+__all__ = ["END_MARKER", "ReplayBuffer", "ReplayServer"]
 
 logger = logging.getLogger(__name__)
 
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
 # The socket's readiness is edge-triggered; a periodic look catches a missed edge.
 _SAFETY_POLL = 1.0
+
+
+class ReplayBuffer:
+    """The latest batches ``(seq, topic, payload)``, oldest first: at most ``batches`` of
+    them and at most ``max_bytes`` of payload (the newest batch is kept even when it alone is
+    larger, so a replay always reaches the live feed)."""
+
+    def __init__(self, batches: int, max_bytes: int) -> None:
+        if batches < 1 or max_bytes < 1:
+            raise ValueError(
+                "a replay buffer holds at least one batch and one byte, got "
+                f"{batches} batches, {max_bytes} bytes"
+            )
+        self.batches = batches
+        self.max_bytes = max_bytes
+        self.bytes = 0
+        self._items: deque[tuple[int, bytes, bytes]] = deque()
+
+    def append(self, seq: int, topic: bytes, payload: bytes) -> None:
+        items = self._items
+        items.append((seq, topic, payload))
+        self.bytes += len(payload)
+        while len(items) > 1 and (len(items) > self.batches or self.bytes > self.max_bytes):
+            self.bytes -= len(items.popleft()[2])
+
+    def __iter__(self) -> Iterator[tuple[int, bytes, bytes]]:
+        return iter(self._items)
+
+    def __len__(self) -> int:
+        return len(self._items)
 
 
 class ReplayServer:
@@ -36,12 +74,12 @@ class ReplayServer:
         self,
         ctx: zmq.Context[zmq.Socket[bytes]],
         endpoint: str,
-        buffer: deque[tuple[int, bytes, bytes]],
+        buffer: ReplayBuffer,
     ) -> None:
         self.buffer = buffer
         self.requests = 0
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
-        self.sock.setsockopt(zmq.SNDHWM, 2 * ((buffer.maxlen or 0) + 1))
+        self.sock.setsockopt(zmq.SNDHWM, 2 * (buffer.batches + 1))
         self.sock.setsockopt(zmq.LINGER, 0)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)

@@ -544,3 +544,14 @@ class _EventMetrics:
             "longest publish lag seen since the start",
             value=st.lag_max,
         )
+        batches, size = st.replay_buffer
+        yield GaugeMetricFamily(
+            "kvmeta_events_replay_buffer_batches",
+            "event batches kept for replay (--events-buffer; 0 without --events-replay)",
+            value=batches,
+        )
+        yield GaugeMetricFamily(
+            "kvmeta_events_replay_buffer_bytes",
+            "bytes of event batches kept for replay (--events-buffer-mb)",
+            value=size,
+        )
