@@ -17,7 +17,6 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "benchmarks"))
 
 
-
 def test_a_run_on_redis_measures_the_route_and_redis_alone(tmp_path: Path) -> None:
     out = tmp_path / "prefix.json"
     proc = subprocess.run(
