@@ -3,7 +3,8 @@
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
                                       [--repeat 2] [--load saturation|normal|both]
                                       [--load-rate REQ_PER_S] [--capacity-seconds 3]
-                                      [--app-cycles 4000] [--full-subscriber] [--json]
+                                      [--app-cycles 4000] [--replay] [--full-subscriber]
+                                      [--json]
 
 Two loads (``--load``): *saturation*, the clients in a closed loop (each sends its next
 request as soon as the last is answered: the machine's capacity), and *normal*, the same
@@ -137,11 +138,15 @@ def server_counters(url: str) -> dict[str, float]:
     return out
 
 
-def one(mode: str, events: bool, cfg: BenchConfig, light: bool = True) -> dict[str, Any]:
+def one(
+    mode: str, events: bool, cfg: BenchConfig, light: bool = True, replay: bool = False
+) -> dict[str, Any]:
     extra = ["--read-lease", "0"]
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     if events:
         extra += ["--events", endpoint]
+        if replay:
+            extra += ["--events-replay", f"tcp://127.0.0.1:{free_port()}"]
     counter = None
     with LaunchedServer(mode, extra) as server:
         if events:
@@ -156,6 +161,7 @@ def one(mode: str, events: bool, cfg: BenchConfig, light: bool = True) -> dict[s
             "requests_per_s": result["requests_per_s"],
             "cpu_us_per_request": result["cpu_us_per_request"],
             "latency_p99_us": result["latency_p99_us"],
+            "server_rss_mb": result["server_rss_mb"],
         }
         if counter is not None:
             time.sleep(0.5)
@@ -351,7 +357,7 @@ def pairs(args: argparse.Namespace, rate: float) -> list[dict[str, Any]]:
             cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
             cfg.duration = args.duration
             cfg.rate = rate
-            runs.append(one(args.launch, events, cfg, light=not args.full_subscriber))
+            runs.append(one(args.launch, events, cfg, not args.full_subscriber, args.replay))
     return runs
 
 
@@ -361,6 +367,7 @@ def print_phase(title: str, runs: list[dict[str, Any]]) -> None:
         line = (
             f"  events {'on ' if r['events'] else 'off'}  {r['requests_per_s']:8,.0f} req/s  "
             f"{r['cpu_us_per_request']:6.1f} us CPU/request  p99 {r['latency_p99_us']:6.0f} us"
+            f"  RSS {r['server_rss_mb']:4.0f} MB"
         )
         if r["events"]:
             line += (
@@ -407,6 +414,12 @@ def main() -> None:
         action="store_true",
         help="decode every batch as it arrives (default: keep the payloads, decode after the run)",
     )
+    parser.add_argument(
+        "--replay",
+        action="store_true",
+        help="the events-on servers also answer replays (--events-replay): they keep the "
+        "replay buffer (default: off, as the server's default)",
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     phases: dict[str, dict[str, Any]] = {}
@@ -431,6 +444,8 @@ def main() -> None:
         print(json.dumps({**phases, "capacity": cap, "app": app}, indent=2))
         return
     head = f"SGLang batch-64 cycle, {args.launch}, {args.clients} clients, {args.duration:.0f} s"
+    if args.replay:
+        head += ", events with replay"
     for name, phase in phases.items():
         load = "closed loop" if not phase["rate"] else f"paced at {phase['rate']:,.0f} req/s"
         print_phase(f"{head}, {name} load ({load}):", phase["runs"])
