@@ -96,6 +96,25 @@ def test_bench_at_a_rate_serves_that_rate_not_the_capacity() -> None:
     assert 75 <= report["requests_per_s"] <= 190
 
 
+def test_a_rate_sweep_measures_each_load() -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "bench", "sweep", "--sweep", "rate", "--values",
+         "60,240", "--launch", "memory", "--duration", "2", "--warmup", "0.3", "--clients", "2",
+         "--batch", "16", "--pool-pages", "1024", "--json"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+        cwd=ROOT,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr
+    results = json.loads(proc.stdout)
+    assert [r["config"]["rate"] for r in results] == [60, 240]
+    low, high = (r["requests_per_s"] for r in results)
+    # Poisson counts over 2 s: 120 and 480 requests expected (standard deviations 11 and 22).
+    assert 30 <= low <= 90 and 150 <= high <= 320
+
+
 def test_bench_at_a_rate_it_cannot_keep_up_with_says_so() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmeta", "bench", "--launch", "memory", "--rate", "1000000",

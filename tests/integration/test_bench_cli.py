@@ -158,7 +158,7 @@ def test_bench_help_lists_choices_and_defaults_for_every_flag(mode: str) -> None
     assert "{s,v}" in blocks["--dialect"] and "default: s" in blocks["--dialect"]
     assert "{durable,memory,redis}" in blocks["--launch"]
     assert "{tcp,unix}" in blocks["--redis-transport"]
-    assert "{pool,batch,clients}" in blocks["--sweep"]
+    assert "{pool,batch,clients,rate}" in blocks["--sweep"]
     assert "default: 64" in blocks["--batch"]
 
 

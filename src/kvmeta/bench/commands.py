@@ -1,9 +1,9 @@
 """``kvmeta bench``: argument parsing and dispatch for the benchmark modes.
 
-Modes: ``run`` (default; one configuration, repeated), ``sweep`` (vary pool size, batch or
-clients; JSON + PNG chart), ``core`` (the pool model in-process, plus bytes per stored key) and
-``noisy`` (two tenants side by side: one over its request-rate quota, the other's hit rate and
-latency with and without it).
+Modes: ``run`` (default; one configuration, repeated), ``sweep`` (vary pool size, batch,
+clients or request rate; JSON + PNG chart), ``core`` (the pool model in-process, plus bytes
+per stored key) and ``noisy`` (two tenants side by side: one over its request-rate quota, the
+other's hit rate and latency with and without it).
 Returns the text to print; ``kvmeta.cli`` does the printing.
 """
 
@@ -256,14 +256,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sweep = parser.add_argument_group("sweep")
     sweep.add_argument(
         "--sweep",
-        choices=("pool", "batch", "clients"),
+        choices=("pool", "batch", "clients", "rate"),
         default="pool",
-        help="the parameter to vary (default: %(default)s)",
+        help="the parameter to vary; rate: requests/s in total, as --rate (default: %(default)s)",
     )
     sweep.add_argument(
         "--values",
         help="comma-separated values of --sweep (default: pool 4096,65536,262144,1048576; "
-        "batch 64,128,256; clients 1,2,3,4)",
+        "batch 64,128,256; clients 1,2,3,4; rate 500,1000,2000,3000)",
     )
     out = parser.add_argument_group("output")
     out.add_argument(

@@ -25,8 +25,11 @@ DEFAULT_VALUES = {
     "pool": [4096, 65536, 262144, 1048576],
     "batch": [64, 128, 256],
     "clients": [1, 2, 3, 4],
+    # requests/s in total (``--rate``): CPU per request against load, below this machine's
+    # capacity at the default batch
+    "rate": [500, 1000, 2000, 3000],
 }
-_FIELD = {"pool": "pool_pages", "batch": "batch", "clients": "clients"}
+_FIELD = {"pool": "pool_pages", "batch": "batch", "clients": "clients", "rate": "rate"}
 
 
 def values(param: str, text: str | None) -> list[int]:
@@ -73,7 +76,7 @@ def run(
     launch: Launch | None,
     repeat: int,
 ) -> list[dict[str, Any]]:
-    """The median result of each value of ``param`` ("pool", "batch" or "clients")."""
+    """The median result of each value of ``param`` ("pool", "batch", "clients" or "rate")."""
     points = values(param, text)
     runs: dict[int, list[dict[str, Any]]] = {v: [] for v in points}
     for rep in range(repeat):
