@@ -52,6 +52,18 @@ def test_a_sender_on_time_sleeps_until_each_due_time(monkeypatch: pytest.MonkeyP
     assert due[-1] - 100.0 == pytest.approx(200.0, rel=0.1)
 
 
+def test_a_sleep_that_overshoots_counts_from_the_wake_up(monkeypatch: pytest.MonkeyPatch) -> None:
+    clock = FakeClock()
+
+    def sleep(seconds: float) -> None:
+        clock.now += seconds + 0.0003  # the timer wakes 300 us late
+
+    monkeypatch.setattr("kvmeta.bench.pacing.time.sleep", sleep)
+    pacer = Pacer(10.0, "s", clock)
+    first = pacer.wait()
+    assert first == clock.now  # the send's time, not the (earlier) due time
+
+
 def test_a_sender_behind_sends_at_once_and_keeps_the_due_times(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

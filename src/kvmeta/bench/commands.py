@@ -215,9 +215,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="REQ_PER_S",
         help="send this many requests per second in total, at random (Poisson) times, so "
-        "servers compared serve the same load; latencies count from each request's due "
-        "time (default: %(default)s, each client sends its next request as soon as the last "
-        "is answered: the machine's capacity)",
+        "servers compared serve the same load; a request sent late because the last answer "
+        "was slow counts its latency from its due time (default: %(default)s, each client "
+        "sends its next request as soon as the last is answered: the machine's capacity)",
     )
     work.add_argument(
         "--warmup",

@@ -133,10 +133,10 @@ def _client_main(
 
     def timed(path: str, body: object) -> object:
         nonlocal keys
-        due = pacer.wait() if pacer is not None else 0.0
+        start = pacer.wait() if pacer is not None else 0.0
         if phase.value != _MEASURE:
             return client.call(path, body)
-        t0 = due or perf()
+        t0 = start or perf()
         reply = client.call(path, body)
         record(perf() - t0)
         keys += cfg.batch
