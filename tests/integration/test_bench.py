@@ -10,6 +10,7 @@ import subprocess
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,7 +21,7 @@ from tests.support import SRC, ServerProcess
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _bench(*args: str) -> dict:
+def _bench(*args: str) -> Any:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmeta", "bench", *args, "--json"],
         capture_output=True,
@@ -97,18 +98,11 @@ def test_bench_at_a_rate_serves_that_rate_not_the_capacity() -> None:
 
 
 def test_a_rate_sweep_measures_each_load() -> None:
-    proc = subprocess.run(
-        [sys.executable, "-m", "kvmeta", "bench", "sweep", "--sweep", "rate", "--values",
-         "60,240", "--launch", "memory", "--duration", "2", "--warmup", "0.3", "--clients", "2",
-         "--batch", "16", "--pool-pages", "1024", "--json"],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
-        cwd=ROOT,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stderr
-    results = json.loads(proc.stdout)
+    results = _bench(
+        *("sweep", "--sweep", "rate", "--values", "60,240", "--launch", "memory"),
+        *("--duration", "2", "--warmup", "0.3", "--clients", "2", "--batch", "16"),
+        *("--pool-pages", "1024"),
+    )
     assert [r["config"]["rate"] for r in results] == [60, 240]
     low, high = (r["requests_per_s"] for r in results)
     # Poisson counts over 2 s: 120 and 480 requests expected (standard deviations 11 and 22).
