@@ -354,11 +354,21 @@ def pairs(args: argparse.Namespace, rate: float) -> list[dict[str, Any]]:
     runs = []
     for i in range(args.repeat):
         for events in (False, True) if i % 2 == 0 else (True, False):
-            cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
-            cfg.duration = args.duration
-            cfg.rate = rate
+            cfg = cycle_config(args, rate)
             runs.append(one(args.launch, events, cfg, not args.full_subscriber, args.replay))
     return runs
+
+
+def cycle_config(args: argparse.Namespace, rate: float) -> BenchConfig:
+    """The SGLang batch-64 cycle of every run, at ``rate`` requests/s (0: closed loop)."""
+    return BenchConfig(
+        dialect="s",
+        batch=64,
+        pool_pages=65536,
+        clients=args.clients,
+        duration=args.duration,
+        rate=rate,
+    )
 
 
 def print_phase(title: str, runs: list[dict[str, Any]]) -> None:
@@ -432,9 +442,7 @@ def main() -> None:
         rate = args.load_rate
         if not rate:
             if not capacity_rps:
-                cfg = BenchConfig(dialect="s", batch=64, pool_pages=65536, clients=args.clients)
-                cfg.duration = args.duration
-                capacity_rps = one(args.launch, False, cfg)["requests_per_s"]
+                capacity_rps = one(args.launch, False, cycle_config(args, 0.0))["requests_per_s"]
             rate = round(capacity_rps / 2)
         runs = pairs(args, rate)
         phases["normal"] = {"rate": rate, "runs": runs, "cpu": summary(runs)}
