@@ -17,7 +17,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -26,131 +25,21 @@ import requests
 
 from kvmeta.bench.procstat import children
 from kvmeta.store.recovery import list_data_dir
+from tests.crash.faults import (
+    PAGES,
+    Driver,
+    cmdline,
+    helper_pid,
+    is_ready,
+    kvmeta_check,
+    serve,
+    small_filesystem,
+    sync,
+    until,
+)
 from tests.support import SRC, ServerProcess
 
 pytestmark = pytest.mark.slow
-
-PAGES = 1 << 16
-KEY_PAD = "k" * 160  # long keys fill the journal quickly
-
-
-def _until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
-
-
-@contextlib.contextmanager
-def small_filesystem(path: Path, size: str = "2m") -> Iterator[Path]:
-    """A 2 MB tmpfs at ``path``. Needs root (CI runs as root); without it the test fails
-    with the reason rather than being skipped, so a run never silently tests less."""
-    path.mkdir()
-    mounted = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-        capture_output=True,
-        text=True,
-    )
-    if mounted.returncode != 0:
-        pytest.fail(f"cannot mount a small tmpfs (the disk-full test needs root): {mounted.stderr}")
-    try:
-        yield path
-    finally:
-        subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def _sync(server: ServerProcess) -> None:
-    """Return once every change so far is durable (``batch`` acknowledges confirms before their
-    fsync; a new pool's initialize waits for its group, which holds everything before it)."""
-    resp = server.post("/0/initialize", {"num_pages": 4, "namespace": f"sync{time.monotonic_ns()}"})
-    assert resp.status_code in (200, 204), resp.text
-
-
-def _ready(server: ServerProcess) -> bool:
-    return requests.get(server.url + "/ready", timeout=30).status_code == 200
-
-
-class Driver:
-    """Confirms of long keys from several threads; records what was acknowledged."""
-
-    def __init__(self, server: ServerProcess, prefix: str = KEY_PAD) -> None:
-        self.server = server
-        self.prefix = prefix
-        self.acked: dict[str, int] = {}
-        self.refusals: list[str] = []
-        self.lock = threading.Lock()
-        self.counter = 0
-
-    def round(self, session: requests.Session, n: int = 32) -> int:
-        """One reserve + confirm of ``n`` new keys; returns the confirm's status."""
-        with self.lock:
-            self.counter += 1
-            tag = self.counter
-        keys = [f"{self.prefix}-{tag}-{j}" for j in range(n)]
-        url = self.server.url
-        resp = session.post(
-            f"{url}/0/reserve_and_allocate_page_indices",
-            json={"keys": [[k, None] for k in keys]},
-            timeout=30,
-        )
-        if resp.status_code != 200:
-            self._refused(resp)
-            return resp.status_code
-        pairs = [[k, p] for k, (_, p) in zip(keys, resp.json()["indices"], strict=True)]
-        resp = session.post(
-            f"{url}/0/confirm_write", json={"written_keys_to_confirm": pairs}, timeout=30
-        )
-        if resp.status_code == 204 or resp.status_code == 200:
-            with self.lock:
-                self.acked.update((k, p) for k, p in pairs)
-        else:
-            self._refused(resp)
-        return resp.status_code
-
-    def _refused(self, resp: requests.Response) -> None:
-        assert resp.status_code == 503, (resp.status_code, resp.text)
-        with self.lock:
-            self.refusals.append(resp.json()["detail"])
-
-    def until_refused(self, threads: int = 3, limit: float = 120.0) -> None:
-        """Drive confirms from ``threads`` threads until one is refused; every request must
-        get an answer (a request timing out fails the test)."""
-        stop = threading.Event()
-
-        def work() -> None:
-            with requests.Session() as session:
-                while not stop.is_set():
-                    if self.round(session) == 503:
-                        stop.set()
-
-        with ThreadPoolExecutor(threads) as pool:
-            futures = [pool.submit(work) for _ in range(threads)]
-            deadline = time.monotonic() + limit
-            while not stop.is_set():
-                assert time.monotonic() < deadline, "the journal never failed"
-                time.sleep(0.05)
-            for fut in futures:
-                fut.result(timeout=60)  # raises if a request hung or failed otherwise
-
-    def verify_after_restart(self, data: Path, cwd: Path, fsync: str) -> None:
-        server = ServerProcess("--data-dir", str(data), "--fsync", fsync, cwd=cwd).start()
-        try:
-            keys = sorted(self.acked)
-            got: list[int | None] = []
-            for i in range(0, len(keys), 1000):
-                resp = server.post("/0/get_page_indices", {"keys": keys[i : i + 1000]})
-                got += resp.json()["indices"]
-            lost = [k for k, page in zip(keys, got, strict=True) if page != self.acked[k]]
-            assert not lost, f"{len(lost)} of {len(keys)} acknowledged confirms lost"
-        finally:
-            assert server.stop() == 0
-        check = subprocess.run(
-            [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
-            env={**os.environ, "PYTHONPATH": str(SRC)},
-            capture_output=True,
-            text=True,
-        )
-        assert check.returncode == 0, check.stdout + check.stderr
 
 
 def _assert_failed_state(server: ServerProcess, data: Path, driver: Driver) -> None:
@@ -189,59 +78,24 @@ def test_disk_full_refuses_changes_then_recovers_losing_nothing(tmp_path: Path, 
             assert "No space left on device" in driver.refusals[0]
             _assert_failed_state(server, data, driver)
             filler.unlink()
-            _until(lambda: _ready(server), what="/ready after space was freed")
+            until(lambda: is_ready(server), what="/ready after space was freed")
             with requests.Session() as session:
                 for _ in range(5):
                     assert driver.round(session) == 204
-            _sync(server)
+            sync(server)
             assert "recovered" in server.log
         finally:
             server.kill()  # kill -9: no final snapshot
         driver.verify_after_restart(data, tmp_path, fsync)
 
 
-def _helper(server: ServerProcess, timeout: float = 20.0) -> int:
-    """The server's fsync helper (waits for a restarted one to appear)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        found = [c for c in children(server.pid) if b"fsync_helper" in _cmdline(c)]
-        if found:
-            return found[0]
-        assert time.monotonic() < deadline, "no fsync helper"
-        time.sleep(0.02)
-
-
-def _cmdline(pid: int) -> bytes:
-    try:
-        return Path(f"/proc/{pid}/cmdline").read_bytes()
-    except (FileNotFoundError, ProcessLookupError):
-        return b""
-
-
-def _kvmeta_check(data: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
-        env={**os.environ, "PYTHONPATH": str(SRC)},
-        capture_output=True,
-        text=True,
-    )
-
-
-def _serve(data: Path, cwd: Path, fsync: str, *extra: str) -> ServerProcess:
-    server = ServerProcess(
-        "--data-dir", str(data), "--fsync", fsync, "--read-lease", "0", *extra, cwd=cwd
-    ).start()
-    assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
-    return server
-
-
 def test_stopped_fsync_helper_makes_always_confirms_wait_then_complete(tmp_path: Path) -> None:
-    server = _serve(tmp_path / "data", tmp_path, "always")
+    server = serve(tmp_path / "data", tmp_path, "always")
     try:
         driver = Driver(server)
         with requests.Session() as session:
             assert driver.round(session) == 204
-            helper = _helper(server)
+            helper = helper_pid(server)
             os.kill(helper, signal.SIGSTOP)  # a disk that does not answer
             try:
                 with ThreadPoolExecutor(1) as pool:
@@ -264,21 +118,21 @@ def test_power_loss_at_the_last_fsync_keeps_every_acknowledged_confirm(tmp_path:
     the page cache but never acknowledged, the machine dies: the journal is cut back to its
     length at the last fsync (plus a few bytes of a torn frame)."""
     data = tmp_path / "data"
-    server = _serve(data, tmp_path, "always", "--snapshot-interval", "0")
+    server = serve(data, tmp_path, "always", "--snapshot-interval", "0")
     pending_keys: list[str] = []
     try:
         driver = Driver(server)
         with requests.Session() as session:
             for _ in range(20):
                 assert driver.round(session) == 204
-        helper = _helper(server)
+        helper = helper_pid(server)
         os.kill(helper, signal.SIGSTOP)
         segment = data / f"journal-{list_data_dir(data).segments[-1]:012d}.log"
         durable = segment.stat().st_size  # every acknowledged confirm is in here, fsynced
         late = Driver(server, "late")
         with ThreadPoolExecutor(3) as pool:
             futures = [pool.submit(late.round, requests.Session()) for _ in range(3)]
-            _until(lambda: segment.stat().st_size > durable, what="unacknowledged writes")
+            until(lambda: segment.stat().st_size > durable, what="unacknowledged writes")
             time.sleep(0.5)
             server.proc.send_signal(signal.SIGKILL)  # type: ignore[union-attr]
             # The stopped helper holds the server's stderr open: kill it before reaping.
@@ -307,14 +161,14 @@ def test_a_helper_that_keeps_dying_fails_the_journal_then_recovers(
     tmp_path: Path, fsync: str
 ) -> None:
     data = tmp_path / "data"
-    server = _serve(data, tmp_path, fsync)
+    server = serve(data, tmp_path, fsync)
     stop = threading.Event()
     statuses: list[int] = []
 
     def killer() -> None:
         while not stop.is_set():
             for pid in children(server.pid):
-                if b"fsync_helper" in _cmdline(pid):
+                if b"fsync_helper" in cmdline(pid):
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(pid, signal.SIGKILL)
             time.sleep(0.01)
@@ -334,10 +188,10 @@ def test_a_helper_that_keeps_dying_fails_the_journal_then_recovers(
         finally:
             stop.set()
             thread.join(10)
-        _until(lambda: _ready(server), what="/ready once the helper stays up")
+        until(lambda: is_ready(server), what="/ready once the helper stays up")
         with requests.Session() as session:
             assert driver.round(session) == 204
-        _sync(server)
+        sync(server)
     finally:
         server.kill()
     assert set(statuses) <= {204, 503}
@@ -346,7 +200,7 @@ def test_a_helper_that_keeps_dying_fails_the_journal_then_recovers(
 
 def test_out_of_file_descriptors_fails_the_journal_then_recovers(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    server = _serve(data, tmp_path, "batch")
+    server = serve(data, tmp_path, "batch")
     fillers: list[socket.socket] = []
     try:
         driver = Driver(server)
@@ -363,20 +217,20 @@ def test_out_of_file_descriptors_fails_the_journal_then_recovers(tmp_path: Path)
             fillers.append(conn)
             if len(os.listdir(f"/proc/{server.pid}/fd")) >= limit:
                 break
-        _until(lambda: len(os.listdir(f"/proc/{server.pid}/fd")) >= limit, what="fds used up")
-        os.kill(_helper(server), signal.SIGKILL)  # its replacement needs descriptors
-        _until(lambda: driver.round(session) == 503, what="a refused change")
+        until(lambda: len(os.listdir(f"/proc/{server.pid}/fd")) >= limit, what="fds used up")
+        os.kill(helper_pid(server), signal.SIGKILL)  # its replacement needs descriptors
+        until(lambda: driver.round(session) == 503, what="a refused change")
         assert "Too many open files" in driver.refusals[-1], driver.refusals
         _assert_failed_state_on(session, server, data, driver)
         for conn in fillers:
             conn.close()
         fillers.clear()
-        _until(
+        until(
             lambda: session.get(server.url + "/ready", timeout=30).status_code == 200,
             what="/ready after descriptors were freed",
         )
         assert driver.round(session) == 204
-        _sync(server)
+        sync(server)
         session.close()
     finally:
         for conn in fillers:
@@ -399,7 +253,7 @@ def _assert_failed_state_on(
 
 def test_middle_record_length_damage_stops_start_up_and_check_exits_1(tmp_path: Path) -> None:
     data = tmp_path / "data"
-    server = _serve(data, tmp_path, "always", "--snapshot-interval", "0")
+    server = serve(data, tmp_path, "always", "--snapshot-interval", "0")
     try:
         driver = Driver(server)
         with requests.Session() as session:
@@ -425,5 +279,5 @@ def test_middle_record_length_damage_stops_start_up_and_check_exits_1(tmp_path: 
     assert "JournalCorrupt" in proc.stderr or "will not start" in proc.stderr, proc.stderr
     assert segment.name in proc.stderr and f"byte {at}" in proc.stderr
     assert segment.read_bytes() == bytes(raw)  # kept as it was
-    check = _kvmeta_check(data)
+    check = kvmeta_check(data)
     assert check.returncode == 1 and f"byte {at}" in check.stderr, check.stdout + check.stderr
