@@ -26,6 +26,7 @@ from kvmeta.store.changes import (
     REASON_DROP,
     REMOVED,
     STORED,
+    UNSURE,
     Change,
 )
 from kvmeta.store.redis import RedisBackend, pool_keys
@@ -246,8 +247,8 @@ def test_replies_read_out_of_order_are_delivered_in_redis_order(redis_url: str) 
 
 
 def test_a_failed_call_releases_the_changes_it_held(redis_url: str) -> None:
-    """A call that fails (here: a lost connection, then no recovery) reports nothing and holds
-    nothing back."""
+    """A call that fails after it was sent (here: its reply lost, then no recovery) announces
+    nothing, reports its pool ``UNSURE`` (it may have run; here it did) and holds nothing back."""
 
     async def go() -> None:
         backend, feed = await _started(redis_url, failover_timeout=0.2)
@@ -273,7 +274,10 @@ def test_a_failed_call_releases_the_changes_it_held(redis_url: str) -> None:
             release.set()
             with pytest.raises(BackendUnavailable):
                 await confirm
-            assert feed.take() == [Change(POOL, REMOVED, ("x",), REASON_DELETE)]
+            assert feed.take() == [
+                Change(POOL, REMOVED, ("x",), REASON_DELETE),
+                Change(POOL, UNSURE, ()),
+            ]
             assert backend._feed.held() == 0
         finally:
             await backend.close()
@@ -296,7 +300,8 @@ def test_a_write_answered_not_replicated_is_never_announced(replica_pair: Replic
                 await backend.delete(POOL, ["a"])
             with pytest.raises(NotReplicated):
                 await backend.clear(POOL)
-            assert feed.changes == []
+            # Not announced: the pool is reported unsure (the changes are on the primary only).
+            assert feed.take() == [Change(POOL, UNSURE, ())] * 2
             os.kill(replica_pair.replica.pid, signal.SIGCONT)
             await _store(backend, POOL, ["b"])
             assert feed.take() == [Change(POOL, STORED, ("b",))]

@@ -16,6 +16,14 @@ run as a new topic and sequence numbers from 0 again; the run's first batches ar
 ``restart-recovery``. Changes made meanwhile are held and published right after, so a
 subscriber that applies the run in order ends with the pools' state.
 
+A pool the backend reports ``UNSURE`` (a Redis call that failed after it was sent: Redis may
+have run it without anyone announcing it) is stated again the same way, alone, with reason
+``resync``: once the backend has settled the pool's earlier changes (``settle_changes``, so no
+older change follows the pool's new state), everything queued is sent, then the pool's
+``AllBlocksCleared`` and ``BlockStored`` of what it holds, the changes made meanwhile after.
+Pools are resynced one at a time; while the backend does not answer, the pool waits and is
+tried again, so the subscribers' view converges once Redis is back.
+
 SGLang's parent block: the reserve request names each key's prefix key (``note_reserve``); it
 is kept per pool until the key's confirm is published, within ``_PREFIX_CAP`` keys overall
 (the oldest are forgotten first: their events then carry no parent). A reserve whose keys form
@@ -59,7 +67,15 @@ from kvmeta.events.wire import (
     hash_body,
     sglang_hash,
 )
-from kvmeta.store.changes import CLEARED, REASON_RESTART, REMOVED, STORED, Change
+from kvmeta.store.changes import (
+    CLEARED,
+    REASON_RESTART,
+    REASON_RESYNC,
+    REMOVED,
+    STORED,
+    UNSURE,
+    Change,
+)
 
 __all__ = ["LAG_BUCKETS", "EventStats", "Publisher", "bindable"]
 
@@ -92,6 +108,11 @@ _SECOND = itemgetter(1)
 # Python ``send`` wrapper check arguments these calls do not use (2.8 against 5.9 us a batch).
 _SEND_FRAME = zmq.backend.Socket.send
 _MORE = zmq.SNDMORE | zmq.NOBLOCK
+# A pool resync that failed (the backend did not answer) is tried again after this many
+# seconds, doubling up to the second value; and a pool resynced waits this long before another
+# pass (a backend failing every call must not have the publisher dump its pools back to back).
+_RESYNC_RETRY = (0.2, 5.0)
+_RESYNC_PAUSE = 0.5
 # Seconds from a change reaching the publisher to its batch being sent.
 LAG_BUCKETS: tuple[float, ...] = (0.0001, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.02, 0.05, 0.1, 0.5)
 
@@ -104,6 +125,8 @@ class EventStats:
     blocks: int = 0
     batches: int = 0
     resyncs: int = 0
+    pool_resyncs: int = 0
+
     lag_count: int = 0
     lag_sum: float = 0.0
     lag_max: float = 0.0
@@ -196,6 +219,13 @@ class Publisher:
         self._stored_keys = 0
         # Per pool, the rest of the kept run its last removal took in part (its keys, hashes).
         self._partial: dict[PoolId, tuple[tuple[str, ...], bytes]] = {}
+        # Pools reported UNSURE, waiting to be stated again (``_resync_unsure``), the task
+        # doing it, and the backend it reads (known from ``resync``); resyncs take turns.
+        self._unsure: dict[PoolId, None] = {}
+        self._unsure_task: asyncio.Task[None] | None = None
+        self._backend: Any = None
+        self._resync_lock = asyncio.Lock()
+        self._closed = False
 
     # ------------------------------------------------------------------ inputs
 
@@ -333,13 +363,11 @@ class Publisher:
         pool, kind, keys, reason = change
         out = self._pending
         enc = self.encoder
+        if kind == UNSURE:
+            self._doubt(pool)
+            return
         if kind == CLEARED:
-            self._chains.pop(pool, None)
-            self._prefixes.pop(pool, None)
-            self._partial.pop(pool, None)
-            dropped = self._stored.pop(pool, None)
-            if dropped:
-                self._stored_keys -= sum(len(run) for run, _ in dropped.values())
+            self._forget(pool)
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
         if not keys:
@@ -473,6 +501,13 @@ class Publisher:
 
     async def resync(self, backend: Any) -> None:
         """Publish what the backend holds (see the module docstring); live changes wait."""
+        self._backend = backend
+        async with self._resync_lock:
+            await self._resync_all(backend)
+        if self._unsure:
+            self._doubt(next(iter(self._unsure)))  # reported before the backend was known
+
+    async def _resync_all(self, backend: Any) -> None:
         self._holding = True
         started = time.perf_counter()
         pools = 0
@@ -514,11 +549,100 @@ class Publisher:
             self.run,
         )
 
-    def _resync_stored(self, pool: PoolId, keys: list[str]) -> Event:
+    def _resync_stored(self, pool: PoolId, keys: list[str], reason: str = REASON_RESTART) -> Event:
         if pool.dialect == "s":
-            return self.encoder.stored(pool, _hashes(keys), None, keys, None, REASON_RESTART)
+            return self.encoder.stored(pool, _hashes(keys), None, keys, None, reason)
         hashes = list(map(str.encode, keys))
-        return self.encoder.stored(pool, hashes, None, (), None, REASON_RESTART)
+        return self.encoder.stored(pool, hashes, None, (), None, reason)
+
+    # ------------------------------------------------------------------ unsure pools
+
+    def _doubt(self, pool: PoolId) -> None:
+        """Queue ``pool`` for a resync (the module docstring) and make sure one runs."""
+        self._unsure[pool] = None
+        if self._closed or self._loop is None or self._backend is None:
+            return
+        if self._unsure_task is None or self._unsure_task.done():
+            self._unsure_task = self._loop.create_task(self._resync_unsure())
+
+    async def _resync_unsure(self) -> None:
+        delay = _RESYNC_RETRY[0]
+        while self._unsure:
+            pool = next(iter(self._unsure))
+            del self._unsure[pool]
+            try:
+                async with self._resync_lock:
+                    await self._resync_pool(pool)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the backend did not answer: try again later
+                self._unsure[pool] = None
+                logger.warning(
+                    "events: cannot read %s back for its resync (%s); trying again in %.1f s",
+                    pool,
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RESYNC_RETRY[1])
+                continue
+            delay = _RESYNC_RETRY[0]
+            await asyncio.sleep(_RESYNC_PAUSE)
+
+    async def _resync_pool(self, pool: PoolId) -> None:
+        """State ``pool`` again: what it holds now, after everything older was sent."""
+        backend = self._backend
+        await backend.settle_changes(pool)
+        self.flush()  # every older change first: none may follow the pool's new state
+        self._holding = True
+        keys_sent = 0
+        try:
+            enc = self.encoder
+            events: list[Event] = [enc.cleared(pool, REASON_RESYNC)]
+            blocks = 0
+            cursor = ""
+            try:
+                while True:
+                    keys, cursor = await backend.dump(pool, cursor, _DUMP_PAGE)
+                    if keys:
+                        events.append(self._resync_stored(pool, keys, REASON_RESYNC))
+                        blocks += len(keys)
+                    if len(events) >= 8 or (events and not cursor):
+                        self._send(events, blocks, 0.0)
+                        keys_sent += blocks
+                        events, blocks = [], 0
+                    if not cursor:
+                        break
+            except NotInitialized:  # the pool is gone: it holds nothing
+                if events:
+                    self._send(events, blocks, 0.0)
+            self.stats.pool_resyncs += 1
+        finally:
+            self._holding = False
+            self.flush()
+        logger.warning(
+            "events: %s stated again (%d key(s)) after a backend call that may have changed it "
+            "failed without a reply",
+            pool,
+            keys_sent,
+        )
+
+    def _forget(self, pool: PoolId) -> None:
+        """Drop what is kept of ``pool``'s events (its parents and published hash arrays)."""
+        self._chains.pop(pool, None)
+        self._prefixes.pop(pool, None)
+        self._partial.pop(pool, None)
+        dropped = self._stored.pop(pool, None)
+        if dropped:
+            self._stored_keys -= sum(len(run) for run, _ in dropped.values())
+
+    async def cancel_resyncs(self) -> None:
+        """Stop resyncing unsure pools (at shutdown, before the backend closes)."""
+        self._closed = True
+        task = self._unsure_task
+        if task is not None and not task.done():
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
 
     # ------------------------------------------------------------------ lifecycle
 

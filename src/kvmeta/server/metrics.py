@@ -526,6 +526,11 @@ class _EventMetrics:
             ("kvmeta_events_batches", "event batches (ZeroMQ messages) published", st.batches),
             ("kvmeta_events_replay_requests", "replay requests answered", st.replay_requests),
             ("kvmeta_events_resyncs", "resyncs published after a start", st.resyncs),
+            (
+                "kvmeta_events_pool_resyncs",
+                "pools stated again after a backend call failed without a reply",
+                st.pool_resyncs,
+            ),
         ):
             yield CounterMetricFamily(name, help_, value=value)
         lag = HistogramMetricFamily(

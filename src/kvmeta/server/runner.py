@@ -207,6 +207,8 @@ async def run(
         for task in tasks:
             task.cancel()
         await asyncio.gather(*tasks, return_exceptions=True)
+        if publisher is not None:
+            await publisher.cancel_resyncs()
         await server.shutdown()
         await backend.close()
         if publisher is not None:

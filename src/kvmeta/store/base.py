@@ -242,6 +242,13 @@ class Backend(Protocol):
         Raises ``NotInitialized`` for a pool that does not exist."""
         ...
 
+    async def settle_changes(self, pool: PoolId) -> None:
+        """Return once every change of ``pool`` made before this call has been reported (or
+        reported ``UNSURE``), so that a ``dump`` begun now is not followed by an older change.
+        Immediate where changes are reported in the order they are made (this process's
+        state); the Redis backend waits for its calls in flight (``store.redis_feed``)."""
+        ...
+
     async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
         """How many of ``keys``, from the first, are stored (stops at the first miss): what a
         router asks. A pure read: no LRU touch, no counter, no lease, so routers polling it

@@ -7,6 +7,11 @@ operation once they are durable by its own rule: memory at once; a data director
 journal records holding them are fsynced; Redis once the script (and the replica wait, when
 ``--min-replicas-ack`` is set) answered. Calls come on the event loop, in the order the changes
 were made, and the listener must not block or raise.
+
+A backend whose call can fail without saying whether it changed anything (Redis: the script was
+sent, then the connection failed or the replica wait fell short; Redis may have run it, or run
+it later) reports ``UNSURE`` for that pool instead of guessing: the listener must read the
+pool again (``Backend.settle_changes``, then ``Backend.dump``) to know what it holds.
 """
 
 from __future__ import annotations
@@ -23,8 +28,10 @@ __all__ = [
     "REASON_DELETE",
     "REASON_DROP",
     "REASON_RESTART",
+    "REASON_RESYNC",
     "REMOVED",
     "STORED",
+    "UNSURE",
     "Change",
     "ChangeListener",
 ]
@@ -32,12 +39,14 @@ __all__ = [
 STORED = "stored"  # keys confirmed: readable from now on
 REMOVED = "removed"  # keys no longer stored (their pages may be written again)
 CLEARED = "cleared"  # every key of the pool removed at once (``keys`` is empty)
+UNSURE = "unsure"  # a call may have changed the pool without a reply saying how (``keys`` empty)
 
 REASON_CAPACITY = "capacity"  # evicted (LRU) to make room
 REASON_DELETE = "delete"  # an explicit delete
 REASON_CLEAR = "clear"  # a clear of the pool
 REASON_DROP = "drop"  # the pool itself went away (a vLLM rank deregistered)
 REASON_RESTART = "restart-recovery"  # a subscriber's resync after a restart (publisher only)
+REASON_RESYNC = "resync"  # a pool stated again after an UNSURE change (publisher only)
 
 
 class Change(NamedTuple):
@@ -45,8 +54,8 @@ class Change(NamedTuple):
     is set, so it is built in C, about 5x cheaper than a frozen dataclass)."""
 
     pool: PoolId
-    kind: str  # STORED | REMOVED | CLEARED
-    keys: tuple[str, ...]  # STORED/REMOVED: the keys, in the order they changed; CLEARED: ()
+    kind: str  # STORED | REMOVED | CLEARED | UNSURE
+    keys: tuple[str, ...]  # STORED/REMOVED: the keys, in the order they changed; else ()
     reason: str = ""  # REMOVED/CLEARED: one of the REASON_* values; STORED: ""
 
 

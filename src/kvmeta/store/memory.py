@@ -478,6 +478,9 @@ class MemoryBackend:
     async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
         return self.store.dump(pool, cursor, limit)
 
+    async def settle_changes(self, pool: PoolId) -> None:
+        return None
+
     async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
         return self.store.prefix_length(pool, keys)
 

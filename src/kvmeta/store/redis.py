@@ -410,6 +410,14 @@ class RedisBackend:
             await self._pool_exists(pool)
         return out, "" if nxt == "0" else nxt
 
+    async def settle_changes(self, pool: PoolId) -> None:
+        """The pool's change counter (meta ``chg``) read now, then ``ChangeSequencer.settle``."""
+        if self._feed.listener is None:
+            return
+        meta = pool_keys(pool)[0]
+        counter = await self._command(meta, "HGET", meta, "chg")
+        await self._feed.settle(pool, int(counter or 0))
+
     async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
         """One ``HMGET`` of the pool's stored hash (a plain command: no script, no counter,
         no LRU touch, no lease); the pool's existence is read only when no key matched.
@@ -907,7 +915,9 @@ class RedisBackend:
         try:
             reply = await self._run(script, keys, [*args, "1"])
         except BaseException:
-            self._feed.end(ticket)
+            # Sent, perhaps run (a lost reply, a replica wait that fell short, a script error
+            # after some writes, a cancelled caller): the pool is reported UNSURE.
+            self._feed.end(ticket, unsure=True)
             raise
         if reply and isinstance(reply[-1], list):
             fed = reply.pop()

@@ -17,13 +17,14 @@ in flight when it arrived have answered (or failed): never behind calls started 
 
 from __future__ import annotations
 
+import asyncio
 import heapq
 import logging
 from dataclasses import dataclass, field
 from itertools import count
 
 from kvmeta._types import PoolId
-from kvmeta.store.changes import Change, ChangeListener
+from kvmeta.store.changes import UNSURE, Change, ChangeListener
 
 __all__ = ["ChangeSequencer", "Ticket"]
 
@@ -36,6 +37,7 @@ class Ticket:
 
     pool: PoolId
     floor: int  # the highest change counter of the pool seen when the call started
+    done: bool = False
 
 
 @dataclass(slots=True)
@@ -61,11 +63,19 @@ class ChangeSequencer:
         state.inflight.append(ticket)
         return ticket
 
-    def end(self, ticket: Ticket, counter: int | None = None, change: Change | None = None) -> None:
+    def end(
+        self,
+        ticket: Ticket,
+        counter: int | None = None,
+        change: Change | None = None,
+        unsure: bool = False,
+    ) -> None:
         """The call answered (``counter``/``change``: what it changed) or failed (None: nothing
-        to announce, for a failed call may not have been made durable)."""
+        to announce, for a failed call may not have been made durable; ``unsure``: it may have
+        changed the pool all the same, reported ``UNSURE`` after what is ready)."""
         state = self._pools[ticket.pool]
         state.inflight.remove(ticket)
+        ticket.done = True
         if counter is not None:
             state.floor = max(state.floor, counter)
             if change is not None:
@@ -77,6 +87,8 @@ class ChangeSequencer:
         if not state.inflight and not state.pending:
             # Forgetting the floor is safe: a later call starting from 0 only holds more.
             del self._pools[ticket.pool]
+        if unsure:
+            ready.append(Change(ticket.pool, UNSURE, ()))
         if ready and self.listener is not None:
             try:
                 self.listener(ready)
@@ -84,6 +96,19 @@ class ChangeSequencer:
                 logger.exception(
                     "change listener failed on %d change(s) of %s", len(ready), ticket.pool
                 )
+
+    async def settle(self, pool: PoolId, counter: int) -> None:
+        """``counter``: the pool's change counter, read from Redis just now. Return once every
+        change of this server up to it has been delivered (or reported unsure): the calls sent
+        from now on take higher counters (``counter`` becomes the pool's floor), so only the
+        calls in flight now can hold one, and they end within the backend's retry bound."""
+        state = self._pools.get(pool)
+        if state is None:
+            return
+        state.floor = max(state.floor, counter)
+        waiting = list(state.inflight)
+        while not all(ticket.done for ticket in waiting):
+            await asyncio.sleep(0.005)
 
     def held(self) -> int:
         """Changes waiting for an earlier call (tests, diagnostics)."""
