@@ -58,6 +58,7 @@ import zmq
 
 from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized
+from kvmeta.events.listen import ListenGuard
 from kvmeta.events.replay import ReplayBuffer, ReplayServer
 from kvmeta.events.wire import (
     Encoder,
@@ -126,6 +127,12 @@ class EventStats:
     batches: int = 0
     resyncs: int = 0
     pool_resyncs: int = 0
+    guards: list[ListenGuard] = field(default_factory=list)
+
+    @property
+    def listen_pauses(self) -> int:
+        """Times an event socket stopped listening, short of descriptors (``events.listen``)."""
+        return sum(g.pauses for g in self.guards)
 
     lag_count: int = 0
     lag_sum: float = 0.0
@@ -231,8 +238,13 @@ class Publisher:
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        guards = [ListenGuard(self.pub, self.endpoint, "--events")]
         if self.replay is not None:
             self.replay.start(loop)
+            guards.append(ListenGuard(self.replay.sock, self.replay.endpoint, "--events-replay"))
+        for guard in guards:
+            guard.start(loop)
+        self.stats.guards = guards
         self._schedule()  # changes reported before the loop was known
 
     def on_changes(self, changes: list[Change]) -> None:
@@ -650,6 +662,8 @@ class Publisher:
         """Send what is queued, then close the sockets (waiting up to 1 s for slow readers)."""
         self._holding = False
         self.flush()
+        for guard in self.stats.guards:
+            guard.close()
         if self.replay is not None:
             self.replay.close()
         self.pub.close()

@@ -531,6 +531,11 @@ class _EventMetrics:
                 "pools stated again after a backend call failed without a reply",
                 st.pool_resyncs,
             ),
+            (
+                "kvmeta_events_listen_pauses",
+                "times an event socket stopped listening, the process short of descriptors",
+                st.listen_pauses,
+            ),
         ):
             yield CounterMetricFamily(name, help_, value=value)
         lag = HistogramMetricFamily(

@@ -1,0 +1,181 @@
+"""Keeping the event sockets from using up the process's file descriptors, and from spinning
+when they are used up.
+
+Two libzmq behaviours make a flood of connections to ``--events`` dangerous. Its TCP listener
+does not back off when ``accept`` fails: with no descriptor left (``EMFILE``) the pending
+connection stays queued, the listener is woken again at once, and ZeroMQ's I/O thread takes a
+whole core until a descriptor is freed (measured: 2.0 s of CPU in 2 s). And binding while no
+descriptor is left aborts the process (an assertion in its address resolver). Meanwhile the
+journal and the HTTP server have no descriptor either (the HTTP server keeps a reserve from its
+own connections, ``server.runner.connection_cap``; ZeroMQ's do not count against it).
+
+So ``ListenGuard`` watches the socket's monitor: when an accepted connection leaves fewer than
+``LOW`` descriptors free, or an accept failed, it stops listening (``unbind``, which also
+closes the connections accepted there, freeing their descriptors), and listens again once
+``HIGH`` are free, checked every ``PAUSE`` seconds: never binding short of descriptors.
+Subscribers reconnect by themselves (ZeroMQ retries every 100 ms) and catch up by replay.
+Linux only (the count is ``/proc/self/fd``); elsewhere the guard does nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import errno
+import logging
+import os
+import resource
+
+import zmq
+from zmq.utils.monitor import recv_monitor_message
+
+__all__ = ["HIGH", "LOW", "PAUSE", "ListenGuard", "free_descriptors"]
+
+logger = logging.getLogger(__name__)
+
+# Free descriptors below which the listener stops, and above which it listens again: half and
+# three quarters of the reserve the HTTP server keeps (``server.runner._FD_RESERVE``).
+LOW = 32
+HIGH = 48
+# Seconds between checks while not listening.
+PAUSE = 1.0
+# The monitor's file descriptor signals edges only: a periodic look catches a missed one.
+_SAFETY_POLL = 0.5
+# Monitor events read per wake-up at most (the rest wait for the next one).
+_DRAIN = 256
+_FD_DIR = "/proc/self/fd"
+_EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED
+
+
+def free_descriptors() -> int:
+    """Descriptors this process may still open (0 when it cannot even list them)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    try:
+        used = len(os.listdir(_FD_DIR))
+    except OSError:
+        return 0
+    if soft == resource.RLIM_INFINITY:
+        return 1 << 20
+    return max(0, soft - used)
+
+
+class ListenGuard:
+    """Watches ``sock`` (bound at ``endpoint``, resolved: ``LAST_ENDPOINT``) on ``loop``."""
+
+    def __init__(self, sock: zmq.Socket[bytes], endpoint: str, what: str) -> None:
+        self.sock = sock
+        self.endpoint = endpoint
+        self.what = what
+        self.failures = 0  # accepts that failed
+        self.pauses = 0  # times the listener was stopped
+        self.listening = True
+        self.enabled = os.path.isdir(_FD_DIR)
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._fd = -1
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._tick_timer: asyncio.TimerHandle | None = None
+        self._listen_timer: asyncio.TimerHandle | None = None
+
+    def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        if not self.enabled:
+            return
+        self._loop = loop
+        self._monitor = self.sock.get_monitor_socket(_EVENTS)
+        self._fd = int(self._monitor.getsockopt(zmq.FD))
+        loop.add_reader(self._fd, self._drain)
+        self._tick()
+
+    def _tick(self) -> None:
+        self._drain()
+        assert self._loop is not None
+        self._tick_timer = self._loop.call_later(_SAFETY_POLL, self._tick)
+
+    def _drain(self) -> None:
+        """Read the monitor's events (at most ``_DRAIN`` a call: a spinning listener makes
+        them faster than they are read) and stop listening when descriptors run short."""
+        monitor = self._monitor
+        if monitor is None:
+            return
+        accepted = False
+        for _ in range(_DRAIN):
+            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
+                break
+            try:
+                event = recv_monitor_message(monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                break
+            if event["event"] == zmq.EVENT_ACCEPT_FAILED:
+                self.failures += 1
+                self._pause(os.strerror(int(event["value"])), int(event["value"]))
+            else:
+                accepted = True
+        if accepted and self.listening:
+            free = free_descriptors()
+            if free < LOW:
+                self._pause(f"{free} file descriptors left", errno.EMFILE)
+
+    def _pause(self, why: str, code: int) -> None:
+        if not self.listening:
+            return
+        try:
+            self.sock.unbind(self.endpoint)
+        except zmq.ZMQError as exc:  # pragma: no cover - an endpoint this guard bound
+            logger.error("events: cannot stop listening on %s: %s", self.endpoint, exc)
+            return
+        self.listening = False
+        self.pauses += 1
+        hint = (
+            " (the process is short of file descriptors: raise ulimit -n, or find what holds "
+            "so many connections)"
+            if code in (errno.EMFILE, errno.ENFILE)
+            else ""
+        )
+        logger.warning(
+            "events: not accepting connections on %s %s: %s%s; its subscribers were "
+            "disconnected (they reconnect and catch up by replay); listening again once %d "
+            "descriptors are free",
+            self.what,
+            self.endpoint,
+            why,
+            hint,
+            HIGH,
+        )
+        assert self._loop is not None
+        self._listen_timer = self._loop.call_later(PAUSE, self._listen)
+
+    def _listen(self) -> None:
+        assert self._loop is not None
+        if free_descriptors() < HIGH:  # (libzmq aborts when a bind finds none)
+            self._listen_timer = self._loop.call_later(PAUSE, self._listen)
+            return
+        try:
+            self.sock.bind(self.endpoint)
+        except zmq.ZMQError as exc:
+            logger.warning(
+                "events: cannot listen on %s %s again (%s); trying again in %.0f s",
+                self.what,
+                self.endpoint,
+                exc,
+                PAUSE,
+            )
+            self._listen_timer = self._loop.call_later(PAUSE, self._listen)
+            return
+        self.listening = True
+        logger.info("events: listening on %s %s again", self.what, self.endpoint)
+
+    def close(self) -> None:
+        for timer in (self._tick_timer, self._listen_timer):
+            if timer is not None:
+                timer.cancel()
+        if self._monitor is None:
+            return
+        if self._loop is not None:
+            try:
+                self._loop.remove_reader(self._fd)
+            except (OSError, ValueError):
+                pass
+        try:
+            self.sock.disable_monitor()
+        except zmq.ZMQError:
+            pass
+        self._monitor.close(0)
+        self._monitor = None
