@@ -79,6 +79,7 @@ class Settings:
     events_replay: str | None = None
     events_buffer: int = 10_000
     events_buffer_mb: int = 256
+    events_queue: int = 1_000
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
     # router reads: prefix_match by block hashes (see core/hash_index.py)
@@ -277,6 +278,13 @@ OPTIONS: tuple[Option, ...] = (
         "events_buffer_mb",
         "MiB of event batches kept for replay at most (with --events-replay; whichever of "
         "this and --events-buffer is reached first)",
+        _positive_int,
+    ),
+    Option(
+        "events_queue",
+        "event batches queued for a subscriber that is not reading, at most; beyond them it "
+        "misses batches (it sees a gap in sequence numbers and replays) rather than the "
+        "server holding them all in memory",
         _positive_int,
     ),
     Option(

@@ -179,6 +179,7 @@ class Publisher:
         replay_endpoint: str | None = None,
         buffer: int = 10_000,
         buffer_bytes: int = 256 << 20,
+        queue: int = 1_000,
         encoding: str = "map",
         medium: str = "EXTERNAL",
         epoch: str = "",
@@ -192,7 +193,10 @@ class Publisher:
         self.seq = 0
         self._ctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.pub: zmq.Socket[bytes] = self._ctx.socket(zmq.PUB)
-        self.pub.setsockopt(zmq.SNDHWM, 100_000)
+        # Batches ZeroMQ queues for each subscriber (``--events-queue``): one that stops
+        # reading misses later batches (and replays them) instead of the server keeping every
+        # batch for it (a stalled subscriber grew the server by 5 MB/s at the batch-64 cycle).
+        self.pub.setsockopt(zmq.SNDHWM, queue)
         self.pub.setsockopt(zmq.LINGER, 1000)
         self.replay: ReplayServer | None = None
         try:

@@ -237,6 +237,7 @@ def _start_events(
             replay_endpoint=settings.events_replay,
             buffer=settings.events_buffer,
             buffer_bytes=settings.events_buffer_mb << 20,
+            queue=settings.events_queue,
             encoding=settings.events_format,
             medium=settings.events_medium,
             epoch=backend.epoch,
