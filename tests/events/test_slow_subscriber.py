@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import time
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -71,5 +72,61 @@ def test_a_subscriber_that_stops_reading_misses_batches_beyond_its_queue_then_re
         assert set(missing) <= set(again)
     finally:
         sub.close(0)
+        ctx.term()
+        server.stop()
+
+
+def _rss_bytes(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmRSS")
+
+
+def _gauge(server: ServerProcess, name: str) -> float:
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
+def test_replay_requests_that_are_never_read_do_not_copy_the_buffer() -> None:
+    """Each answer queued for a requester that does not read refers to the buffer's batches:
+    eight such requests used to hold eight copies of the whole buffer in the server."""
+    server = ServerProcess(
+        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
+        "--events-replay", "tcp://127.0.0.1:0",
+    ).start()  # fmt: skip
+    ctx: zmq.Context[Any] = zmq.Context()
+    socks: list[zmq.Socket[Any]] = []
+    try:
+        ends = endpoints(server)
+        assert ends.replay is not None
+        url = server.url
+        assert requests.post(f"{url}/0/initialize", json={"num_pages": 1 << 18}, timeout=30).ok
+        for round_ in range(80):
+            _confirm(url, round_)
+        time.sleep(0.5)
+        kept = _gauge(server, "kvmeta_events_replay_buffer_bytes")
+        assert kept > 8 << 20
+        before = _rss_bytes(server.pid)
+        for _ in range(8):
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.RCVHWM, 1)
+            dealer.setsockopt(zmq.RCVBUF, 1 << 16)
+            dealer.connect(ends.replay)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            socks.append(dealer)
+        deadline = time.monotonic() + 30
+        while _gauge(server, "kvmeta_events_replay_requests_total") < 8:
+            assert time.monotonic() < deadline, "the replays were not answered"
+            time.sleep(0.1)
+        time.sleep(1.0)
+        grown = _rss_bytes(server.pid) - before
+        assert grown < kept, (
+            f"the server grew by {grown >> 20} MiB for a {int(kept) >> 20} MiB buffer"
+        )
+    finally:
+        for sock in socks:
+            sock.close(0)
         ctx.term()
         server.stop()

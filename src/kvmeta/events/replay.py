@@ -124,8 +124,12 @@ class ReplayServer:
         try:
             for seq, topic, payload in self.buffer:
                 if seq >= start:
+                    # Zero-copy: the queued answer refers to the buffer's payloads. Copied, a
+                    # requester that does not read held a copy of the whole buffer (up to
+                    # --events-buffer-mb) in the server, per request (measured: 8 unread
+                    # replays of a 55 MB buffer added 444 MB).
                     sock.send_multipart(
-                        [*head, topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK
+                        [*head, topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK, copy=False
                     )
             sock.send_multipart([*head, b"", END_MARKER, b""], zmq.NOBLOCK)
         except zmq.Again:
