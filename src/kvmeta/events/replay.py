@@ -8,8 +8,13 @@ live stream), then the end marker ``b"", -1 as 8 bytes signed big-endian, b""``.
 than the buffer are gone: when the first sequence answered is above N, the subscriber missed
 some and must rebuild from ``GET /v1/dump`` (docs/events.md).
 
-It runs on the event loop: a replay is a loop of non-blocking sends of buffered bytes, and the
-socket's high-water mark holds a whole buffer plus its marker.
+It runs on the event loop: a replay is non-blocking sends of buffered bytes, ``_SLICE`` batches
+per turn of the loop (a whole buffer at once kept every HTTP request waiting 0.2 s), and the
+socket's high-water mark holds a whole buffer plus its marker. Payloads are sent without a copy
+(the queued answer refers to the buffer's bytes): copied, a requester that does not read held a
+copy of the whole buffer in the server, per request (8 unread replays of a 55 MB buffer added
+444 MB). A batch that leaves the buffer while an answer is under way ends that answer early
+(its marker follows the last batch sent): the subscriber sees the gap and asks again.
 
 The buffer (``ReplayBuffer``) exists only with a replay socket: nobody could read it
 otherwise, and a batch kept is memory that is never reused until it leaves the buffer (at the
@@ -25,6 +30,7 @@ import asyncio
 import logging
 from collections import deque
 from collections.abc import Iterator
+from itertools import islice
 
 import zmq
 
@@ -35,6 +41,9 @@ logger = logging.getLogger(__name__)
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
 # The socket's readiness is edge-triggered; a periodic look catches a missed edge.
 _SAFETY_POLL = 1.0
+# Batches sent per turn of the event loop in a replay answer.
+_SLICE = 64
+_MORE = zmq.SNDMORE | zmq.NOBLOCK
 
 
 class ReplayBuffer:
@@ -63,6 +72,17 @@ class ReplayBuffer:
     def __iter__(self) -> Iterator[tuple[int, bytes, bytes]]:
         return iter(self._items)
 
+    def since(self, seq: int) -> Iterator[tuple[int, bytes, bytes]]:
+        """The batches from sequence number ``seq`` on (the buffer's are consecutive)."""
+        items = self._items
+        if not items:
+            return iter(())
+        return islice(items, max(0, seq - items[0][0]), None)
+
+    def first(self) -> int | None:
+        """The oldest sequence number kept (None: empty)."""
+        return self._items[0][0] if self._items else None
+
     def __len__(self) -> int:
         return len(self._items)
 
@@ -81,6 +101,7 @@ class ReplayServer:
         self.sock: zmq.Socket[bytes] = ctx.socket(zmq.ROUTER)
         self.sock.setsockopt(zmq.SNDHWM, 2 * (buffer.batches + 1))
         self.sock.setsockopt(zmq.LINGER, 0)
+        self.sock.copy_threshold = 0  # ``copy=False`` never copies (pyzmq copies below 64 KB)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
         self._fd = int(self.sock.getsockopt(zmq.FD))
@@ -120,17 +141,27 @@ class ReplayServer:
             return
         start = int.from_bytes(wanted, "big", signed=True)
         self.requests += 1
+        self._send_from(head, max(start, 0), True)
+
+    def _send_from(self, head: list[bytes], start: int, first: bool) -> None:
+        """Send the batches from ``start``, ``_SLICE`` of them, then the rest on the loop's
+        next turn; the marker once the newest was sent (or the next one left the buffer)."""
         sock = self.sock
+        send = sock.send
         try:
-            for seq, topic, payload in self.buffer:
-                if seq >= start:
-                    # Zero-copy: the queued answer refers to the buffer's payloads. Copied, a
-                    # requester that does not read held a copy of the whole buffer (up to
-                    # --events-buffer-mb) in the server, per request (measured: 8 unread
-                    # replays of a 55 MB buffer added 444 MB).
-                    sock.send_multipart(
-                        [*head, topic, seq.to_bytes(8, "big"), payload], zmq.NOBLOCK, copy=False
-                    )
+            oldest = self.buffer.first()
+            if first or oldest is None or oldest <= start:
+                sent = 0
+                for seq, topic, payload in self.buffer.since(start):
+                    if sent == _SLICE and self._loop is not None:
+                        self._loop.call_soon(self._send_from, head, seq, False)
+                        return
+                    for frame in head:
+                        send(frame, _MORE)
+                    send(topic, _MORE)
+                    send(seq.to_bytes(8, "big"), _MORE)
+                    send(payload, zmq.NOBLOCK, copy=False)
+                    sent += 1
             sock.send_multipart([*head, b"", END_MARKER, b""], zmq.NOBLOCK)
         except zmq.Again:
             logger.warning("replay answer cut short: the subscriber is not reading")
