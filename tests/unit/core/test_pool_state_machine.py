@@ -9,6 +9,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvmeta.core import FREE, STORED, Pool, check_pool
+from kvmeta.core import pool as pool_module
 from kvmeta.errors import InvalidRequest
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
@@ -147,4 +148,33 @@ class WithholdingPoolMachine(PoolMachine):
 TestWithholdingPoolMachine = WithholdingPoolMachine.TestCase
 TestWithholdingPoolMachine.settings = settings(
     max_examples=200, stateful_step_count=40, deadline=None
+)
+
+
+class CompactingPoolMachine(PoolMachine):
+    """The same with the lease queue compacted at every reserve (``_QUEUE_SLACK`` 0): a
+    compaction must keep every live lease where its expiry finds it, or a reserved page whose
+    writer vanished would never be freed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._slack = pool_module._QUEUE_SLACK
+        pool_module._QUEUE_SLACK = 0
+
+    def teardown(self) -> None:
+        pool_module._QUEUE_SLACK = self._slack
+
+    @invariant()
+    def every_lease_is_queued_under_its_deadline(self) -> None:
+        queue = self.pool._res_queue
+        assert self.pool._queued == sum(len(pages) for _, pages in queue)
+        queued = {(deadline, page) for deadline, pages in queue for page in pages}
+        for page, deadline in self.pool._res_deadline.items():
+            assert (deadline, page) in queued
+        assert self.pool._queued <= 2 * len(self.pool._res_deadline) + 8  # (one reserve's)
+
+
+TestCompactingPoolMachine = CompactingPoolMachine.TestCase
+TestCompactingPoolMachine.settings = settings(
+    max_examples=300, stateful_step_count=40, deadline=None
 )
