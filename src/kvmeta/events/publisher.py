@@ -532,26 +532,8 @@ class Publisher:
             enc = self.encoder
             self._send([enc.cleared(None, REASON_RESTART)], 0, 0.0)
             for st in await backend.stats():
-                pool = st.pool
-                events: list[Event] = [enc.cleared(pool, REASON_RESTART)]
-                blocks = 0
-                cursor = ""
-                try:
-                    while True:
-                        keys, cursor = await backend.dump(pool, cursor, _DUMP_PAGE)
-                        if keys:
-                            events.append(self._resync_stored(pool, keys))
-                            blocks += len(keys)
-                        if len(events) >= 8 or (events and not cursor):
-                            self._send(events, blocks, 0.0)
-                            keys_sent += blocks
-                            events, blocks = [], 0
-                        if not cursor:
-                            break
-                except NotInitialized:  # removed meanwhile: its drop is among the held changes
-                    if events:
-                        self._send(events, blocks, 0.0)
-                        keys_sent += blocks
+                # (a pool removed meanwhile: its drop is among the held changes)
+                keys_sent += await self._state_pool(backend, st.pool, REASON_RESTART)
                 pools += 1
             self.stats.resyncs += 1
         finally:
@@ -565,7 +547,31 @@ class Publisher:
             self.run,
         )
 
-    def _resync_stored(self, pool: PoolId, keys: list[str], reason: str = REASON_RESTART) -> Event:
+    async def _state_pool(self, backend: Any, pool: PoolId, reason: str) -> int:
+        """Send ``pool``'s ``AllBlocksCleared`` and ``BlockStored`` of every key it holds (a
+        pool gone meanwhile holds nothing: its clear alone); the keys sent."""
+        events: list[Event] = [self.encoder.cleared(pool, reason)]
+        blocks = 0
+        sent = 0
+        cursor = ""
+        try:
+            while True:
+                keys, cursor = await backend.dump(pool, cursor, _DUMP_PAGE)
+                if keys:
+                    events.append(self._resync_stored(pool, keys, reason))
+                    blocks += len(keys)
+                if len(events) >= 8 or (events and not cursor):
+                    self._send(events, blocks, 0.0)
+                    sent += blocks
+                    events, blocks = [], 0
+                if not cursor:
+                    return sent
+        except NotInitialized:
+            if events:
+                self._send(events, blocks, 0.0)
+            return sent + blocks
+
+    def _resync_stored(self, pool: PoolId, keys: list[str], reason: str) -> Event:
         if pool.dialect == "s":
             return self.encoder.stored(pool, _hashes(keys), None, keys, None, reason)
         hashes = list(map(str.encode, keys))
@@ -611,27 +617,8 @@ class Publisher:
         await backend.settle_changes(pool)
         self.flush()  # every older change first: none may follow the pool's new state
         self._holding = True
-        keys_sent = 0
         try:
-            enc = self.encoder
-            events: list[Event] = [enc.cleared(pool, REASON_RESYNC)]
-            blocks = 0
-            cursor = ""
-            try:
-                while True:
-                    keys, cursor = await backend.dump(pool, cursor, _DUMP_PAGE)
-                    if keys:
-                        events.append(self._resync_stored(pool, keys, REASON_RESYNC))
-                        blocks += len(keys)
-                    if len(events) >= 8 or (events and not cursor):
-                        self._send(events, blocks, 0.0)
-                        keys_sent += blocks
-                        events, blocks = [], 0
-                    if not cursor:
-                        break
-            except NotInitialized:  # the pool is gone: it holds nothing
-                if events:
-                    self._send(events, blocks, 0.0)
+            keys_sent = await self._state_pool(backend, pool, REASON_RESYNC)
             self.stats.pool_resyncs += 1
         finally:
             self._holding = False
