@@ -162,3 +162,13 @@ def silent_server() -> Iterator[str]:
         for conn in accepted:
             conn.close()
         listener.close()
+
+
+def kvmeta_check(data: Path) -> subprocess.CompletedProcess[str]:
+    """``kvmeta check --data-dir data`` in another process, as an operator runs it."""
+    return subprocess.run(
+        [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
+        env={**os.environ, "PYTHONPATH": str(SRC)},
+        capture_output=True,
+        text=True,
+    )

@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import os
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -18,7 +17,7 @@ import pytest
 import requests
 
 from kvmeta.bench.procstat import children
-from tests.support import SRC, ServerProcess
+from tests.support import ServerProcess, kvmeta_check
 
 PAGES = 1 << 16
 KEY_PAD = "k" * 160  # long keys fill the journal quickly
@@ -47,6 +46,26 @@ def small_filesystem(path: Path, size: str = "2m") -> Iterator[Path]:
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
+
+
+def fill(fs: Path, leave: int = 400 * 1024) -> Path:
+    """Fill the file system ``fs`` but ``leave`` bytes (the journal fills those; a snapshot
+    fits once the filler is gone); the filler file, to unlink when space should return."""
+    free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
+    filler = fs / "filler"
+    filler.write_bytes(b"\0" * (free - leave))
+    return filler
+
+
+def resume_after_space(server: ServerProcess, driver: Driver, filler: Path) -> None:
+    """Free the space (``fill``) and wait until the server takes changes again: it recovers by
+    itself; then five rounds and a sync must succeed."""
+    filler.unlink()
+    until(lambda: is_ready(server), what="/ready after space was freed")
+    with requests.Session() as session:
+        for _ in range(5):
+            assert driver.round(session) == 204
+    sync(server)
 
 
 def sync(server: ServerProcess) -> None:
@@ -134,12 +153,7 @@ class Driver:
             assert not lost, f"{len(lost)} of {len(keys)} acknowledged confirms lost"
         finally:
             assert server.stop() == 0
-        check = subprocess.run(
-            [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
-            env={**os.environ, "PYTHONPATH": str(SRC)},
-            capture_output=True,
-            text=True,
-        )
+        check = kvmeta_check(data)
         assert check.returncode == 0, check.stdout + check.stderr
 
 
@@ -159,15 +173,6 @@ def cmdline(pid: int) -> bytes:
         return Path(f"/proc/{pid}/cmdline").read_bytes()
     except (FileNotFoundError, ProcessLookupError):
         return b""
-
-
-def kvmeta_check(data: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(data)],
-        env={**os.environ, "PYTHONPATH": str(SRC)},
-        capture_output=True,
-        text=True,
-    )
 
 
 def serve(data: Path, cwd: Path, fsync: str, *extra: str) -> ServerProcess:

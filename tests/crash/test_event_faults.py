@@ -22,21 +22,20 @@ from typing import Any
 
 import pytest
 import requests
-import zmq
 
 from kvmeta.store.recovery import list_data_dir
 from tests.crash.faults import (
     PAGES,
     Driver,
+    fill,
     helper_pid,
-    is_ready,
-    kvmeta_check,
+    resume_after_space,
     small_filesystem,
     sync,
     until,
 )
-from tests.events.events_support import Subscriber, endpoints, hashed, rebuild, replay
-from tests.support import ServerProcess
+from tests.events.events_support import Subscriber, endpoints, hashed, rebuild, resync_run
+from tests.support import ServerProcess, kvmeta_check
 
 pytestmark = pytest.mark.slow
 
@@ -83,20 +82,6 @@ def _index(messages: list[tuple[bytes, int, bytes]]) -> set[Any]:
 
 def _blocks(keys: set[str]) -> set[Any]:
     return hashed({POOL: keys}).get(POOL, set())
-
-
-def _resync(server: ServerProcess) -> list[tuple[bytes, int, bytes]]:
-    """The restarted server's run from its first batch (its resync), through the replay socket."""
-    ends = endpoints(server)
-    assert ends.replay is not None
-    server.wait_for_log("events: resync published", timeout=60)
-    ctx: zmq.Context[Any] = zmq.Context()
-    try:
-        run = replay(ctx, ends.replay, 0)
-    finally:
-        ctx.term()
-    assert run and run[0][1] == 0
-    return run
 
 
 def _segment(data: Path) -> Path:
@@ -154,7 +139,7 @@ def test_power_loss_undoes_nothing_that_was_announced(tmp_path: Path, fsync: str
         assert not held & set(late.acked) or fsync == "batch"
         # The resync states exactly what the store recovered, and it contains every block the
         # crashed run announced: a router that applies the new run ends with the store.
-        resynced = _index(_resync(server))
+        resynced = _index(resync_run(server))
         assert resynced == _blocks(held)
         assert _index(announced) <= resynced
     finally:
@@ -173,9 +158,7 @@ def test_disk_full_announces_no_refused_change_and_resumes_when_space_returns(
         try:
             with _subscribed(server) as sub:
                 assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
-                free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-                filler = fs / "filler"
-                filler.write_bytes(b"\0" * (free - 400 * 1024))
+                filler = fill(fs)
                 driver = Driver(server)
                 driver.until_refused()
                 assert "No space left on device" in driver.refusals[0]
@@ -190,12 +173,7 @@ def test_disk_full_announces_no_refused_change_and_resumes_when_space_returns(
                 assert refused, "no confirm was refused"
                 assert not _index(sub.messages) & _blocks(refused)
 
-                filler.unlink()
-                until(lambda: is_ready(server), what="/ready after space was freed")
-                with requests.Session() as session:
-                    for _ in range(5):
-                        assert driver.round(session) == 204
-                sync(server)
+                resume_after_space(server, driver, filler)
                 sub.wait_for(server)
                 held = _held(server, _all_keys(driver))
                 assert set(driver.acked) <= held
@@ -207,7 +185,7 @@ def test_disk_full_announces_no_refused_change_and_resumes_when_space_returns(
         try:
             held = _held(server, _all_keys(driver))
             assert set(driver.acked) <= held
-            resynced = _index(_resync(server))
+            resynced = _index(resync_run(server))
             assert resynced == _blocks(held) == _index(announced)
         finally:
             assert server.stop() == 0

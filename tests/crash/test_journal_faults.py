@@ -29,15 +29,16 @@ from tests.crash.faults import (
     PAGES,
     Driver,
     cmdline,
+    fill,
     helper_pid,
     is_ready,
-    kvmeta_check,
+    resume_after_space,
     serve,
     small_filesystem,
     sync,
     until,
 )
-from tests.support import SRC, ServerProcess
+from tests.support import SRC, ServerProcess, kvmeta_check
 
 pytestmark = pytest.mark.slow
 
@@ -69,20 +70,12 @@ def test_disk_full_refuses_changes_then_recovers_losing_nothing(tmp_path: Path, 
         ).start()
         try:
             assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
-            # Leave ~400 KB: the journal fills it, a snapshot fits once the filler is gone.
-            free = os.statvfs(fs).f_bavail * os.statvfs(fs).f_frsize
-            filler = fs / "filler"
-            filler.write_bytes(b"\0" * (free - 400 * 1024))
+            filler = fill(fs)
             driver = Driver(server)
             driver.until_refused()
             assert "No space left on device" in driver.refusals[0]
             _assert_failed_state(server, data, driver)
-            filler.unlink()
-            until(lambda: is_ready(server), what="/ready after space was freed")
-            with requests.Session() as session:
-                for _ in range(5):
-                    assert driver.round(session) == 204
-            sync(server)
+            resume_after_space(server, driver, filler)
             assert "recovered" in server.log
         finally:
             server.kill()  # kill -9: no final snapshot

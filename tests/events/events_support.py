@@ -137,6 +137,20 @@ def apply(state: dict[str, set[Any]], payload: bytes) -> None:
             state.setdefault(pool, set()).difference_update(ev["block_hashes"])
 
 
+def resync_run(server: ServerProcess) -> list[tuple[bytes, int, bytes]]:
+    """A (re)started server's run from its first batch (its resync), from its replay socket."""
+    ends = endpoints(server)
+    assert ends.replay is not None
+    server.wait_for_log("events: resync published", timeout=60)
+    ctx: zmq.Context[Any] = zmq.Context()
+    try:
+        run = replay(ctx, ends.replay, 0)
+    finally:
+        ctx.term()
+    assert run and run[0][1] == 0
+    return run
+
+
 def rebuild(messages: list[tuple[bytes, int, bytes]]) -> dict[str, set[Any]]:
     state: dict[str, set[Any]] = {}
     for _, _, payload in messages:

@@ -20,7 +20,7 @@ from tests.events.events_support import (
     hashed,
     published,
     rebuild,
-    replay,
+    resync_run,
 )
 from tests.events.workloads import sglang_state, sglang_workload, vllm_state, vllm_workload
 from tests.support import ServerProcess
@@ -145,14 +145,7 @@ def test_kill_9_on_redis_restarted_server_resyncs_to_redis_state(redis_url: str)
             used[ns] += keys
         a = ServerProcess(*a.args).start(timeout=60)
         ends = endpoints(a)
-        assert ends.replay is not None
-        a.wait_for_log("events: resync published", timeout=60)
-        ctx: zmq.Context[Any] = zmq.Context()
-        try:
-            resync = replay(ctx, ends.replay, 0)
-        finally:
-            ctx.term()
-        assert resync and resync[0][1] == 0
+        resync = resync_run(a)
         assert all(topic.decode() == ends.topic for topic, _, _ in resync)
         want = {**sglang_state(b.url, used), **vllm_state(b.url, vused)}
         assert want  # not a test of an empty store

@@ -3,23 +3,11 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 from kvmeta.store.check import IN_USE, check_data_dir
-from tests.support import SRC
+from tests.support import kvmeta_check
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
-
-
-def _cli_check(directory: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "kvmeta", "check", "--data-dir", str(directory)],
-        env={**os.environ, "PYTHONPATH": str(SRC)},
-        capture_output=True,
-        text=True,
-    )
 
 
 def test_check_on_a_directory_in_use_notes_it_and_exits_3(tmp_path: Path) -> None:
@@ -31,7 +19,7 @@ def test_check_on_a_directory_in_use_notes_it_and_exits_3(tmp_path: Path) -> Non
             report = check_data_dir(tmp_path)
             assert report.ok and report.in_use and report.exit_code == IN_USE
             assert any("in use by a running kvmeta server" in line for line in report.lines)
-            run = _cli_check(tmp_path)  # another process, as an operator would run it
+            run = kvmeta_check(tmp_path)  # another process, as an operator would run it
             assert run.returncode == IN_USE, run.stdout + run.stderr
             assert "in use" in run.stdout and "not definitive" in run.stdout
             assert "\nok\n" not in run.stdout
@@ -39,7 +27,7 @@ def test_check_on_a_directory_in_use_notes_it_and_exits_3(tmp_path: Path) -> Non
             await crash(b)
         report = check_data_dir(tmp_path)
         assert report.ok and not report.in_use and report.exit_code == 0
-        run = _cli_check(tmp_path)
+        run = kvmeta_check(tmp_path)
         assert run.returncode == 0 and run.stdout.strip().endswith("ok")
 
     asyncio.run(main())
