@@ -130,6 +130,14 @@ def test_a_replay_is_answered_a_slice_per_turn_of_the_loop_and_ends_early_if_ove
                 buffer.append(seq, b"t", bytes(100))
             await asyncio.sleep(0.05)
             assert _answer_frames(dealer) == [-1]
+
+            # Closed with the rest of an answer scheduled: the rest is dropped, no error.
+            errors: list[dict[str, Any]] = []
+            asyncio.get_running_loop().set_exception_handler(lambda _, ctx: errors.append(ctx))
+            server._answer(frames)
+            server.close()
+            await asyncio.sleep(0.05)
+            assert errors == []
         finally:
             dealer.close(0)
             server.close()

@@ -147,6 +147,8 @@ class ReplayServer:
         """Send the batches from ``start``, ``_SLICE`` of them, then the rest on the loop's
         next turn; the marker once the newest was sent (or the next one left the buffer)."""
         sock = self.sock
+        if sock.closed:  # (a rest scheduled before the server closed)
+            return
         send = sock.send
         try:
             oldest = self.buffer.first()
