@@ -26,7 +26,9 @@ import os
 import resource
 
 import zmq
-from zmq.utils.monitor import recv_monitor_message
+from zmq.utils.monitor import parse_monitor_message
+
+from kvmeta.events.reader import SocketReader
 
 __all__ = ["HIGH", "LOW", "PAUSE", "ListenGuard", "free_descriptors"]
 
@@ -38,9 +40,9 @@ LOW = 32
 HIGH = 48
 # Seconds between checks while not listening.
 PAUSE = 1.0
-# The monitor's file descriptor signals edges only: a periodic look catches a missed one.
+# Seconds between looks at the monitor besides its wake-ups, and monitor events read per
+# wake-up at most (``events.reader``).
 _SAFETY_POLL = 0.5
-# Monitor events read per wake-up at most (the rest wait for the next one).
 _DRAIN = 256
 _FD_DIR = "/proc/self/fd"
 _EVENTS = zmq.EVENT_ACCEPTED | zmq.EVENT_ACCEPT_FAILED
@@ -65,14 +67,12 @@ class ListenGuard:
         self.sock = sock
         self.endpoint = endpoint
         self.what = what
-        self.failures = 0  # accepts that failed
         self.pauses = 0  # times the listener was stopped
         self.listening = True
         self.enabled = os.path.isdir(_FD_DIR)
         self._monitor: zmq.Socket[bytes] | None = None
-        self._fd = -1
+        self._reader: SocketReader | None = None
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._tick_timer: asyncio.TimerHandle | None = None
         self._listen_timer: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
@@ -80,42 +80,24 @@ class ListenGuard:
             return
         self._loop = loop
         self._monitor = self.sock.get_monitor_socket(_EVENTS)
-        self._fd = int(self._monitor.getsockopt(zmq.FD))
-        loop.add_reader(self._fd, self._drain)
-        self._tick()
+        # (a spinning listener makes failed accepts faster than they are read: a budget)
+        self._reader = SocketReader(self._monitor, self._event, _SAFETY_POLL, _DRAIN)
+        self._reader.start(loop)
 
-    def _tick(self) -> None:
-        self._drain()
-        assert self._loop is not None
-        self._tick_timer = self._loop.call_later(_SAFETY_POLL, self._tick)
-
-    def _drain(self) -> None:
-        """Read the monitor's events (at most ``_DRAIN`` a call: a spinning listener makes
-        them faster than they are read) and stop listening when descriptors run short."""
-        monitor = self._monitor
-        if monitor is None:
-            return
-        accepted = False
-        for _ in range(_DRAIN):
-            if not int(monitor.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-                break
-            try:
-                event = recv_monitor_message(monitor, zmq.NOBLOCK)
-            except zmq.Again:
-                break
-            if event["event"] == zmq.EVENT_ACCEPT_FAILED:
-                self.failures += 1
-                self._pause(os.strerror(int(event["value"])), int(event["value"]))
-            else:
-                accepted = True
-        if accepted and self.listening:
-            free = free_descriptors()
-            if free < LOW:
-                self._pause(f"{free} file descriptors left", errno.EMFILE)
-
-    def _pause(self, why: str, code: int) -> None:
+    def _event(self, frames: list[bytes]) -> None:
+        """A monitor event: stop listening when descriptors run short."""
         if not self.listening:
             return
+        event = parse_monitor_message(frames)
+        if event["event"] == zmq.EVENT_ACCEPT_FAILED:
+            code = int(event["value"])
+            self._pause(os.strerror(code), code)
+            return
+        free = free_descriptors()  # a connection was accepted
+        if free < LOW:
+            self._pause(f"{free} file descriptors left", errno.EMFILE)
+
+    def _pause(self, why: str, code: int) -> None:
         try:
             self.sock.unbind(self.endpoint)
         except zmq.ZMQError as exc:  # pragma: no cover - an endpoint this guard bound
@@ -163,19 +145,14 @@ class ListenGuard:
         logger.info("events: listening on %s %s again", self.what, self.endpoint)
 
     def close(self) -> None:
-        for timer in (self._tick_timer, self._listen_timer):
-            if timer is not None:
-                timer.cancel()
-        if self._monitor is None:
-            return
-        if self._loop is not None:
+        if self._listen_timer is not None:
+            self._listen_timer.cancel()
+        if self._reader is not None:
+            self._reader.close()
+        if self._monitor is not None:
             try:
-                self._loop.remove_reader(self._fd)
-            except (OSError, ValueError):
+                self.sock.disable_monitor()
+            except zmq.ZMQError:
                 pass
-        try:
-            self.sock.disable_monitor()
-        except zmq.ZMQError:
-            pass
-        self._monitor.close(0)
-        self._monitor = None
+            self._monitor.close(0)
+            self._monitor = None

@@ -127,18 +127,17 @@ class EventStats:
     batches: int = 0
     resyncs: int = 0
     pool_resyncs: int = 0
+    lag_count: int = 0
+    lag_sum: float = 0.0
+    lag_max: float = 0.0
+    lag_buckets: list[int] = field(default_factory=lambda: [0] * len(LAG_BUCKETS))
+    replay: ReplayServer | None = None
     guards: list[ListenGuard] = field(default_factory=list)
 
     @property
     def listen_pauses(self) -> int:
         """Times an event socket stopped listening, short of descriptors (``events.listen``)."""
         return sum(g.pauses for g in self.guards)
-
-    lag_count: int = 0
-    lag_sum: float = 0.0
-    lag_max: float = 0.0
-    lag_buckets: list[int] = field(default_factory=lambda: [0] * len(LAG_BUCKETS))
-    replay: ReplayServer | None = None
 
     @property
     def replay_requests(self) -> int:
@@ -383,7 +382,12 @@ class Publisher:
             self._doubt(pool)
             return
         if kind == CLEARED:
-            self._forget(pool)
+            self._chains.pop(pool, None)
+            self._prefixes.pop(pool, None)
+            self._partial.pop(pool, None)
+            dropped = self._stored.pop(pool, None)
+            if dropped:
+                self._stored_keys -= sum(len(run) for run, _ in dropped.values())
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
         if not keys:
@@ -520,8 +524,7 @@ class Publisher:
         self._backend = backend
         async with self._resync_lock:
             await self._resync_all(backend)
-        if self._unsure:
-            self._doubt(next(iter(self._unsure)))  # reported before the backend was known
+        self._resync_unsure_soon()  # pools reported before the backend was known
 
     async def _resync_all(self, backend: Any) -> None:
         self._holding = True
@@ -582,7 +585,10 @@ class Publisher:
     def _doubt(self, pool: PoolId) -> None:
         """Queue ``pool`` for a resync (the module docstring) and make sure one runs."""
         self._unsure[pool] = None
-        if self._closed or self._loop is None or self._backend is None:
+        self._resync_unsure_soon()
+
+    def _resync_unsure_soon(self) -> None:
+        if not self._unsure or self._closed or self._loop is None or self._backend is None:
             return
         if self._unsure_task is None or self._unsure_task.done():
             self._unsure_task = self._loop.create_task(self._resync_unsure())
@@ -629,15 +635,6 @@ class Publisher:
             pool,
             keys_sent,
         )
-
-    def _forget(self, pool: PoolId) -> None:
-        """Drop what is kept of ``pool``'s events (its parents and published hash arrays)."""
-        self._chains.pop(pool, None)
-        self._prefixes.pop(pool, None)
-        self._partial.pop(pool, None)
-        dropped = self._stored.pop(pool, None)
-        if dropped:
-            self._stored_keys -= sum(len(run) for run, _ in dropped.values())
 
     async def cancel_resyncs(self) -> None:
         """Stop resyncing unsure pools (at shutdown, before the backend closes)."""

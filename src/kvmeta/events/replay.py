@@ -34,12 +34,14 @@ from itertools import islice
 
 import zmq
 
+from kvmeta.events.reader import SocketReader
+
 __all__ = ["END_MARKER", "ReplayBuffer", "ReplayServer"]
 
 logger = logging.getLogger(__name__)
 
 END_MARKER = (-1).to_bytes(8, "big", signed=True)
-# The socket's readiness is edge-triggered; a periodic look catches a missed edge.
+# Seconds between looks at the socket besides its wake-ups (``events.reader``).
 _SAFETY_POLL = 1.0
 # Batches sent per turn of the event loop in a replay answer.
 _SLICE = 64
@@ -104,28 +106,12 @@ class ReplayServer:
         self.sock.copy_threshold = 0  # ``copy=False`` never copies (pyzmq copies below 64 KB)
         self.sock.bind(endpoint)
         self.endpoint = self.sock.getsockopt_string(zmq.LAST_ENDPOINT)
-        self._fd = int(self.sock.getsockopt(zmq.FD))
+        self._reader = SocketReader(self.sock, self._answer, _SAFETY_POLL)
         self._loop: asyncio.AbstractEventLoop | None = None
-        self._timer: asyncio.TimerHandle | None = None
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
-        loop.add_reader(self._fd, self._serve)
-        self._tick()
-
-    def _tick(self) -> None:
-        self._serve()
-        assert self._loop is not None
-        self._timer = self._loop.call_later(_SAFETY_POLL, self._tick)
-
-    def _serve(self) -> None:
-        sock = self.sock
-        while int(sock.getsockopt(zmq.EVENTS)) & zmq.POLLIN:
-            try:
-                frames = sock.recv_multipart(zmq.NOBLOCK)
-            except zmq.Again:
-                return
-            self._answer(frames)
+        self._reader.start(loop)
 
     def _answer(self, frames: list[bytes]) -> None:
         if len(frames) == 3 and frames[1] == b"":
@@ -169,11 +155,5 @@ class ReplayServer:
             logger.warning("replay answer cut short: the subscriber is not reading")
 
     def close(self) -> None:
-        if self._timer is not None:
-            self._timer.cancel()
-        if self._loop is not None:
-            try:
-                self._loop.remove_reader(self._fd)
-            except (OSError, ValueError, zmq.ZMQError):
-                pass
+        self._reader.close()
         self.sock.close(0)
