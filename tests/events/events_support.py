@@ -40,11 +40,16 @@ def endpoints(server: ServerProcess) -> Endpoints:
     return Endpoints(match.group(1), match.group(2), match.group(4))
 
 
+def metric(server: ServerProcess, name: str) -> float:
+    """The value of the unlabelled metric ``name`` in the server's ``/metrics``."""
+    text = requests.get(server.url + "/metrics", timeout=30).text
+    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
+    return float(line.split()[1])
+
+
 def published(server: ServerProcess) -> int:
     """Batches the server says it published (``kvmeta_events_batches_total``)."""
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    (line,) = [x for x in text.splitlines() if x.startswith("kvmeta_events_batches_total")]
-    return int(float(line.split()[1]))
+    return int(metric(server, "kvmeta_events_batches_total"))
 
 
 @dataclass

@@ -12,16 +12,10 @@ import time
 import pytest
 import requests
 
-from tests.events.events_support import Subscriber, endpoints
+from tests.events.events_support import Subscriber, endpoints, metric
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.slow
-
-
-def _metric(server: ServerProcess, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
-    return float(line.split()[1])
 
 
 def test_a_connection_flood_on_the_events_port_does_not_spin_and_service_resumes() -> None:
@@ -53,7 +47,7 @@ def test_a_connection_flood_on_the_events_port_does_not_spin_and_service_resumes
         assert spent < 1.0, f"the server used {spent:.2f} s of CPU in 3 s while out of descriptors"
         assert refused, "the listener never stopped"
         assert session.get(server.url + "/health", timeout=30).ok
-        assert _metric(server, "kvmeta_events_listen_pauses_total") >= 1
+        assert metric(server, "kvmeta_events_listen_pauses_total") >= 1
         server.wait_for_log("events: not accepting connections on --events")
         assert "short of file descriptors" in server.log
         for conn in flood:

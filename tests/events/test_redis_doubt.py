@@ -18,7 +18,7 @@ import msgspec
 import pytest
 import requests
 
-from tests.events.events_support import Subscriber, endpoints, hashed, rebuild
+from tests.events.events_support import Subscriber, endpoints, hashed, metric, rebuild
 from tests.redis_support import RedisServer
 from tests.support import ServerProcess
 
@@ -87,9 +87,7 @@ class Setup:
         }
 
     def pool_resyncs(self) -> int:
-        text = requests.get(self.url + "/metrics", timeout=30).text
-        (line,) = [x for x in text.splitlines() if x.startswith("kvmeta_events_pool_resyncs_total")]
-        return int(float(line.split()[1]))
+        return int(metric(self.server, "kvmeta_events_pool_resyncs_total"))
 
 
 @pytest.fixture

@@ -13,7 +13,7 @@ import pytest
 import requests
 import zmq
 
-from tests.events.events_support import endpoints, published, replay
+from tests.events.events_support import endpoints, metric, published, replay
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -83,12 +83,6 @@ def _rss_bytes(pid: int) -> int:
     raise AssertionError("no VmRSS")
 
 
-def _gauge(server: ServerProcess, name: str) -> float:
-    text = requests.get(server.url + "/metrics", timeout=30).text
-    (line,) = [x for x in text.splitlines() if x.startswith(name + " ")]
-    return float(line.split()[1])
-
-
 def test_replay_requests_that_are_never_read_do_not_copy_the_buffer() -> None:
     """Each answer queued for a requester that does not read refers to the buffer's batches:
     eight such requests used to hold eight copies of the whole buffer in the server."""
@@ -108,7 +102,7 @@ def test_replay_requests_that_are_never_read_do_not_copy_the_buffer() -> None:
         for round_ in range(200):
             _confirm(url, round_, 300)
         time.sleep(0.5)
-        kept = _gauge(server, "kvmeta_events_replay_buffer_bytes")
+        kept = metric(server, "kvmeta_events_replay_buffer_bytes")
         assert kept > 8 << 20
         before = _rss_bytes(server.pid)
         for _ in range(8):
@@ -119,7 +113,7 @@ def test_replay_requests_that_are_never_read_do_not_copy_the_buffer() -> None:
             dealer.send_multipart([b"", (0).to_bytes(8, "big")])
             socks.append(dealer)
         deadline = time.monotonic() + 30
-        while _gauge(server, "kvmeta_events_replay_requests_total") < 8:
+        while metric(server, "kvmeta_events_replay_requests_total") < 8:
             assert time.monotonic() < deadline, "the replays were not answered"
             time.sleep(0.1)
         time.sleep(1.0)
