@@ -378,9 +378,6 @@ class Publisher:
         pool, kind, keys, reason = change
         out = self._pending
         enc = self.encoder
-        if kind == UNSURE:
-            self._doubt(pool)
-            return
         if kind == CLEARED:
             self._chains.pop(pool, None)
             self._prefixes.pop(pool, None)
@@ -390,7 +387,9 @@ class Publisher:
                 self._stored_keys -= sum(len(run) for run, _ in dropped.values())
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
-        if not keys:
+        if not keys:  # (an UNSURE change has none: off the path of the usual ones)
+            if kind == UNSURE:
+                self._doubt(pool)
             return
         self._pending_blocks += len(keys)
         if pool.dialect != "s":
