@@ -17,7 +17,7 @@ from collections.abc import Sequence
 
 from kvmeta import __version__
 from kvmeta.config import add_arguments, env_setting, settings_from_args
-from kvmeta.errors import KvmetaError
+from kvmeta.errors import KvmetaError, MissingExtra
 
 __all__ = ["main"]
 
@@ -117,9 +117,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
     try:
         from kvmeta.events.tail import TailOptions, tail
     except ImportError as exc:
-        raise KvmetaError(
-            f"`kvmeta events` needs the pyzmq package ({exc}): pip install 'kvmeta[events]'"
-        ) from None
+        raise MissingExtra("`kvmeta events`", "events", exc) from None
     options = TailOptions(
         address=args.address,
         replay=args.replay,

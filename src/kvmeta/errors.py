@@ -36,6 +36,7 @@ __all__ = [
     "Forbidden",
     "InvalidPathParameter",
     "InvalidRequest",
+    "MissingExtra",
     "JournalCorrupt",
     "JournalFailed",
     "KvmetaError",
@@ -193,6 +194,20 @@ class ConfigError(InvalidRequest):
     URL. ``field`` names the setting; the message names the flag and the fix. ``kvmeta``
     prints it on one line and exits 2; it is never an HTTP answer (an ``InvalidRequest`` only
     so that code catching that class before keeps catching it)."""
+
+
+class MissingExtra(ConfigError):
+    """Raised when a feature needs an optional dependency that is not installed. A bare
+    ``pip install kvmeta`` runs every other command; this one line names the extra to add."""
+
+    def __init__(self, feature: str, extra: str, exc: ImportError, setting: str | None = None):
+        missing = f"{exc.name} is not installed" if exc.name else str(exc)
+        super().__init__(
+            f"{feature} needs kvmeta's {extra!r} extra ({missing}): "
+            f"pip install 'kvmeta[{extra}]'",
+            setting,
+        )
+        self.extra = extra
 
 
 class NoHashIndex(InvalidRequest):

@@ -59,6 +59,35 @@ def test_concurrent_calls_share_one_connection_and_get_their_own_replies(
     assert links == 1
 
 
+def test_links_speak_resp2_whatever_redis_py_defaults_to(redis_server: RedisServer) -> None:
+    """kvmeta reads replies itself and its scripts answer in RESP2 shapes; redis-py 8 asks for
+    RESP3 unless told otherwise (its HELLO 3 turns replies into maps and doubles)."""
+
+    async def go() -> bytes:
+        node = _node(redis_server)
+        try:
+            reply = await node.call("CLIENT", "INFO")
+            assert isinstance(reply, bytes)
+            return reply
+        finally:
+            await node.close()
+
+    assert b" resp=2 " in _run(go)
+
+
+def test_the_connection_set_up_never_asks_for_resp3() -> None:
+    async def go() -> list[bytes]:
+        async with _FakeRedis(lambda data: b"$1\r\na\r\n") as fake:
+            node = _fake_node(fake.port)
+            try:
+                assert await node.call("ECHO", "a") == b"a"
+            finally:
+                await node.close()
+            return fake.hellos
+
+    assert b"3" not in _run(go)
+
+
 def test_the_calls_of_one_loop_pass_go_out_in_one_write(redis_server: RedisServer) -> None:
     async def go() -> tuple[list[Any], int]:
         node = _node(redis_server)
@@ -261,22 +290,68 @@ def test_an_error_reply_among_replies_keeps_the_connection(redis_server: RedisSe
     assert _run(go) == [b"b", 1]
 
 
+def _valkey_hello(proto: bytes) -> bytes:
+    """Valkey's answer to ``HELLO <proto>``: a map in RESP3, a flat array in RESP2."""
+    fields = [
+        (b"+server", b"+valkey"),
+        (b"+version", b"+9.0.0"),
+        (b"+proto", b":" + proto),
+        (b"+id", b":5"),
+        (b"+mode", b"+standalone"),
+        (b"+role", b"+master"),
+        (b"+modules", b"*0"),
+    ]
+    head = b"%7" if proto == b"3" else b"*14"
+    return b"\r\n".join([head, *(part for pair in fields for part in pair)]) + b"\r\n"
+
+
+def _commands(data: bytes) -> list[list[bytes]]:
+    """The commands (RESP arrays of bulk strings, as clients send them) in ``data``."""
+    out, i = [], 0
+    while data[i : i + 1] == b"*":
+        end = data.index(b"\r\n", i)
+        count, i = int(data[i + 1 : end]), end + 2
+        args = []
+        for _ in range(count):
+            end = data.index(b"\r\n", i)
+            size, i = int(data[i + 1 : end]), end + 2
+            args.append(data[i : i + size])
+            i += size + 2
+        out.append(args)
+    return out
+
+
 class _FakeRedis:
-    """A TCP server speaking just enough RESP for redis-py's connection set-up (``OK`` to its
-    ``HELLO`` and ``CLIENT ...`` commands), then answering what it reads with
-    ``answer(data)``: bytes to send back (b"" for nothing)."""
+    """A TCP server answering redis-py's connection set-up as Valkey does (``HELLO`` in the
+    protocol asked for, ``OK`` to ``CLIENT ...``), then what it reads with ``answer(data)``:
+    bytes to send back (b"" for nothing). ``hellos`` records each HELLO's protocol."""
 
     def __init__(self, answer: Callable[[bytes], bytes]) -> None:
         self.answer = answer
         self.server: asyncio.AbstractServer | None = None
         self.port = 0
+        self.hellos: list[bytes] = []
+
+    def _setup(self, data: bytes) -> bytes | None:
+        """The replies to set-up commands, or None when ``data`` is not set-up."""
+        if not data.startswith(b"*") or not (b"HELLO" in data or b"CLIENT" in data):
+            return None
+        out = b""
+        for command in _commands(data):
+            if command[0].upper() == b"HELLO":
+                proto = command[1] if len(command) > 1 else b"2"
+                self.hellos.append(proto)
+                out += _valkey_hello(proto)
+            else:
+                out += b"+OK\r\n"
+        return out
 
     async def __aenter__(self) -> _FakeRedis:
         async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             try:
                 while data := await reader.read(65536):
-                    setup = data.count(b"HELLO") + data.count(b"CLIENT")
-                    out = b"+OK\r\n" * setup if setup else self.answer(data)
+                    setup = self._setup(data)
+                    out = setup if setup is not None else self.answer(data)
                     if out:
                         writer.write(out)
             except ConnectionError:

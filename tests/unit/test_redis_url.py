@@ -107,3 +107,10 @@ def test_local_state_options_with_a_backend_are_refused() -> None:
     with pytest.raises(InvalidRequest, match=r"`--in-memory` \(set by env KVMETA_IN_MEMORY\)"):
         _settings([], {"KVMETA_REDIS_URL": "redis://h:1/0", "KVMETA_IN_MEMORY": "1"})
     _settings(["--data-dir", "d"], {})  # without a backend it is the normal case
+
+
+@pytest.mark.parametrize("url", ["redis://h:6379/0?protocol=3", "redis+cluster://h:1?protocol=3"])
+def test_a_url_asking_for_resp3_is_refused_naming_the_parameter(url: str) -> None:
+    with pytest.raises(InvalidRequest, match=r"protocol=3: kvmeta speaks RESP2"):
+        check_url(url)
+    check_url(url.replace("protocol=3", "protocol=2"))

@@ -15,13 +15,15 @@ from __future__ import annotations
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
-import redis
-from redis.exceptions import RedisError
+from kvmeta.errors import InvalidRequest, KvmetaError, MissingExtra
+from kvmeta.store.redis_url import RESP
 
-from kvmeta.errors import InvalidRequest, KvmetaError
+if TYPE_CHECKING:
+    import redis
 
 __all__ = ["RedisCpu", "backend_url_of", "check_backend_url", "primaries_of"]
 
@@ -99,17 +101,31 @@ def backend_url_of(describe: str) -> str | None:
     return match.group(1)
 
 
+def _redis() -> ModuleType:
+    """redis-py, imported on first use: a bare install benchmarks servers of any backend and
+    only reading redis-server CPU needs the Redis extra."""
+    try:
+        import redis
+    except ImportError as exc:
+        raise MissingExtra("reading redis-server CPU", "redis", exc, "backend_url") from None
+    return redis
+
+
 def _client(target: _Target, host: str, port: int, password: str | None = None) -> redis.Redis:
+    module = _redis()
     kwargs: dict[str, Any] = {
         "username": target.username,
         "password": target.password if password is None else password,
         "socket_timeout": _TIMEOUT,
         "socket_connect_timeout": _TIMEOUT,
         "decode_responses": True,
+        "protocol": RESP,
     }
     if port == 0:
-        return redis.Redis(unix_socket_path=host, **kwargs)
-    return redis.Redis(host=host, port=port, ssl=target.tls, **kwargs)
+        client: redis.Redis = module.Redis(unix_socket_path=host, **kwargs)
+    else:
+        client = module.Redis(host=host, port=port, ssl=target.tls, **kwargs)
+    return client
 
 
 def _name(host: str, port: int) -> str:
@@ -137,6 +153,7 @@ def _cluster_primaries(client: redis.Redis, seed_host: str) -> list[tuple[str, i
 def _resolve(target: _Target) -> list[tuple[str, int]]:
     """The primaries to sample: the Sentinel master, every primary of a cluster (asked of the
     first seed that answers), or the one node of a plain URL."""
+    redis_error = _redis().RedisError
     errors = []
     for host, port in target.hosts:
         if target.scheme == "redis+sentinel":
@@ -146,7 +163,7 @@ def _resolve(target: _Target) -> list[tuple[str, int]]:
                         found = client.execute_command(
                             "SENTINEL", "GET-MASTER-ADDR-BY-NAME", target.master
                         )
-                except (RedisError, OSError) as exc:
+                except (redis_error, OSError) as exc:
                     errors.append(f"{_name(host, port)}: {exc}")
                     continue
                 if found:
@@ -159,7 +176,7 @@ def _resolve(target: _Target) -> list[tuple[str, int]]:
                 if int(client.info("cluster").get("cluster_enabled", 0)) == 1:
                     return _cluster_primaries(client, host)
                 return [(host, port)]
-        except (RedisError, OSError) as exc:
+        except (redis_error, OSError) as exc:
             errors.append(f"{_name(host, port)}: {exc}")
     raise KvmetaError(
         "cannot read redis-server CPU: no node of the backend answered ("
@@ -190,11 +207,12 @@ class RedisCpu:
         Raises:
             KvmetaError: a primary did not answer (failover during the run, or unreachable).
         """
+        redis_error = _redis().RedisError
         out = {}
         for node, client in self._clients.items():
             try:
                 info = client.info("cpu")
-            except (RedisError, OSError) as exc:
+            except (redis_error, OSError) as exc:
                 raise KvmetaError(
                     f"cannot read INFO cpu of redis-server {node}: {exc} (pass --backend-pid "
                     "for a local redis-server instead)"

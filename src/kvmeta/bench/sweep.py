@@ -15,7 +15,7 @@ from typing import Any
 from kvmeta.bench.driver import BenchConfig
 from kvmeta.bench.launch import Launch, run_on, with_launch
 from kvmeta.bench.report import median_result
-from kvmeta.errors import InvalidRequest, KvmetaError
+from kvmeta.errors import InvalidRequest, MissingExtra
 
 __all__ = ["DEFAULT_VALUES", "require_chart", "run", "values", "write"]
 
@@ -63,9 +63,11 @@ def require_chart() -> None:
         matplotlib.use("Agg")
         import matplotlib.pyplot  # noqa: F401
     except ImportError as exc:
-        raise KvmetaError(
-            f"sweep --out draws a chart with matplotlib, which cannot be imported ({exc}): "
-            "pip install 'kvmeta[bench]', or leave out --out and use --json for the numbers"
+        raise MissingExtra(
+            "`kvmeta bench sweep --out` (a chart; or leave out --out and use --json)",
+            "bench",
+            exc,
+            "out",
         ) from None
 
 

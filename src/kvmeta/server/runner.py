@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.config import Settings
-from kvmeta.errors import ConfigError, InvalidRequest
+from kvmeta.errors import ConfigError, MissingExtra
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets
 from kvmeta.service.limits import RequestLimits
@@ -34,11 +34,7 @@ def build_backend(settings: Settings) -> Backend:
         try:
             from kvmeta.store.redis import RedisBackend
         except ImportError as exc:
-            raise InvalidRequest(
-                f"`--backend` needs kvmeta's Redis extra (redis-py and hiredis; {exc}): "
-                "pip install 'kvmeta[redis]'",
-                "backend",
-            ) from exc
+            raise MissingExtra("`--backend`", "redis", exc, "backend") from None
         return RedisBackend(
             settings.backend,
             reservation_ttl=settings.reservation_ttl,
@@ -224,10 +220,7 @@ def _start_events(
     try:
         from kvmeta.events.publisher import Publisher
     except ImportError as exc:
-        raise ConfigError(
-            f"`--events` needs the pyzmq package ({exc}): pip install 'kvmeta[events]'",
-            "events",
-        ) from exc
+        raise MissingExtra("`--events`", "events", exc, "events") from None
     import zmq
 
     assert settings.events is not None

@@ -98,7 +98,14 @@ from kvmeta.store.redis_nodes import (
     retriable,
 )
 from kvmeta.store.redis_scripts import ScriptLibrary
-from kvmeta.store.redis_url import DB_HINT, RedisTarget, check_url, parse_target, redact_url
+from kvmeta.store.redis_url import (
+    DB_HINT,
+    RESP,
+    RedisTarget,
+    check_url,
+    parse_target,
+    redact_url,
+)
 from kvmeta.store.resp import Strings, pack, pack_many
 
 # check_url and redact_url live in store.redis_url; importable here too, where callers expect them.
@@ -523,7 +530,9 @@ class RedisBackend:
         """Ping the one endpoint (Redis's answer to a bad database or password goes into the
         message) and find out whether it is a Cluster node: then run in Cluster mode."""
         try:
-            client = aioredis.from_url(self.url, decode_responses=False, health_check_interval=30)
+            client = aioredis.from_url(
+                self.url, decode_responses=False, health_check_interval=30, protocol=RESP
+            )
         except (ValueError, TypeError) as exc:
             raise ConfigError(
                 f"`--backend` URL {redact_url(self.url)} is not understood: {exc}", "backend"
@@ -573,7 +582,7 @@ class RedisBackend:
 
     async def _is_cluster_node(self) -> bool:
         """Whether the endpoint (which refused the URL's database) is a Cluster node."""
-        pool = aioredis.ConnectionPool.from_url(self.url)
+        pool = aioredis.ConnectionPool.from_url(self.url, protocol=RESP)
         pool.connection_kwargs["db"] = 0
         client = aioredis.Redis(connection_pool=pool)
         try:

@@ -32,7 +32,7 @@ from redis.exceptions import (
 from kvmeta.errors import BackendUnavailable
 from kvmeta.store.redis_link import Link, open_link
 from kvmeta.store.redis_sentinel import resolve_primary, watch_switches
-from kvmeta.store.redis_url import RedisTarget
+from kvmeta.store.redis_url import RESP, RedisTarget
 from kvmeta.store.resp import pack
 
 __all__ = [
@@ -87,7 +87,7 @@ class Node:
         # redis-py only opens connections (URL, auth, TLS, db); calls go through ``Link``s.
         # A ?socket_timeout= in the URL bounds each call as read_timeout does.
         self._pool = aioredis.ConnectionPool.from_url(
-            target.node_url(host, port), socket_connect_timeout=CONNECT_TIMEOUT
+            target.node_url(host, port), socket_connect_timeout=CONNECT_TIMEOUT, protocol=RESP
         )
         self.read_timeout: float = (
             self._pool.connection_kwargs.get("socket_timeout") or read_timeout

@@ -19,7 +19,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvmeta.errors import BackendUnavailable
-from kvmeta.store.redis_url import RedisTarget
+from kvmeta.store.redis_url import RESP, RedisTarget
 
 __all__ = ["resolve_primary", "watch_switches"]
 
@@ -38,6 +38,7 @@ def _sentinel(target: RedisTarget, host: str, port: int, timeout: float | None) 
         socket_timeout=timeout,
         socket_connect_timeout=timeout,
         ssl=target.url.startswith("rediss+"),
+        protocol=RESP,
     )
 
 
@@ -119,6 +120,6 @@ async def _watch_one(
         except (RedisError, OSError, asyncio.TimeoutError) as exc:
             logger.debug("Sentinel %s:%d subscription: %s", host, port, exc)
         finally:
-            await pubsub.aclose()  # type: ignore[no-untyped-call]
+            await pubsub.aclose()  # type: ignore[no-untyped-call, unused-ignore]
             await client.aclose()
         await asyncio.sleep(_RESUBSCRIBE)

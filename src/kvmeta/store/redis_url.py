@@ -21,7 +21,12 @@ from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
 
 from kvmeta.errors import ConfigError
 
-__all__ = ["RedisTarget", "check_url", "parse_target", "redact_url"]
+__all__ = ["RESP", "RedisTarget", "check_url", "parse_target", "redact_url"]
+
+# The protocol version every connection kvmeta opens asks for. kvmeta reads replies itself
+# (``store.redis_link``) and its scripts' replies are shaped for RESP2; redis-py 8 and later
+# would otherwise say HELLO 3 and get maps, doubles and booleans back.
+RESP = 2
 
 SINGLE_SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis+cluster", "rediss+cluster")
@@ -146,6 +151,12 @@ def parse_target(url: str) -> RedisTarget:
                     f"{param}={value}: file not found (the path is read on the machine running "
                     "kvmeta; fix it or drop the parameter)",
                 )
+    if any(value != str(RESP) for value in query.get("protocol", [])):
+        raise _fail(
+            shown,
+            f"protocol={query['protocol'][-1]}: kvmeta speaks RESP{RESP} to Redis (it reads "
+            "the replies itself); drop the protocol parameter",
+        )
     if parts.scheme in SINGLE_SCHEMES:
         return _single(url, shown, parts.scheme, parts.path, query)
     if parts.scheme in CLUSTER_SCHEMES:
