@@ -5,8 +5,6 @@ rates, percentiles from histogram buckets, the assets from package data, and the
 from __future__ import annotations
 
 import asyncio
-import statistics
-import time
 from typing import Any
 
 import msgspec
@@ -113,46 +111,37 @@ def test_assets_ship_as_package_data() -> None:
     assert static_file("status.css")
 
 
-def test_status_costs_little_with_1000_pools() -> None:
-    """The page polls every 2 s: with 1,000 pools one answer must stay within ~5 ms (measured
-    here in-process, handler plus JSON encoding; the bound asserted is generous for a shared
-    machine, the number is printed)."""
+def test_status_with_1000_pools_answers_every_pool_and_a_full_history() -> None:
+    """The page polls every 2 s; with 1,000 pools its answer still holds every pool and the
+    whole history. Every sample runs on the test's clock (a sample on the host's monotonic
+    clock would fall before the test's times on a host up for less than 1,300 s). What an
+    answer costs is measured in benchmarks/bench_status.py, not asserted here."""
     service = Service(MemoryBackend(MemoryStore()))
     app = build_app(Settings(in_memory=True), service)
     (job,) = app.background
     state = job.__self__  # type: ignore[attr-defined]
     assert isinstance(state, StatusState)
 
-    async def measure() -> list[float]:
+    async def answer() -> dict[str, Any]:
         for rank in range(1000):
             body = msgspec.json.encode({"num_pages": 64})
             resp = await app(Request("POST", f"/{rank}/initialize", "", body, None))
             assert resp.status == 204
-        for i in range(150):  # a full history, and rates for every pool
+        for i in range(151):  # a full history (150 samples), and rates for every pool
             await state.sample(now=1000.0 + 2 * i, wall=1e9 + 2 * i)
-        start = time.perf_counter()
-        await state.sample()
-        print(f"\none sample of 1,000 pools: {(time.perf_counter() - start) * 1000:.1f} ms")
-        times = []
-        for _ in range(60):
-            start = time.perf_counter()
-            resp = await app(Request("GET", "/v1/status", "", b"", None))
-            times.append(time.perf_counter() - start)
-            assert resp.status == 200
-        doc = msgspec.json.decode(resp.body)
-        assert len(doc["pools"]) == 1000
-        assert len(doc["history"]["t"]) == 150
-        assert all(p["evictions_per_s"] == 0.0 for p in doc["pools"])
-        return times
+        resp = await app(Request("GET", "/v1/status", "", b"", None))
+        assert resp.status == 200
+        doc: dict[str, Any] = msgspec.json.decode(resp.body)
+        return doc
 
     loop = asyncio.new_event_loop()
     try:
-        times = loop.run_until_complete(measure())
+        doc = loop.run_until_complete(answer())
     finally:
         loop.close()
-    median_ms = statistics.median(times) * 1000
-    print(f"\nGET /v1/status with 1,000 pools: median {median_ms:.2f} ms over {len(times)} calls")
-    assert median_ms < 25, f"/v1/status took {median_ms:.1f} ms with 1,000 pools (budget 5 ms)"
+    assert len(doc["pools"]) == 1000
+    assert len(doc["history"]["t"]) == 150
+    assert all(p["evictions_per_s"] == 0.0 for p in doc["pools"])
 
 
 @pytest.mark.parametrize("path", ["/", "/ui", "/ui/status.js", "/ui/status.css"])

@@ -1,0 +1,65 @@
+"""What the status page's poll costs: one ``GET /v1/status`` and one background sample, with
+1,000 pools, in-process (handler plus JSON encoding).
+
+    python benchmarks/bench_status.py [--pools 1000] [--calls 60]
+
+Prints medians with their spread; asserts nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
+
+import msgspec  # noqa: E402
+
+from kvmeta.config import Settings  # noqa: E402
+from kvmeta.server.http import Request  # noqa: E402
+from kvmeta.server.runner import build_app  # noqa: E402
+from kvmeta.server.status_page import StatusState  # noqa: E402
+from kvmeta.service.ops import Service  # noqa: E402
+from kvmeta.store.memory import MemoryBackend, MemoryStore  # noqa: E402
+
+
+def _spread(times: list[float]) -> str:
+    ms = sorted(t * 1000 for t in times)
+    return f"median {statistics.median(ms):.2f} ms (min {ms[0]:.2f}, max {ms[-1]:.2f})"
+
+
+async def _measure(pools: int, calls: int) -> None:
+    app = build_app(Settings(in_memory=True), Service(MemoryBackend(MemoryStore())))
+    (job,) = app.background
+    state = job.__self__
+    assert isinstance(state, StatusState)
+    for rank in range(pools):
+        body = msgspec.json.encode({"num_pages": 64})
+        await app(Request("POST", f"/{rank}/initialize", "", body, None))
+    samples, answers = [], []
+    for i in range(150):  # a full history, and rates for every pool
+        start = time.perf_counter()
+        await state.sample(now=1000.0 + 2 * i, wall=1e9 + 2 * i)
+        samples.append(time.perf_counter() - start)
+    for _ in range(calls):
+        start = time.perf_counter()
+        resp = await app(Request("GET", "/v1/status", "", b"", None))
+        answers.append(time.perf_counter() - start)
+        assert resp.status == 200
+    print(f"{pools} pools: one sample {_spread(samples)}; GET /v1/status {_spread(answers)}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--pools", type=int, default=1000)
+    parser.add_argument("--calls", type=int, default=60)
+    args = parser.parse_args()
+    asyncio.run(_measure(args.pools, args.calls))
+
+
+if __name__ == "__main__":
+    main()
