@@ -112,6 +112,18 @@ class NotInitialized(KvmetaError, LookupError):
             namespace,
         )
 
+    @classmethod
+    def in_process(cls, rank: int, namespace: str) -> NotInitialized:
+        """The wording of SGLang's in-process client, which differs from its server's: engines
+        match on the sentence, so it comes first, word for word, and kvmeta's advice after it."""
+        return cls(
+            f"Namespace '{namespace}' for rank {rank} not initialized: call "
+            f"initialize({rank}, num_pages, '{namespace}') on this client first (an in-process "
+            "client's pools live as long as the client)",
+            rank,
+            namespace,
+        )
+
 
 class NotFound(KvmetaError, LookupError):
     """Raised when a request names a route that does not exist."""

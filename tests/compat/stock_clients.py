@@ -3,9 +3,11 @@
 The client classes live in each engine's reference metadata-server module. Installing the
 engines (torch, CUDA wheels) is far too heavy, so the released wheel is fetched once with
 ``pip download`` into a cache outside the repository, the one module is extracted, and it is
-imported with stand-ins for the imports its *server* half needs (FastAPI) and for the engine
-types it names (SGLang's ``PoolName`` str-Enum and its abstract interface). The client code
-itself runs exactly as released. Nothing of the engines is committed to this repository.
+imported with stand-ins for the imports its *server* half needs (FastAPI: enough of it to
+register the server's routes and keep its answers, so ``reference_server`` can run them) and
+for the engine types it names (SGLang's ``PoolName`` str-Enum and its abstract interface). The
+client and server code itself runs exactly as released. Nothing of the engines is committed to
+this repository.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import abc
 import ast
 import enum
 import importlib.util
+import json
 import logging
 import os
 import subprocess
@@ -21,7 +24,9 @@ import sys
 import tempfile
 import types
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 CACHE = Path(os.environ.get("KVMETA_TEST_CACHE", Path.home() / ".cache" / "kvmeta-tests"))
 
@@ -105,6 +110,50 @@ def _stub(name: str, **attrs: object) -> types.ModuleType:
     return module
 
 
+class FastAPI:
+    """FastAPI's app as far as the reference servers use it: ``app.post(path)(handler)``
+    registers a route in ``routes`` ((method, path pattern) -> handler), which
+    ``tests.compat.reference_server`` serves in-process."""
+
+    def __init__(self, *args: object, **kwargs: object) -> None:
+        self.routes: dict[tuple[str, str], Callable[..., Any]] = {}
+
+    def _route(self, method: str, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        def register(handler: Callable[..., Any]) -> Callable[..., Any]:
+            self.routes[(method, path)] = handler
+            return handler
+
+        return register
+
+    def post(self, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        return self._route("POST", path)
+
+    def get(self, path: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        return self._route("GET", path)
+
+
+class HTTPException(Exception):
+    """FastAPI's error answer: its status and ``{"detail": ...}``."""
+
+    def __init__(self, status_code: int, detail: object = None) -> None:
+        super().__init__(status_code, detail)
+        self.status_code = status_code
+        self.detail = detail
+
+
+class Response:
+    """A finished answer: status and body bytes."""
+
+    def __init__(self, content: bytes | None = None, status_code: int = 200) -> None:
+        self.status_code = status_code
+        self.body = content or b""
+
+
+class ORJSONResponse(Response):
+    def __init__(self, content: object = None, status_code: int = 200) -> None:
+        super().__init__(json.dumps(content).encode(), status_code)
+
+
 def _stand_ins() -> dict[str, types.ModuleType]:
     class _Any:
         def __init__(self, *args: object, **kwargs: object) -> None:
@@ -113,10 +162,12 @@ def _stand_ins() -> dict[str, types.ModuleType]:
     class Hf3fsMetadataInterface(abc.ABC):  # noqa: B024 - the engine's base has abstract methods
         pass
 
-    fastapi = _stub("fastapi", FastAPI=_Any, HTTPException=Exception, Request=_Any, Response=_Any)
+    fastapi = _stub(
+        "fastapi", FastAPI=FastAPI, HTTPException=HTTPException, Request=_Any, Response=Response
+    )
     return {
         "fastapi": fastapi,
-        "fastapi.responses": _stub("fastapi.responses", ORJSONResponse=_Any),
+        "fastapi.responses": _stub("fastapi.responses", ORJSONResponse=ORJSONResponse),
         "sglang": _stub("sglang"),
         "sglang.srt": _stub("sglang.srt"),
         "sglang.srt.mem_cache": _stub("sglang.srt.mem_cache"),

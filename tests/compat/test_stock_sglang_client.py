@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from kvmeta.sglang import Hf3fsLocalMetadataClient
 from tests.compat.stock_clients import PoolName, load
 from tests.integration.test_sglang_clients import hicache_cycle
 from tests.support import ServerProcess
@@ -69,3 +70,14 @@ def test_stock_client_with_token_in_url(
     with pytest.raises(RuntimeError, match="401"):
         wrong.initialize(0, 4)
     assert "s3cr3t-token" not in server.log
+
+
+def test_in_process_not_initialized_starts_with_the_stock_sentence(
+    stock: types.ModuleType,
+) -> None:
+    """SGLang's own in-process client's error, word for word, begins kvmeta's (advice follows)."""
+    with pytest.raises(RuntimeError) as theirs:
+        stock.Hf3fsLocalMetadataClient().get_page_indices(3, ["a"], "mamba")
+    with pytest.raises(RuntimeError) as ours:
+        Hf3fsLocalMetadataClient().get_page_indices(3, ["a"], "mamba")
+    assert str(ours.value).startswith(str(theirs.value)), (str(ours.value), str(theirs.value))

@@ -127,7 +127,7 @@ def exposed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
         client.confirm_write(0, [("a", got[0][1])], [got[1][1]])
         client.get_page_indices(0, ["a", "zz"])
         client.exists(0, ["a"])
-        assert requests.get(server.url + "/ready", timeout=30).status_code == 401
+        assert requests.get(server.url + "/v1/pools", timeout=30).status_code == 401
         text = requests.get(server.url + "/metrics", auth=("", TOKEN), timeout=30).text
     finally:
         server.stop()

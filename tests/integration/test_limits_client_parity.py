@@ -1,6 +1,7 @@
 """The in-process clients and the server run one operations core: for every operation of both
 dialects, the same bad input raises the same error class, field and message in-process as
-through kvmeta's HTTP client against a real server (in each dialect's own field names), the
+through kvmeta's HTTP client against a real server (in each dialect's own field names; SGLang's
+"not initialized" in each of its two clients' own sentences), the
 same good input returns the same result, and the caller warnings the server sends as
 ``X-Kvmeta-Warning`` are logged in-process with the same text."""
 
@@ -14,7 +15,7 @@ import pytest
 import requests
 
 from kvmeta import sglang, vllm
-from kvmeta.errors import KvmetaError
+from kvmeta.errors import KvmetaError, NotInitialized
 from kvmeta.service.limits import RequestLimits
 from tests.support import ServerProcess
 
@@ -170,6 +171,12 @@ def same_error(server: ServerProcess, dialect: str, call: Call, *, path_rank: bo
     assert type(over_http) is type(in_process), (over_http, in_process)
     if path_rank:
         assert str(over_http) == "Path parameter " + str(in_process)
+    elif dialect == "s" and isinstance(in_process, NotInitialized):
+        # The one sentence SGLang words differently in-process than from its server.
+        rank, namespace = in_process.rank, in_process.namespace
+        assert rank is not None and namespace is not None
+        assert str(in_process) == str(NotInitialized.in_process(rank, namespace))
+        assert str(over_http) == str(NotInitialized.for_pool("s", rank, namespace))
     else:
         assert str(over_http) == str(in_process)
     other = "confirmations" if dialect == "s" else "written_keys_to_confirm"

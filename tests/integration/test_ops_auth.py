@@ -1,5 +1,6 @@
 """Token auth and TLS on a real server: an SGLang client with the token in its URL works and is
-refused without it; Bearer works; /health stays open; the token never reaches the log."""
+refused without it; Bearer works; /health stays open, /ready answers ready or not to anyone and
+the detail with the token; the token never reaches the log."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import requests
 
 from kvmeta.errors import KvmetaError, Unauthorized
 from kvmeta.sglang import Hf3fsGlobalMetadataClient
+from tests.redis_support import RedisServer
 from tests.support import ServerProcess
 
 TOKEN = "s3cret-Token_42"
@@ -70,15 +72,65 @@ def test_bearer_token_and_401_shape(authed: ServerProcess) -> None:
         assert bad.status_code == 401, header
 
 
-def test_every_route_but_health_needs_the_token(authed: ServerProcess) -> None:
+def test_every_route_but_health_and_ready_needs_the_token(authed: ServerProcess) -> None:
     assert requests.get(authed.url + "/health", timeout=10).status_code == 200
-    for path in ("/ready", "/metrics", "/v1/pools", "/v1/check", "/openapi.json"):
+    assert requests.get(authed.url + "/ready", timeout=10).status_code == 200
+    for path in ("/metrics", "/v1/pools", "/v1/check", "/openapi.json"):
         assert requests.get(authed.url + path, timeout=10).status_code == 401, path
         assert requests.get(authed.url + path, auth=("u", TOKEN), timeout=10).status_code == 200
     for op in ("initialize", "exists", "clear", "confirm_write", "get_page_indices"):
         assert authed.post(f"/0/{op}", {}).status_code == 401, op
     metrics = requests.get(authed.url + "/metrics", auth=("", TOKEN), timeout=10).text
     assert "kvmeta_auth_failures_total" in metrics
+
+
+def auth_failures(server: ServerProcess) -> str:
+    text = requests.get(server.url + "/metrics", auth=("", TOKEN), timeout=10).text
+    (line,) = [x for x in text.splitlines() if x.startswith("kvmeta_auth_failures_total")]
+    return line
+
+
+def test_ready_answers_a_probe_without_the_token_and_the_detail_with_it(
+    authed: ServerProcess,
+) -> None:
+    """A Kubernetes httpGet probe sends no header: it learns ready or not, nothing more."""
+    authed.post("/0/initialize", {"num_pages": 8, "namespace": "poolname"}, auth=("", TOKEN))
+    failures = auth_failures(authed)
+    probe = requests.get(authed.url + "/ready", timeout=10)
+    assert probe.status_code == 200 and probe.json() == {"ready": True}
+    assert "memory" not in probe.text and "poolname" not in probe.text
+    assert auth_failures(authed) == failures  # a probe is not an auth failure
+    for auth in (("", TOKEN), ("probe", TOKEN)):
+        detailed = requests.get(authed.url + "/ready", auth=auth, timeout=10)
+        assert detailed.status_code == 200
+        assert detailed.json() == {"ready": True, "backend": "memory"}
+    bearer = {"Authorization": f"Bearer {TOKEN}"}
+    detailed = requests.get(authed.url + "/ready", headers=bearer, timeout=10)
+    assert detailed.json() == {"ready": True, "backend": "memory"}
+    for header in (f"Bearer {TOKEN}x", "Basic !!!", "Token abc"):
+        wrong = requests.get(authed.url + "/ready", headers={"Authorization": header}, timeout=10)
+        assert wrong.status_code == 200 and wrong.json() == {"ready": True}, header
+    assert auth_failures(authed) != failures  # a wrong token still counts
+
+
+def test_not_ready_without_the_token_is_503_and_minimal(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    redis = RedisServer().start()
+    try:
+        server = make_server(
+            "--backend", redis.url, "--auth-token", TOKEN, "--failover-timeout", "1"
+        )
+        assert requests.get(server.url + "/ready", auth=("", TOKEN), timeout=10).ok
+    finally:
+        redis.close()  # the backend is gone: not ready
+    probe = requests.get(server.url + "/ready", timeout=30)
+    assert probe.status_code == 503 and probe.json() == {"ready": False}
+    wrong = requests.get(server.url + "/ready", auth=("", "nope"), timeout=30)
+    assert wrong.status_code == 503 and wrong.json() == {"ready": False}
+    detailed = requests.get(server.url + "/ready", auth=("", TOKEN), timeout=30)
+    assert detailed.status_code == 503 and detailed.json()["ready"] is False
+    assert "redis" in detailed.json()["detail"]
 
 
 def test_token_is_never_logged(make_server: Callable[..., ServerProcess]) -> None:

@@ -110,13 +110,32 @@ def test_http_not_initialized_keeps_server_message(server: ServerProcess) -> Non
     assert isinstance(info.value, RuntimeError)
 
 
-def test_local_not_initialized_message() -> None:
-    """The in-process client words it as the server does (and is still a RuntimeError)."""
+LOCAL_CALLS: dict[str, Callable[[Hf3fsLocalMetadataClient], object]] = {
+    "exists": lambda c: c.exists(2, ["a"]),
+    "get_page_indices": lambda c: c.get_page_indices(2, ["a"]),
+    "reserve": lambda c: c.reserve_and_allocate_page_indices(2, [("a", None)]),
+    "confirm_write": lambda c: c.confirm_write(2, [("a", 0)], []),
+    "delete_keys": lambda c: c.delete_keys(2, ["a"]),
+    "clear": lambda c: c.clear(2),
+}
+
+
+@pytest.mark.parametrize("op", list(LOCAL_CALLS))
+def test_local_not_initialized_message(op: str) -> None:
+    """The in-process client starts with the sentence SGLang's own in-process client raises
+    (engines match on it; its server's differs), then says what to do; still NotInitialized,
+    a RuntimeError."""
     client = Hf3fsLocalMetadataClient()
-    with pytest.raises(NotInitialized, match=r"^Rank 2 namespace 'mamba' not initialized\."):
+    call = LOCAL_CALLS[op]
+    with pytest.raises(NotInitialized) as info:
+        call(client)
+    assert str(info.value).startswith("Namespace 'kv' for rank 2 not initialized: ")
+    assert "initialize(2, " in str(info.value)
+    assert isinstance(info.value, RuntimeError)
+    with pytest.raises(NotInitialized, match=r"^Namespace 'mamba' for rank 2 not initialized"):
         client.exists(2, ["a"], PoolName.MAMBA)
-    with pytest.raises(RuntimeError, match="Please call /2/initialize first"):
-        client.get_page_indices(2, ["a"])
+    client.initialize(2, 4)
+    call(client)  # initialised: no error
 
 
 def test_invalid_input_raises_invalid_request_in_both(server: ServerProcess) -> None:

@@ -127,7 +127,6 @@ CASES: dict[tuple[str, str], Case] = {
         lambda t: (f"/v1/dump?rank={t.rank}&namespace={t.namespace}", None),
     ),
     # operator routes
-    ("GET", "/ready"): Case("any", NO_TARGET, _fixed("/ready")),
     ("GET", "/openapi.json"): Case("any", NO_TARGET, _fixed("/openapi.json")),
     ("GET", "/metrics"): Case("admin", NO_TARGET, _fixed("/metrics")),
     ("GET", "/v1/pools"): Case("admin", NO_TARGET, _fixed("/v1/pools")),
@@ -138,7 +137,7 @@ CASES: dict[tuple[str, str], Case] = {
     ("GET", "/ui/status.js"): Case("any", NO_TARGET, _fixed("/ui/status.js")),
     ("GET", "/ui/status.css"): Case("any", NO_TARGET, _fixed("/ui/status.css")),
 }
-PUBLIC = {("GET", "/health")}
+PUBLIC = {("GET", "/health"), ("GET", "/ready")}  # /ready's detail needs a token: test_tokens
 SCOPED_ROUTES = {"/{rank}/", "/rank/{rank}/", "/keys/"}
 
 

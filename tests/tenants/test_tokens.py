@@ -116,27 +116,27 @@ def test_sighup_reloads_and_a_bad_reload_keeps_the_old_file(
     write_tokens(path, tokens_toml())
     server = tenant_server("--in-memory", auth_file=path)
     new = "newly-added-token-0123456"
-    assert Client(server.url, new).get("/ready").status_code == 401
-    assert Client(server.url, A).get("/ready").status_code == 200
+    assert Client(server.url, new).get("/openapi.json").status_code == 401
+    assert Client(server.url, A).get("/openapi.json").status_code == 200
     # Add a token, drop a_admin: both take effect at once on SIGHUP.
     tokens = {k: v for k, v in TOKENS.items() if k != "a_admin"}
     tokens["new"] = (new, "teamC", ["read"], None, None)
     write_tokens(path, tokens_toml(tokens=tokens))
     server.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
     server.wait_for_log("reloaded", timeout=30)
-    assert Client(server.url, new).get("/ready").status_code == 200
+    assert Client(server.url, new).get("/openapi.json").status_code == 200
     assert Client(server.url, new).post("/0/initialize", {"num_pages": 4}).status_code == 403
-    assert Client(server.url, A).get("/ready").status_code == 401
+    assert Client(server.url, A).get("/openapi.json").status_code == 401
     # A broken file, then a loose mode: logged, the previous table stays in force.
     write_tokens(path, "[[tokens]]\ntoken = 'abc")
     server.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
     server.wait_for_log("not reloaded", timeout=30)
-    assert Client(server.url, new).get("/ready").status_code == 200
+    assert Client(server.url, new).get("/openapi.json").status_code == 200
     write_tokens(path, tokens_toml(), mode=0o640)
     server.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
     server.wait_for_log("chmod 600", timeout=30)
-    assert Client(server.url, new).get("/ready").status_code == 200
-    assert Client(server.url, A).get("/ready").status_code == 401
+    assert Client(server.url, new).get("/openapi.json").status_code == 200
+    assert Client(server.url, A).get("/openapi.json").status_code == 401
     assert server.proc.poll() is None  # type: ignore[union-attr]
 
 
@@ -180,8 +180,8 @@ def test_over_the_rate_429_with_retry_after_and_nothing_changed(
     assert "tokens file" in detail
     # Another tenant is not slowed down; the operator neither.
     for _ in range(10):
-        assert b.get("/ready").status_code == 200
-    assert Client(server.url, OPERATOR).get("/ready").status_code == 200
+        assert b.get("/openapi.json").status_code == 200
+    assert Client(server.url, OPERATOR).get("/openapi.json").status_code == 200
     # After Retry-After: the refused reserve changed nothing.
     time.sleep(2.2)
     assert a.post("/0/exists", {"keys": ["k"]}).json() == {"exists": [False]}
@@ -202,10 +202,19 @@ def test_over_the_rate_429_with_retry_after_and_nothing_changed(
 @pytest.mark.slow
 def test_401_without_a_known_token(tenant_server: Callable[..., ServerProcess]) -> None:
     server = tenant_server("--in-memory")
-    assert Client(server.url, None).get("/ready").status_code == 401
+    assert Client(server.url, None).get("/openapi.json").status_code == 401
     r = Client(server.url, "not-a-token-of-this-server").post("/0/exists", {"keys": []})
     assert r.status_code == 401 and "tokens file" in r.json()["detail"]
     assert Client(server.url, None).get("/health").status_code == 200
+    # /ready answers probes; any token of the file (as any route's ANY right) gets the detail.
+    for secret in (None, "not-a-token-of-this-server"):
+        probe = Client(server.url, secret).get("/ready")
+        assert probe.status_code == 200 and probe.json() == {"ready": True}
+    for secret in (A, token("b_rw"), OPERATOR):
+        assert Client(server.url, secret).get("/ready").json() == {
+            "ready": True,
+            "backend": "memory",
+        }
 
 
 def test_kvmeta_status_shows_the_tenant_column_when_there_are_tenants() -> None:
@@ -238,5 +247,5 @@ def test_sighup_reaches_every_worker(
         time.sleep(0.1)
     assert server.log.count("reloaded") == 2, server.log
     # Fresh connections land on either worker: every one knows the new token.
-    assert {Client(server.url, new).get("/ready").status_code for _ in range(20)} == {200}
+    assert {Client(server.url, new).get("/openapi.json").status_code for _ in range(20)} == {200}
     assert server.proc.poll() is None  # type: ignore[union-attr]

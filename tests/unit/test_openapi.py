@@ -46,6 +46,8 @@ def test_schemas_are_valid_json_schema() -> None:
     doc = build_document(served_routes(), "0", auth=True)
     assert doc["openapi"].startswith("3.1")
     assert doc["paths"]["/health"]["get"]["security"] == []
+    assert doc["paths"]["/ready"]["get"]["security"] == [{}, {"bearer": []}, {"basic": []}]
+    assert "401" not in doc["paths"]["/ready"]["get"]["responses"]
     refs = []
 
     def walk(node: object) -> None:

@@ -97,7 +97,7 @@ def test_ops_handlers_alone() -> None:
     assert json_of(call(route(o, "/v1/check"), state))["ok"] is True
     assert b"kvmeta_" in call(route(o, "/metrics"), state).body
     assert json_of(call(route(o, "/openapi.json"), state))["openapi"].startswith("3.1")
-    assert [r.pattern for r in o if r.public] == ["/health"]
+    assert [r.pattern for r in o if r.public] == ["/health", "/ready"]
 
 
 ALL_ROUTES = (

@@ -2,9 +2,10 @@
 
 Every operation runs through ``service.core`` (the code the server runs), driven
 synchronously on a ``MemoryStore``: the same checks in the same order, so a mistake raises the
-same error class with the same message in-process as over HTTP. The caller warnings the server
-sends as ``X-Kvmeta-Warning`` (a size conflict, refused confirms) are logged here, on the
-``kvmeta.client`` logger, with the header's text.
+same error class with the same message in-process as over HTTP (but for SGLang's "not
+initialized", which its in-process client words its own way: ``client.sglang``). The caller
+warnings the server sends as ``X-Kvmeta-Warning`` (a size conflict, refused confirms) are
+logged here, on the ``kvmeta.client`` logger, with the header's text.
 """
 
 from __future__ import annotations

@@ -9,16 +9,19 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import Any
+from typing import Any, TypeVar
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
+from kvmeta.errors import NotInitialized
+from kvmeta.service.core import Op
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
 
 NamespaceLike = str | Enum
+T = TypeVar("T")
 
 
 def _ns(namespace: NamespaceLike | None) -> str:
@@ -148,8 +151,17 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same pools in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
-    same class, same message (both run ``service.core``).
+    same class, same message (both run ``service.core``), except "not initialized", which
+    SGLang's own in-process client words differently from its server.
     """
+
+    def _run(self, op: Op[T]) -> T:
+        try:
+            return super()._run(op)
+        except NotInitialized as exc:
+            if exc.rank is None or exc.namespace is None:
+                raise
+            raise NotInitialized.in_process(exc.rank, exc.namespace) from None
 
     def initialize(
         self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE

@@ -92,8 +92,8 @@ ROUTE_RULES: dict[tuple[str, str], Rule] = {
     # router reads (each pool the request names is checked by the handler, like a body's rank)
     ("POST", "/v1/prefix_match"): Rule("read"),
     ("GET", "/v1/dump"): Rule("read"),
-    # operator routes: pools and status show the token's own tenant only
-    ("GET", "/ready"): Rule(ANY),
+    # operator routes: pools and status show the token's own tenant only (/health and /ready
+    # are public: ops_routes)
     ("GET", "/openapi.json"): Rule(ANY),
     ("GET", "/metrics"): Rule("admin"),
     ("GET", "/v1/pools"): Rule("admin"),

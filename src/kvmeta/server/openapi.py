@@ -149,7 +149,7 @@ SCHEMAS: dict[str, Schema] = {
         ("status",),
     ),
     "Ready": _obj({"ready": BOOL, "backend": STR}, ("ready",)),
-    "NotReady": _obj({"detail": STR, "ready": BOOL}, ("detail",)),
+    "NotReady": _obj({"detail": STR, "ready": BOOL}, ("ready",)),
     "Pool": _obj(
         {
             "dialect": {"enum": ["s", "v"]},
@@ -424,7 +424,13 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         ],
     },
     ("GET", "/health"): _op("process is up (never needs auth)", None, ("200", "Health"), ()),
-    ("GET", "/ready"): _op("backend loaded and reachable", None, ("200", "Ready"), _AUTH),
+    ("GET", "/ready"): _op(
+        "backend loaded and reachable. Needs no token (a probe sends none): with auth on, only a "
+        'valid token gets `backend` and the 503\'s `detail`, anyone else just {"ready": bool}',
+        None,
+        ("200", "Ready"),
+        (),
+    ),
     ("GET", "/metrics"): {
         "summary": "Prometheus text exposition",
         "responses": {
@@ -524,4 +530,6 @@ def build_document(routes: list[tuple[str, str]], version: str, auth: bool) -> d
         doc["security"] = [{"bearer": []}, {"basic": []}]
         if "/health" in paths:
             paths["/health"]["get"]["security"] = []
+        if "/ready" in paths:  # the token is optional: it adds the detail
+            paths["/ready"]["get"]["security"] = [{}, *doc["security"]]
     return doc

@@ -112,12 +112,14 @@ def log_startup(settings: Settings, backend_description: str) -> None:
     if settings.auth_file:
         logger.info(
             "auth: on, tokens file %s (per-tenant scopes and quotas; SIGHUP reloads it)%s; "
-            "/health is open",
+            "/health and /ready are open",
             settings.auth_file,
             " plus the all-access --auth-token" if settings.auth_token else "",
         )
     elif settings.auth_token:
-        logger.info("auth: on (Bearer token, or the token as the URL password); /health is open")
+        logger.info(
+            "auth: on (Bearer token, or the token as the URL password); /health and /ready are open"
+        )
     else:
         logger.info("auth: off (set --auth-token / KVMETA_AUTH_TOKEN to require a token)")
         if settings.host not in ("127.0.0.1", "localhost", "::1"):

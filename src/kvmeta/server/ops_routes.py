@@ -2,11 +2,12 @@
 ``/openapi.json``, plus ``install``, which also turns on auth, metrics and the
 initialize watcher for an app once every dialect's routes are on it.
 
-Only ``/health`` is public: a load balancer may probe it without the token. Everything here is
-read-only; ``/v1/check`` is O(pool size) and meant for diagnostics, not for a probe loop. Neither
-``/v1/check`` nor ``/metrics`` may stall request serving: the check copies each pool in one step
-on the loop and checks the copies in a thread; ``/metrics`` caps its pool series
-(``--metrics-max-pools``) and renders in a thread.
+``/health`` and ``/ready`` are public, so load balancers and Kubernetes probes (which send no
+header) may call them without the token; ``/ready`` then says only ready or not, and why only
+to a valid token. Everything here is read-only; ``/v1/check`` is O(pool size) and meant for
+diagnostics, not for a probe loop. Neither ``/v1/check`` nor ``/metrics`` may stall request
+serving: the check copies each pool in one step on the loop and checks the copies in a thread;
+``/metrics`` caps its pool series (``--metrics-max-pools``) and renders in a thread.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import msgspec
 
 from kvmeta import __version__
 from kvmeta.config import Settings
+from kvmeta.errors import Unauthorized
 from kvmeta.server import prefix_routes, status_page
 from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
@@ -121,8 +123,26 @@ async def health(state: OpsState, req: Request, rank: int) -> Response:
     return json_response(body)
 
 
+def _may_see_why(state: OpsState, req: Request) -> bool:
+    """Whether ``/ready`` may name the backend and the reason it is not ready: to a valid token
+    (or anyone, with auth off). No header is a probe, not counted as an auth failure; a wrong
+    token is counted as on any route."""
+    auth = state.auth
+    if auth is None:
+        return True
+    if req.authorization is None:
+        return False
+    try:
+        auth(req)
+    except Unauthorized:
+        return False
+    return True
+
+
 async def ready(state: OpsState, req: Request, rank: int) -> Response:
     ok, reason = await state.ready()
+    if not _may_see_why(state, req):
+        return json_response({"ready": ok}, 200 if ok else 503)
     if not ok:
         return json_response({"detail": reason, "ready": False}, 503)
     return json_response({"ready": True, "backend": state.backend.name})
@@ -180,7 +200,7 @@ async def openapi(state: OpsState, req: Request, rank: int) -> Response:
 
 ROUTES = (
     Route("GET", "/health", health, public=True),
-    Route("GET", "/ready", ready),
+    Route("GET", "/ready", ready, public=True),
     Route("GET", "/metrics", metrics),
     Route("GET", "/v1/pools", pools),
     Route("GET", "/v1/check", check),

@@ -5,6 +5,10 @@ Format (one object; pool names ``"<rank>"`` mean namespace ``kv``)::
     {"<rank>:<namespace>" | "<rank>": {"num_pages": n, "free_pages": [...],
                                        "key_to_index": [[key, page], ...]}}
 
+The reference server files a pool under the namespace text its client sent, which for SGLang
+0.5.11 and later is ``PoolName.KV``; kvmeta serves such a request from pool ``kv``
+(``normalize_namespace``), so the import files the pool there too.
+
 ``key_to_index`` is in LRU order, oldest first (an object mapping key -> page is accepted too).
 ``free_pages`` is ignored on import: every page not mapped is free, which is what it must say.
 Only the default tenant's SGLang pools (dialect S) have a place in this format; vLLM pools and
@@ -14,16 +18,19 @@ other tenants' pools are not written (they are in the data directory).
 from __future__ import annotations
 
 import json
+import logging
 import os
 from pathlib import Path
 from typing import Any
 
-from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.errors import StorageError
 
 __all__ = ["LegacyPool", "read_legacy", "write_legacy"]
 
 LegacyPool = tuple[PoolId, int, list[tuple[str, int]]]
+
+logger = logging.getLogger(__name__)
 
 
 def _bad(path: Path, where: str, problem: str) -> StorageError:
@@ -42,7 +49,13 @@ def _pool_id(path: Path, name: str) -> PoolId:
         raise _bad(path, name, f"pool name {name!r} does not start with an integer rank") from None
     if rank < 0:
         raise _bad(path, name, f"rank {rank} is negative")
-    return PoolId("s", rank, namespace or DEFAULT_NAMESPACE)
+    return PoolId("s", rank, normalize_namespace(namespace or DEFAULT_NAMESPACE))
+
+
+def _written_by_current_sglang(name: str) -> bool:
+    """Whether the pool name holds a namespace as SGLang 0.5.11+ clients send it."""
+    namespace = name.partition(":")[2]
+    return normalize_namespace(namespace) != namespace
 
 
 def _entries(path: Path, name: str, raw: Any) -> list[tuple[str, int]]:
@@ -70,7 +83,7 @@ def read_legacy(path: Path) -> list[LegacyPool]:
         raise _bad(path, "$", f"cannot read it as JSON ({exc})") from None
     if not isinstance(doc, dict):
         raise _bad(path, "$", "expected an object of pools")
-    out: list[LegacyPool] = []
+    found: dict[PoolId, tuple[str, LegacyPool]] = {}
     for name, body in doc.items():
         pid = _pool_id(path, name)
         if not isinstance(body, dict):
@@ -78,8 +91,31 @@ def read_legacy(path: Path) -> list[LegacyPool]:
         num_pages = body.get("num_pages")
         if type(num_pages) is not int or num_pages <= 0:
             raise _bad(path, f"{name}.num_pages", f"expected a positive integer, got {num_pages!r}")
-        out.append((pid, num_pages, _entries(path, name, body.get("key_to_index", []))))
-    return out
+        named = (name, (pid, num_pages, _entries(path, name, body.get("key_to_index", []))))
+        found[pid] = _one_of(path, found[pid], named) if pid in found else named
+    return [pool for _, pool in found.values()]
+
+
+def _one_of(
+    path: Path, first: tuple[str, LegacyPool], second: tuple[str, LegacyPool]
+) -> tuple[str, LegacyPool]:
+    """Two names of one pool, as a reference server that served SGLang before and after 0.5.11
+    holds them ("0:kv", then "0:PoolName.KV"): the name today's clients send is kept, being the
+    pool they wrote last (else the first name), and the other one is named in a warning."""
+    keep, drop = first, second
+    if _written_by_current_sglang(second[0]) and not _written_by_current_sglang(first[0]):
+        keep, drop = second, first
+    logger.warning(
+        "%s: pools '%s' and '%s' are both %s; importing '%s' and skipping the %d keys of '%s'",
+        path,
+        first[0],
+        second[0],
+        keep[1][0],
+        keep[0],
+        len(drop[1][2]),
+        drop[0],
+    )
+    return keep
 
 
 def write_legacy(path: Path, pools: list[LegacyPool]) -> None:

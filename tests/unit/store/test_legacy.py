@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 from pathlib import Path
 
 import pytest
 
-from kvmeta._types import PoolId
+from kvmeta._types import PoolId, normalize_namespace
 from kvmeta.errors import StorageError
 from kvmeta.store.legacy import read_legacy, write_legacy
 from tests.unit.store.durable_support import S0, cycle, open_backend, state
@@ -27,6 +28,45 @@ def test_reads_both_pool_name_forms(tmp_path: Path) -> None:
         (S0, 4, [("old", 1), ("new", 0)]),
         (PoolId("s", 1, "mamba"), 2, [("m", 0)]),
     ]
+
+
+# SGLang >= 0.5.11 clients send ``str(PoolName.X)`` as the namespace; its reference server
+# files each pool under that text.
+ENUM_FORMS = {
+    "0:PoolName.KV": PoolId("s", 0, "kv"),
+    "0:PoolName.MAMBA": PoolId("s", 0, "mamba"),
+    "1:PoolName.INDEXER": PoolId("s", 1, "indexer"),
+    "2:PoolName.DEEPSEEK_V4_C1": PoolId("s", 2, "deepseek_v4_c1"),
+}
+
+
+def test_enum_pool_names_import_where_requests_find_them(tmp_path: Path) -> None:
+    """A request naming ``PoolName.KV`` reaches pool ``kv``: the import files it there too."""
+    path = tmp_path / "state.json"
+    doc = {name: {"num_pages": 2, "key_to_index": [[name, 1]]} for name in ENUM_FORMS}
+    path.write_text(json.dumps(doc))
+    pools = read_legacy(path)
+    assert [pid for pid, _, _ in pools] == list(ENUM_FORMS.values())
+    for (pid, _, entries), name in zip(pools, ENUM_FORMS, strict=True):
+        assert pid.namespace == normalize_namespace(name.partition(":")[2])
+        assert entries == [(name, 1)]
+
+
+@pytest.mark.parametrize("enum_first", [True, False])
+def test_a_pool_under_both_names_imports_the_enum_form(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, enum_first: bool
+) -> None:
+    """A reference server that served SGLang before and after 0.5.11 holds pools "0:kv" and
+    "0:PoolName.KV"; today's clients wrote the latter last. One pool is imported, whichever
+    comes first in the file, and the other is named in a warning."""
+    current = ("0:PoolName.KV", {"num_pages": 4, "key_to_index": [["new", 2]]})
+    old = ("0:kv", {"num_pages": 4, "key_to_index": [["old", 2], ["older", 3]]})
+    path = tmp_path / "state.json"
+    path.write_text(json.dumps(dict([current, old] if enum_first else [old, current])))
+    with caplog.at_level(logging.WARNING, logger="kvmeta.store.legacy"):
+        assert read_legacy(path) == [(S0, 4, [("new", 2)])]
+    (warning,) = [r.getMessage() for r in caplog.records]
+    assert "'0:kv'" in warning and "'0:PoolName.KV'" in warning and "2 keys" in warning
 
 
 @pytest.mark.parametrize(
