@@ -4,7 +4,7 @@ the token as password), its pool rows show the numbers of ``/v1/pools`` once the
 and its charts keep updating. A screenshot is kept under ``tests/ui/artifacts/``.
 
 Needs the Debian packages ``chromium`` and ``chromium-driver`` (``scripts/test`` installs them
-when it runs as root); without them this test skips, saying how to install them.
+when it runs as root); without them the test fails, saying how to install them.
 """
 
 from __future__ import annotations
@@ -42,15 +42,7 @@ FLAGS = (
     "--window-size=1400,900",
 )
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(
-        not (CHROMIUM.exists() and CHROMEDRIVER.exists()),
-        reason="headless Chromium is not installed: install the Debian packages chromium and "
-        "chromium-driver (`apt-get update && apt-get install -y chromium chromium-driver`, "
-        "which scripts/test runs when it is root)",
-    ),
-]
+pytestmark = pytest.mark.slow
 
 
 def _wait(what: str, check: Callable[[], Any], timeout: float = 60.0) -> Any:
@@ -116,6 +108,12 @@ def server() -> Iterator[ServerProcess]:
 
 @pytest.fixture
 def browser() -> Iterator[Any]:
+    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
+        pytest.fail(
+            "headless Chromium is not installed: install the Debian packages chromium and "
+            "chromium-driver (`apt-get update && apt-get install -y chromium chromium-driver`, "
+            "which scripts/test runs when it is root)"
+        )
     from selenium import webdriver
     from selenium.webdriver.chrome.service import Service
 
