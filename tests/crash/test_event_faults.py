@@ -40,7 +40,10 @@ from tests.support import ServerProcess, kvmeta_check
 pytestmark = pytest.mark.slow
 
 POOL = "s:0:kv"  # the pool the drivers write (SGLang rank 0, the default namespace)
-EVENTS = ("--events", "tcp://127.0.0.1:0", "--read-lease", "0")
+EVENTS = (
+    *("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0"),
+    *("--read-lease", "0"),
+)
 
 
 def _server(data: Path, cwd: Path, fsync: str, *extra: str) -> ServerProcess:
@@ -50,7 +53,8 @@ def _server(data: Path, cwd: Path, fsync: str, *extra: str) -> ServerProcess:
 
 @contextmanager
 def _subscribed(server: ServerProcess) -> Iterator[Subscriber]:
-    sub = Subscriber(endpoints(server).pub).start()
+    ends = endpoints(server)
+    sub = Subscriber(ends.pub, ends.replay).start()
     try:
         yield sub
     finally:

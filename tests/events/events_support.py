@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import requests
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from kvmeta.events.wire import sglang_hash
 from tests.events.workloads import sglang_workload
@@ -57,22 +58,33 @@ class Subscriber:
     """Collects ``(topic, seq, payload)`` of every message on a background thread."""
 
     endpoint: str
+    replay: str | None = None  # the server's --events-replay, to fill in missed batches
     messages: list[tuple[bytes, int, bytes]] = field(default_factory=list)
     ctx: zmq.Context[Any] = field(default_factory=zmq.Context)
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
+        self._lock = threading.Lock()
         self._thread: threading.Thread | None = None
 
     def start(self) -> Subscriber:
+        """Connect, and return once the connection to the server is made (a SUB socket gets
+        only what is published after that; ``wait_for`` with a replay endpoint fills in what
+        it missed before its subscription reached the server)."""
         self._stop.clear()
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVHWM, 0)
+        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sock.connect(self.endpoint)
+        try:
+            assert monitor.poll(30_000), f"no connection to {self.endpoint} in 30 s"
+            recv_monitor_message(monitor)
+        finally:
+            sock.disable_monitor()
+            monitor.close(0)
         self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
         self._thread.start()
-        time.sleep(0.5)  # a SUB socket gets only what is sent after it joined
         return self
 
     def _run(self, sock: zmq.Socket[Any]) -> None:
@@ -80,9 +92,24 @@ class Subscriber:
             while not self._stop.is_set():
                 if sock.poll(50):
                     topic, seq, payload = sock.recv_multipart()
-                    self.messages.append((topic, int.from_bytes(seq, "big"), payload))
+                    with self._lock:
+                        self.messages.append((topic, int.from_bytes(seq, "big"), payload))
         finally:
             sock.close(0)
+
+    def fill_gaps(self) -> None:
+        """Fetch the batches missed below the newest one received from the replay socket, as
+        a router does, and keep ``messages`` in sequence order."""
+        assert self.replay is not None
+        with self._lock:
+            have = {seq for _, seq, _ in self.messages}
+            newest = max(have, default=-1)
+        missing = set(range(newest)) - have
+        if not missing:
+            return
+        fetched = [m for m in replay(self.ctx, self.replay, min(missing)) if m[1] in missing]
+        with self._lock:
+            self.messages[:] = sorted([*self.messages, *fetched], key=lambda m: m[1])
 
     def stop(self) -> None:
         self._stop.set()
@@ -95,6 +122,8 @@ class Subscriber:
         while time.monotonic() < deadline:
             want = published(server)
             if self.messages and self.messages[-1][1] >= want - 1:
+                if self.replay is not None:
+                    self.fill_gaps()
                 return
             time.sleep(0.1)
         raise AssertionError(f"got {len(self.messages)} messages, server published {want}")
