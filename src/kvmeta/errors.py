@@ -215,8 +215,7 @@ class MissingExtra(ConfigError):
     def __init__(self, feature: str, extra: str, exc: ImportError, setting: str | None = None):
         missing = f"{exc.name} is not installed" if exc.name else str(exc)
         super().__init__(
-            f"{feature} needs kvmeta's {extra!r} extra ({missing}): "
-            f"pip install 'kvmeta[{extra}]'",
+            f"{feature} needs kvmeta's {extra!r} extra ({missing}): pip install 'kvmeta[{extra}]'",
             setting,
         )
         self.extra = extra

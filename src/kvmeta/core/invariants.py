@@ -46,6 +46,8 @@ class PoolCopy:
         self._free = array("i", pool._free)
         self._unused = pool._unused
         self._cooling = list(pool._cooling)
+        self._held = array("i", pool._held)
+        self._frontier = pool._frontier
         self._withheld = pool._withheld
         self._withheld_new = list(pool._withheld_new)
         self._prev = array("i", pool._prev)
@@ -111,7 +113,13 @@ def _check(pool: Any) -> None:
     _expect(0 <= pool._unused <= n, f"first never-used page {pool._unused} is outside 0..{n}")
     never_used = range(pool._unused, n)
     _expect(all(state[p] == FREE for p in never_used), "a never-used page is not FREE")
-    allocatable = [*pool._free, *(page for _, page in pool._cooling), *never_used]
+    _expect(pool._unused <= pool._frontier, f"page {pool._unused} is past the frontier")
+    allocatable = [
+        *pool._free,
+        *(page for _, page in pool._cooling),
+        *pool._held,
+        *never_used,
+    ]
     _expect(len(allocatable) == len(set(allocatable)), "a page is in the free stack twice")
     free_pages = {p for p in range(n) if state[p] == FREE}
     _expect(set(allocatable) <= free_pages, "a page in the free stack is not FREE")

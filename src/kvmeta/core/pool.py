@@ -25,7 +25,15 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
 - ``_holders``: writers of a RESERVED page beyond the first (absent: one writer), so the
   common single-writer reservation costs no entry; a joined page is never freed by a release;
 - read leases: one C double per page (its lease deadline), so granting one is an array store
-  and an expired one needs no clean-up.
+  and an expired one needs no clean-up;
+- the *frontier*: no page at or above it was ever handed out. It moves up in steps
+  (``_FRONTIER_STEP``) ahead of ``_unused``, and each step is reported (``frontier_raised``) so
+  a journaled store records it before the reply that hands out a page past the old one;
+- pages *held after a restart* (``hold_after_restart``): leases are not journaled, so after a
+  restart every FREE page below the frontier may still be written by a writer whose
+  reservation, or read by a reader whose read lease, the old process granted. They stay out of
+  the allocator for one whole lease (``_held`` until ``_held_until``), and every page is
+  read-leased for one read lease, so no STORED page is evicted under a reader either.
 
 LRU link updates are written inline (instead of calling ``_unlink``/``_link_tail``) only in the
 per-key loops of ``get`` and ``confirm`` and in the head eviction of ``reserve`` and
@@ -79,6 +87,10 @@ _QUEUE_SLACK = 4096
 # Seconds a page released by a writer stays out of the allocator (see ``Pool.confirm``): longer
 # than the engines' clients spend retrying a request (three retries within about 2 s).
 RELEASE_GRACE = 10.0
+# The frontier moves up by this many pages, or by 1/64 of the pool when that is more: a journaled
+# store records each step, so the step bounds both how often a reserve waits for that record
+# and how many never-used pages a crash holds back (``hold_after_restart``).
+_FRONTIER_STEP = 1024
 # bytes.translate table: FREE -> 1, any other state -> 0.
 _FREE_MASK = bytes([1] + [0] * 255)
 _STORED_BYTE = bytes([STORED])
@@ -141,6 +153,10 @@ class Pool:
         "withhold",
         "_withheld",
         "_withheld_new",
+        "_frontier",
+        "frontier_raised",
+        "_held",
+        "_held_until",
     )
 
     def __init__(self, num_pages: int, *, reservation_ttl: float = 300.0, read_lease: float = 5.0):
@@ -177,6 +193,10 @@ class Pool:
         self._withheld = 0  # how many: the pages themselves are listed by whoever holds them
         self._withheld_new: list[int] = []
         self._tail = -1
+        self._frontier = 0  # pages from here on were never handed out (module docstring)
+        self.frontier_raised = False  # set by a reserve that moved it; the store clears it
+        self._held = array("i")  # FREE pages held after a restart until ``_held_until``
+        self._held_until = 0.0
 
     # ------------------------------------------------------------------ loading
 
@@ -206,7 +226,7 @@ class Pool:
             stored[key] = page
             pool._link_tail(page)
         pool._free = array("i", (p for p in range(num_pages - 1, -1, -1) if state[p] == FREE))
-        pool._unused = num_pages
+        pool._unused = pool._frontier = num_pages
         return pool
 
     # ------------------------------------------------------------------ queries
@@ -310,13 +330,29 @@ class Pool:
     def free_count(self) -> int:
         """FREE pages a reserve can take now: cooling ones are not counted (``PoolStats.free``
         means the same). Exact right after ``expire(now)``."""
-        return self.num_pages - len(self._stored) - len(self._reserved) - len(self._cooling)
+        return self.num_pages - len(self._stored) - len(self._reserved) - self.cooling_count
 
     @property
     def cooling_count(self) -> int:
         """FREE pages held back from the allocator until a read lease or the release grace
-        ends: a reserve cannot take them yet. Exact right after ``expire(now)``."""
-        return len(self._cooling)
+        ends, or held after a restart: a reserve cannot take them yet. Exact right after
+        ``expire(now)``."""
+        return len(self._cooling) + len(self._held)
+
+    @property
+    def held_count(self) -> int:
+        """FREE pages held after a restart (``hold_after_restart``), part of ``cooling_count``."""
+        return len(self._held)
+
+    @property
+    def held_until(self) -> float:
+        """When the pages held after a restart return to the allocator (0.0: none held)."""
+        return self._held_until if self._held else 0.0
+
+    @property
+    def frontier(self) -> int:
+        """Pages from here on were never handed out (``frontier_raised`` says when it moved)."""
+        return self._frontier
 
     def stored_keys(self) -> list[str]:
         """STORED keys in no particular order. O(stored), at C speed."""
@@ -343,25 +379,36 @@ class Pool:
         *,
         reservation_ttl: float = 300.0,
         read_lease: float = 5.0,
+        frontier: int | None = None,
     ) -> Pool:
         """``load`` in bulk: the same pool from a key -> page dict in LRU order (coldest first),
         with set-based checks and tight loops, because recovery loads 10^6 keys at start-up.
-        The pool takes ``stored`` over; the caller must not use it afterwards.
+        The pool takes ``stored`` over; the caller must not use it afterwards. ``frontier``:
+        pages from there on were never handed out (None: any page may have been).
 
         Raises:
             InvalidRequest: as ``load`` (bad input is handed to ``load`` for its exact message).
         """
         pool = cls(num_pages, reservation_ttl=reservation_ttl, read_lease=read_lease)
-        if not stored:
-            return pool
         pages = list(stored.values())
-        if min(pages) < 0 or max(pages) >= num_pages or len(set(pages)) != len(pages):
+        if pages and (min(pages) < 0 or max(pages) >= num_pages or len(set(pages)) != len(pages)):
             return cls.load(
                 num_pages,
                 list(stored.items()),
                 reservation_ttl=reservation_ttl,
                 read_lease=read_lease,
             )
+        # Past the frontier nothing was handed out; a stored page beyond it (a journal written
+        # before frontiers were recorded) moves it up.
+        top = (
+            num_pages
+            if frontier is None
+            else min(num_pages, max(frontier, max(pages) + 1 if pages else 0))
+        )
+        pool._unused = pool._frontier = top
+        if not stored:
+            pool._free = array("i", range(top - 1, -1, -1))
+            return pool
         page_key, state, nxt, prev = pool._page_key, pool._state, pool._next, pool._prev
         for key, page in stored.items():
             page_key[page] = key
@@ -373,10 +420,9 @@ class Pool:
         nxt[pages[-1]] = -1
         pool._head, pool._tail = pages[0], pages[-1]
         pool._stored = stored
-        # FREE pages, highest first (the stack pops the lowest), selected in C.
-        free_mask = state[::-1].translate(_FREE_MASK)
-        pool._free = array("i", compress(range(num_pages - 1, -1, -1), free_mask))
-        pool._unused = num_pages
+        # FREE pages below the frontier, highest first (the stack pops the lowest), in C.
+        free_mask = state[top - 1 :: -1].translate(_FREE_MASK) if top else b""
+        pool._free = array("i", compress(range(top - 1, -1, -1), free_mask))
         return pool
 
     # ------------------------------------------------------------------ mutations
@@ -437,6 +483,8 @@ class Pool:
             elif self._unused < self.num_pages:
                 page = self._unused
                 self._unused = page + 1
+                if page >= self._frontier:
+                    self._raise_frontier(page)
             else:
                 page = self._head
                 if page != -1 and page not in hits and read_until[page] <= now:
@@ -592,6 +640,28 @@ class Pool:
     def expire(self, now: float) -> None:
         """Apply lease expiry up to ``now`` (every operation does this first)."""
         self._expire(now)
+
+    def hold_after_restart(self, now: float) -> int:
+        """A recovered pool: keep what the old process may have leased from being reused.
+
+        Leases are not journaled, so every FREE page below the frontier may be reserved by a
+        writer still writing it, or read-leased by a reader still reading it: those pages stay
+        out of the allocator for one reservation lease (and at least one read lease), and every
+        page is read-leased for one read lease, so no STORED page is evicted under a reader.
+        Pages past the frontier were never handed out and stay available. Returns how many
+        pages are held. O(pool), once at start-up.
+        """
+        self._held, self._free = self._free, array("i")
+        self._held_until = now + max(self.reservation_ttl, self.read_lease)
+        if self.read_lease > 0:
+            self._read_until = array("d", [now + self.read_lease]) * self.num_pages
+        return len(self._held)
+
+    def _raise_frontier(self, page: int) -> None:
+        """``page`` is the first past the frontier to be handed out: move the frontier a step."""
+        step = max(_FRONTIER_STEP, self.num_pages >> 6)
+        self._frontier = min(self.num_pages, page + 1 + step)
+        self.frontier_raised = True
 
     # ------------------------------------------------------------------ withheld pages
 
@@ -803,6 +873,9 @@ class Pool:
         while cooling and cooling[0][0] <= now:
             _, page = heapq.heappop(cooling)
             self._free.append(page)
+        if self._held and self._held_until <= now:
+            self._free.extend(self._held)
+            self._held = array("i")
 
     def _link_tail(self, page: int) -> None:
         tail = self._tail

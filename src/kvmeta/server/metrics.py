@@ -351,6 +351,7 @@ def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[
         agg.num_pages += st.num_pages
         agg.free += st.free
         agg.cooling += st.cooling
+        agg.held_after_restart += st.held_after_restart
         agg.reserved += st.reserved
         agg.stored += st.stored
         agg.size_conflicts += st.size_conflicts
@@ -371,6 +372,11 @@ def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
         labels=[*_POOL_LABELS, "state"],
     )
     keys = GaugeMetricFamily("kvmeta_pool_keys", "keys stored in the pool", labels=_POOL_LABELS)
+    held = GaugeMetricFamily(
+        "kvmeta_pool_restart_held_pages",
+        "cooling pages held after a restart until the previous run's leases would have ended",
+        labels=_POOL_LABELS,
+    )
     conflicts = CounterMetricFamily(
         "kvmeta_pool_size_conflicts",
         "re-initialisations asking for another num_pages (misconfiguration)",
@@ -400,6 +406,7 @@ def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
         ):
             pages.add_metric([*labels, state], value)
         keys.add_metric(labels, st.stored)
+        held.add_metric(labels, st.held_after_restart)
         conflicts.add_metric(labels, st.size_conflicts)
         for name, value in st.counters.items():
             if name in _LOOKUPS:
@@ -408,7 +415,7 @@ def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
                 reservations.add_metric([*labels, _RESERVATIONS[name]], value)
             elif name in simple:
                 simple[name].add_metric(labels, value)
-    yield from (size, pages, keys, conflicts, lookups, reservations, *simple.values())
+    yield from (size, pages, keys, held, conflicts, lookups, reservations, *simple.values())
 
 
 def _request_metrics(routes: list[RouteStats]) -> Iterator[Metric]:

@@ -158,6 +158,7 @@ SCHEMAS: dict[str, Schema] = {
             "num_pages": INT,
             "free": INT,
             "cooling": INT,
+            "held_after_restart": INT,
             "reserved": INT,
             "stored": INT,
             "occupancy": NUM,

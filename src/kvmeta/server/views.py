@@ -30,6 +30,7 @@ def pool_view(st: PoolStats) -> dict[str, Any]:
         "num_pages": st.num_pages,
         "free": st.free,
         "cooling": st.cooling,
+        "held_after_restart": st.held_after_restart,
         "reserved": st.reserved,
         "stored": st.stored,
         "occupancy": round(st.stored / st.num_pages, 4) if st.num_pages else 0.0,

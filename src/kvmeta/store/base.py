@@ -57,6 +57,9 @@ class PoolStats:
     counters: dict[str, int] = field(default_factory=dict)
     size_conflicts: int = 0
     cooling: int = 0  # released or freed pages not handed out again yet (not in ``free``)
+    # Of ``cooling``: FREE pages held after a restart until the old process's leases would
+    # have ended (``Pool.hold_after_restart``).
+    held_after_restart: int = 0
 
 
 @dataclass(frozen=True)

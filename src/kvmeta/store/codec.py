@@ -8,7 +8,7 @@ A journal segment file is a 8-byte header followed by framed records::
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
                                                    or [dialect, rank, namespace, tenant] (format 3)
 
-    ["pool",   pool_id, num_pages]                 NewPool
+    ["pool",   pool_id, num_pages(, frontier)]     NewPool; again with a higher frontier as it moves
     ["commit", pool_id, [[key, page], ...]]        Commit
     ["remove", pool_id, [[key, page], ...]]        Remove: deletes and evictions
     ["clear",  pool_id]                            Clear
@@ -96,10 +96,13 @@ MAX_PAYLOAD = 64 * 1024 * 1024
 # Records: array_like + tag = the tagged msgpack arrays of the format above, byte for byte.
 # gc=False: they hold only strings and ints (no cycles), and recovery makes millions of them.
 class NewPool(msgspec.Struct, tag="pool", array_like=True, frozen=True, gc=False):
-    """A pool was created with ``num_pages`` pages."""
+    """A pool was created with ``num_pages`` pages; or, for a pool that exists, its frontier
+    moved: no page at or above ``frontier`` was handed out before the next such record
+    (``core.pool``; -1 in records written before frontiers were: any page may have been)."""
 
     pool: PoolId
     num_pages: int
+    frontier: int = -1
 
 
 class Commit(msgspec.Struct, tag="commit", array_like=True, frozen=True, gc=False):
@@ -170,10 +173,15 @@ def _encode(record: Record) -> bytes:
     cls = type(record)
     if cls is Commit or cls is Remove:
         tail = _encode_any(record.entries)  # type: ignore[union-attr]
-    elif cls is NewPool:
-        tail = _encode_any(record.num_pages)  # type: ignore[union-attr]
     elif cls is Clear or cls is Drop:
         tail = b""
+    elif cls is NewPool:  # rare: field by field, the frontier only once there is one
+        new: NewPool = record  # type: ignore[assignment]
+        fields: list[object] = ["pool", new.pool if new.pool.tenant else new.pool[:3]]
+        fields.append(new.num_pages)
+        if new.frontier != -1:
+            fields.append(new.frontier)
+        return _encode_any(fields)
     else:  # WorldSize, TenantWorldSize: no pool id
         return _encode_any(record)
     pool: PoolId = record.pool  # type: ignore[union-attr]

@@ -161,7 +161,7 @@ class MemoryStore:
                 )
             return result
         self.add_pool(pid, self._new_pool(num_pages))
-        self._record(NewPool(pid, num_pages))
+        self._record(NewPool(pid, num_pages, 0))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
@@ -235,6 +235,13 @@ class MemoryStore:
         evicted: list[tuple[str, int]] = []
         refused = pool.counters.reservations_refused
         out = pool.reserve(keys, self.clock(), evicted)
+        if pool.frontier_raised:
+            # Pages past the recorded frontier go out only once its new place is journaled
+            # (the reply waits for it: ``WriteAhead.wait_after``).
+            pool.frontier_raised = False
+            self._record(NewPool(pid, pool.num_pages, pool.frontier))
+            if rule is not None:
+                rule.frontier_moved(pool)
         if evicted:
             self._record(Remove(pid, evicted))
             if self.on_change is not None:
@@ -406,6 +413,7 @@ class MemoryStore:
                     counters=dict(vars(pool.counters)),
                     size_conflicts=self.size_conflicts.get(pid, 0),
                     cooling=pool.cooling_count,
+                    held_after_restart=pool.held_count,
                 )
             )
         return out

@@ -1,8 +1,10 @@
 """Recovery: the latest snapshot plus a replay of the journal segments after it.
 
 Replay runs on plain dicts (key -> page, insertion order = LRU order as of commit order) and
-only then builds each ``Pool`` with ``Pool.load``, which checks that no page or key appears
-twice. Reservations and leases are not durable: every page not STORED comes back FREE.
+only then builds each ``Pool`` with ``Pool.from_lru``, which checks that no page or key appears
+twice. Reservations and leases are not durable: every page not STORED comes back FREE, and
+``install`` holds the ones below each pool's recorded frontier for one lease
+(``Pool.hold_after_restart``), because a writer or reader of the old process may still use them.
 
 A torn last record (the process died mid-append) is cut off with a WARNING. Every other kind of
 damage raises ``JournalCorrupt`` naming the file, the offset and the options: kvmeta never starts
@@ -67,6 +69,8 @@ class Recovered:
     """The state rebuilt from disk, plus what it took to rebuild it."""
 
     pools: dict[PoolId, tuple[int, dict[str, int]]] = field(default_factory=dict)
+    # Each pool's recorded frontier (absent: not recorded, any page may have been handed out).
+    frontiers: dict[PoolId, int] = field(default_factory=dict)
     vworld: int | None = None  # the default tenant's vLLM world size
     tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
     snapshot: int | None = None
@@ -147,6 +151,7 @@ def _recover(directory: Path, repair: bool) -> Recovered:
         out.tworld = dict(snap.tworld)
         for pid, num_pages, keys, pages in snap.pools:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
+        out.frontiers.update(snap.frontiers)
     first = out.snapshot if out.snapshot is not None else 0
     segments = [s for s in listing.segments if s >= first]
     last_nonempty = _last_nonempty(directory, segments)
@@ -226,8 +231,13 @@ def _apply(out: Recovered, record: Record) -> None:
     elif isinstance(record, NewPool):
         if record.pool not in out.pools:
             out.pools[record.pool] = (record.num_pages, {})
+            if record.frontier >= 0:
+                out.frontiers[record.pool] = record.frontier
+        elif record.frontier > out.frontiers.get(record.pool, record.frontier):
+            out.frontiers[record.pool] = record.frontier
     elif isinstance(record, Drop):
         out.pools.pop(record.pool, None)
+        out.frontiers.pop(record.pool, None)
     elif isinstance(record, WorldSize):
         out.vworld = record.world_size
     elif isinstance(record, TenantWorldSize):
@@ -245,6 +255,8 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
     Raises:
         JournalCorrupt: the replayed state maps one page to two keys or a page out of range.
     """
+    now = store.clock()
+    held = 0
     with gc_paused():
         for pid, (num_pages, entries) in state.pools.items():
             try:
@@ -253,12 +265,21 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
                     entries,
                     reservation_ttl=store.reservation_ttl,
                     read_lease=store.read_lease,
+                    frontier=state.frontiers.get(pid),
                 )
             except InvalidRequest as exc:
                 raise corrupt(directory, directory, f"{pid}: {exc}") from None
+            held += pool.hold_after_restart(now)
             store.add_pool(pid, pool)
         store.vllm_world_size = state.vworld
         for tenant, world_size in state.tworld.items():
             store.vllm_world_sizes[tenant] = world_size
+    if held:
+        logger.warning(
+            "holding %d free page(s) for %.0f s after the restart: writers and readers of the "
+            "previous run may still use them (leases are not journaled; docs/guarantees.md)",
+            held,
+            max(store.reservation_ttl, store.read_lease),
+        )
     # The recovered keys live until evicted: keep the collector from rescanning them.
     gc.freeze()

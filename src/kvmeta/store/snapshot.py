@@ -9,7 +9,7 @@ segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
     meta    = msgpack map {"segment": N, "vworld": int|nil,
                            "pools": [[dialect, rank, namespace, num_pages, [chunk_len...],
                                       pages_len(, tenant)]],
-                           ("tworld": {tenant: int})}
+                           ("tworld": {tenant: int}), ("frontiers": [int, ...])}
     blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
               then its pages (little-endian int32, parallel to the keys, coldest first)
 
@@ -18,6 +18,10 @@ its tenant, and other tenants' vLLM world sizes are in ``tworld``. A snapshot wi
 them is written as version 1, byte for byte what an older kvmeta writes; one with them is
 version 2, which an older kvmeta refuses ("snapshot format 2 is newer") rather than load a
 tenant's pool as the default tenant's. A version 1 snapshot loads as tenant ``""``.
+
+``frontiers`` holds each pool's frontier (``core.pool``), in the order of ``pools``; an older
+kvmeta ignores it, and a snapshot without it (an older kvmeta's) leaves every pool's frontier
+unrecorded, so recovery holds all its free pages after the restart.
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
 pool's page->key table and LRU links (at memcpy speed); ``write_snapshot`` walks the copies,
@@ -83,6 +87,7 @@ class PoolImage:
     page_key: list[str | None]
     nxt: array[int]
     head: int
+    frontier: int = -1  # -1: not recorded
 
     def order(self) -> tuple[list[str], array[int]]:
         """Stored keys and pages, coldest first (O(stored): call it off the loop)."""
@@ -111,6 +116,7 @@ class SnapshotData:
     vworld: int | None
     pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
     tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
+    frontiers: dict[PoolId, int] = field(default_factory=dict)  # recorded frontiers only
 
 
 class SnapshotError(Exception):
@@ -120,7 +126,10 @@ class SnapshotError(Exception):
 def capture(store: MemoryStore) -> StoreImage:
     """Copy the durable state; call on the event loop, between two operations."""
     started = time.perf_counter()
-    pools = [PoolImage(pid, pool.num_pages, *pool.lru_copy()) for pid, pool in store.pools.items()]
+    pools = [
+        PoolImage(pid, pool.num_pages, *pool.lru_copy(), pool.frontier)
+        for pid, pool in store.pools.items()
+    ]
     tworld = {t: size for t, size in store.vllm_world_sizes.items() if t}
     return StoreImage(pools, store.vllm_world_size, time.perf_counter() - started, tworld)
 
@@ -153,6 +162,7 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     body: dict[str, Any] = {"segment": segment, "vworld": image.vworld, "pools": pools}
     if image.tworld:
         body["tworld"] = image.tworld
+    body["frontiers"] = [img.frontier for img in image.pools]
     meta = _encode(body)
     pieces = [_U32.pack(len(meta)), meta, *blobs]
     crc = 0
@@ -209,7 +219,8 @@ def read_snapshot(path: Path) -> SnapshotData:
         out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
         for tenant, size in body.get("tworld", {}).items():
             out.tworld[str(tenant)] = int(size)
-        for entry in body["pools"]:
+        frontiers = body.get("frontiers") or [-1] * len(body["pools"])
+        for entry, frontier in zip(body["pools"], frontiers, strict=True):
             dialect, rank, namespace, num_pages, chunk_lengths, pages_len = entry[:6]
             tenant = str(entry[6]) if len(entry) > 6 else ""
             keys: list[str] = []
@@ -223,7 +234,10 @@ def read_snapshot(path: Path) -> SnapshotData:
                 pages.byteswap()
             if len(pages) != len(keys):
                 raise SnapshotError(f"pool {rank}/{namespace}: keys and pages differ in length")
-            out.pools.append((PoolId(dialect, rank, namespace, tenant), num_pages, keys, pages))
+            pid = PoolId(dialect, rank, namespace, tenant)
+            out.pools.append((pid, num_pages, keys, pages))
+            if frontier >= 0:
+                out.frontiers[pid] = int(frontier)
     except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
         raise SnapshotError(f"malformed content ({exc})") from None
     return out

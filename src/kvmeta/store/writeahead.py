@@ -72,6 +72,10 @@ class WriteAhead:
         self._marks: dict[Pool, dict[int, int]] = {}
         # Spare growth per pool: (factor at ``since``, since).
         self._growth: dict[Pool, tuple[float, float]] = {}
+        # Journal seq of each pool's latest frontier record not yet known durable: a reply
+        # handing out a page past the frontier before waits for it (a crash must not forget
+        # that the page was handed out: ``Pool.hold_after_restart``).
+        self._frontiers: dict[Pool, int] = {}
 
     # ------------------------------------------------------------------ removals
 
@@ -89,9 +93,16 @@ class WriteAhead:
             marks[page] = seq
         self._pending.append((seq, pool, pages, False))
 
+    def frontier_moved(self, pool: Pool) -> None:
+        """The record just appended moved ``pool``'s frontier: the reply waits for it."""
+        self._frontiers[pool] = self.sink.seq
+
     def catch_up(self) -> None:
         """Apply every removal that is durable now: release withheld pages, drop marks."""
         pending, durable = self._pending, self.sink.durable_seq
+        if self._frontiers:
+            for pool in [p for p, seq in self._frontiers.items() if seq <= durable]:
+                del self._frontiers[pool]
         if not pending or pending[0][0] > durable:
             return
         now = self.clock()
@@ -132,11 +143,11 @@ class WriteAhead:
 
     def wait_after(self, pool: Pool, out: list[tuple[bool, int]]) -> int:
         """Journal position the reply ``out`` of a reserve must wait for (0: none): the newest
-        not yet durable removal of a page it hands out."""
+        not yet durable removal of a page it hands out, or the pool's frontier record."""
+        seq = self._frontiers.get(pool, 0)
         marks = self._marks.get(pool)
         if not marks:
-            return 0
-        seq = 0
+            return seq if seq > self.sink.durable_seq else 0
         for hit, page in out:
             if not hit:
                 mark = marks.get(page, 0)

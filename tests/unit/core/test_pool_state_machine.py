@@ -178,3 +178,65 @@ TestCompactingPoolMachine = CompactingPoolMachine.TestCase
 TestCompactingPoolMachine.settings = settings(
     max_examples=300, stateful_step_count=40, deadline=None
 )
+
+
+class RestartingPoolMachine(PoolMachine):
+    """The same with restarts at any step, crash loops included: the new process gets only
+    what a journal holds (the stored keys in LRU order and the recorded frontier) and must
+    never hand a page to a writer, nor evict it, while a reservation or read lease that an
+    earlier process granted on it would still be running (leases are not journaled). The
+    frontier moves one page at a time here, so pages past it are exercised too."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._step = pool_module._FRONTIER_STEP
+        pool_module._FRONTIER_STEP = 1
+        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0)
+        self.reads: dict[int, float] = {}  # page -> end of the latest read lease granted
+        self.protected: dict[int, float] = {}  # page -> end of an earlier run's lease on it
+
+    def teardown(self) -> None:
+        pool_module._FRONTIER_STEP = self._step
+
+    @rule(keys=st.lists(KEYS, max_size=4))
+    def get(self, keys: list[str]) -> None:
+        for key, page in zip(keys, self.pool.get(keys, self.now), strict=True):
+            assert page == self.written.get(key)
+            if page is not None:
+                self.reads[page] = self.now + self.pool.read_lease
+
+    @rule(keys=st.lists(KEYS, max_size=8))
+    def reserve(self, keys: list[str]) -> None:
+        stored_before = dict(self.pool._stored)
+        before = len(self.handed)
+        super().reserve(keys)
+        for key, page in self.handed[before:]:
+            until = self.protected.get(page, 0.0)
+            assert until <= self.now, f"page {page} handed to {key!r} {until - self.now}s early"
+        for key, page in stored_before.items():
+            if key not in self.pool._stored:  # evicted by this reserve
+                until = self.protected.get(page, 0.0)
+                assert until <= self.now, f"page {page} evicted {until - self.now}s early"
+
+    @rule()
+    def restart(self) -> None:
+        old = self.pool
+        old.expire(self.now)
+        for page, deadline in old._res_deadline.items():
+            self.protected[page] = max(self.protected.get(page, 0.0), deadline)
+        for page, until in self.reads.items():
+            if until > self.now:
+                self.protected[page] = max(self.protected.get(page, 0.0), until)
+        self.reads = {}
+        durable = dict(old.stored_items())  # what the journal holds, coldest first
+        self.pool = Pool.from_lru(
+            N, durable, reservation_ttl=10.0, read_lease=3.0, frontier=old.frontier
+        )
+        self.pool.hold_after_restart(self.now)
+        assert self.written == durable
+
+
+TestRestartingPoolMachine = RestartingPoolMachine.TestCase
+TestRestartingPoolMachine.settings = settings(
+    max_examples=300, stateful_step_count=50, deadline=None
+)

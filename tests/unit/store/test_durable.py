@@ -12,7 +12,7 @@ from kvmeta._types import PoolId
 from kvmeta.core import check_pool
 from kvmeta.errors import JournalCorrupt
 from kvmeta.store.check import check_data_dir
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.recovery import list_data_dir, recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 MAMBA = PoolId("s", 0, "mamba")
@@ -187,17 +187,43 @@ def test_reserve_waits_only_when_it_hands_out_a_page_after_a_pending_removal(
         try:
             await b.initialize(S0, 2)
             await cycle(b, S0, ["a", "b"])
+            waits = b.durability_stats()["reserve_waits"]  # (the frontier's: the next test)
             b.store.delete(S0, ["a"])  # removal buffered, not yet durable
             assert j.durable_seq < j.removal_seq
             assert await b.reserve(S0, ["b"]) == [(True, 1)]  # pure hit: no wait
             assert j.durable_seq < j.removal_seq
-            assert b.durability_stats()["reserve_waits"] == 0
+            assert b.durability_stats()["reserve_waits"] == waits
             assert await b.reserve(S0, ["c"]) == [(False, 0)]  # page 0 held "a"
             assert j.durable_seq >= j.removal_seq
             stats = b.durability_stats()  # the status page and metrics show the wait
-            assert stats["reserve_waits"] == 1 and stats["reserve_wait_seconds"] > 0
+            assert stats["reserve_waits"] == waits + 1 and stats["reserve_wait_seconds"] > 0
         finally:
             await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_reserve_past_the_recorded_frontier_replies_once_the_new_one_is_durable(
+    tmp_path: Path,
+) -> None:
+    """A crash must not forget that a page was handed out: the reply that hands out the
+    first page past the frontier waits for the record that moves it (``batch`` too)."""
+
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch", fsync_interval=0.3)
+        j = b.journal
+        assert j is not None
+        try:
+            await b.initialize(S0, 4096)
+            assert await b.reserve(S0, ["a"]) == [(False, 0)]
+            moved = j.seq  # the frontier record is the last one appended
+            assert j.durable_seq >= moved and b.store.pool(S0).frontier == 1025
+            assert await b.reserve(S0, [f"k{i}" for i in range(1024)])  # within the step
+            assert j.seq == moved and b.durability_stats()["reserve_waits"] == 1
+        finally:
+            await b.close()
+        state = recover(tmp_path)
+        assert state.frontiers == {S0: 1025}
 
     asyncio.run(main())
 

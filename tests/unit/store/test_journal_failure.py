@@ -175,6 +175,7 @@ def test_shutdown_while_failed_says_what_is_lost(
         b = await open_backend(tmp_path, fsync="batch")
         await b.initialize(S0, 8)
         assert b.journal is not None
+        await b.reserve(S0, ["a"])  # the frontier moves while the disk still takes it
         _break_writes(b.journal, monkeypatch, errno.ENOSPC)
         await cycle(b, S0, ["a"])  # acknowledged in batch mode, then its write fails
         await _until(lambda: b.failure is not None)
@@ -198,6 +199,7 @@ def test_shutdown_after_the_cause_is_gone_keeps_everything(
         b = await open_backend(tmp_path, fsync="batch", snapshot_interval=0.0)
         await b.initialize(S0, 8)
         assert b.journal is not None
+        await b.reserve(S0, ["a", "b"])  # the frontier moves while the disk still takes it
         broken = _break_writes(b.journal, monkeypatch, errno.ENOSPC)
         await cycle(b, S0, ["a", "b"])
         await _until(lambda: b.failure is not None)

@@ -134,7 +134,10 @@ def test_in_memory_mode_imports_at_every_start_and_writes_back(tmp_path: Path) -
         try:
             assert b.journal is None and state(b)[S0] == (4, [("old", 1), ("new", 0)])
             await cycle(b, S0, ["x"])
-            await asyncio.sleep(0.2)  # a periodic save runs
+            for _ in range(200):  # until a periodic save has run (every 0.05 s)
+                if ["x", 2] in json.loads(legacy.read_text())["0"]["key_to_index"]:
+                    break
+                await asyncio.sleep(0.05)
             assert ["x", 2] in json.loads(legacy.read_text())["0"]["key_to_index"]
         finally:
             await b.close()

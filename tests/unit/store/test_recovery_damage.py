@@ -77,8 +77,8 @@ def test_start_up_refuses_keeps_the_file_and_check_exits_1(tmp_path: Path) -> No
         path = segment_path(tmp_path, segment)
         data = bytearray(path.read_bytes())
         frames = decode_frames(bytes(data)).records
-        assert len(frames) == 11
-        # The third record's length field: header, pool record, two commits before it.
+        assert len(frames) == 12  # the pool, its frontier, ten commits
+        # The fourth record's length field: header, pool, frontier, one commit before it.
         at = len(HEADER)
         for _ in range(3):
             (length,) = struct.unpack_from("<I", data, at)
