@@ -1,5 +1,6 @@
-"""``kvmeta bench``: the measured window opens only once every client process runs, and a
-run that measured nothing is an error rather than a table of ``-``.
+"""``kvmeta bench``: the measured window opens only once every client process runs, a run
+that measured nothing is an error rather than a table of ``-``, and a token in ``--url`` is
+used, never shown.
 
 Real processes throughout (the bench command, its client processes, the servers they drive).
 """
@@ -8,18 +9,19 @@ from __future__ import annotations
 
 import contextlib
 import json
+import secrets
 import socket
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.errors import KvmetaError
-from tests.support import SRC
+from tests.support import SRC, ServerProcess, unused_port
 
 ROOT = Path(__file__).resolve().parents[2]
 _ENV = {"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"}
@@ -137,3 +139,35 @@ def test_clients_that_never_get_a_first_answer_fail_the_run_naming_how_many_star
         with pytest.raises(KvmetaError, match=r"0 of 2 benchmark clients started") as info:
             run_bench(cfg)
     assert "\n" not in str(info.value)
+
+
+def test_the_url_password_is_the_token_and_is_never_shown(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    token = "pw" + secrets.token_hex(8)
+    server = make_server("--in-memory", "--read-lease", "0", "--auth-token", token)
+    url = server.url.replace("://", f"://:{token}@")
+    common = ("--url", url, "--clients", "1", "--requests", "40", "--warmup", "0.1")
+    for extra in ((), ("--json",)):
+        proc = _bench(*common, "--pool-pages", "1024", *extra)
+        assert proc.returncode == 0, proc.stderr.replace(token, "<token>")
+        assert token not in proc.stdout and token not in proc.stderr
+    report = json.loads(proc.stdout)
+    assert report["requests"] >= 40
+    assert report["config"]["auth_token"] == "(set)"
+    # Errors that show the URL show it without the token.
+    port = unused_port()
+    for bad, shown in (
+        (f"http://:{token}@127.0.0.1:{port}", f"nothing answers at http://127.0.0.1:{port}"),
+        (f"https://:{token}@127.0.0.1:1", "'https://:***@127.0.0.1:1'"),  # not plain HTTP
+    ):
+        proc = _bench("--url", bad, "--requests", "8", timeout=60)
+        assert proc.returncode != 0
+        assert token not in proc.stdout and token not in proc.stderr, proc.stderr
+        [error] = _errors(proc.stderr)
+        assert shown in error, error
+    # A launched server's flags are shown with the token left out.
+    proc = _bench("--launch", "memory", "--auth-token", token, "--requests", "40", "--json")
+    assert proc.returncode == 0, proc.stderr.replace(token, "<token>")
+    assert token not in proc.stdout and token not in proc.stderr
+    assert "--auth-token=***" in json.loads(proc.stdout)["config"]["server_args"]

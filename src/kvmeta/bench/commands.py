@@ -109,8 +109,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server to measure (run, sweep)")
     server.add_argument(
         "--url",
-        help="a running server to drive, e.g. http://127.0.0.1:18000 (default: none; give "
-        "--url or --launch)",
+        help="a running server to drive, e.g. http://127.0.0.1:18000 (a token may be the "
+        "password: http://:TOKEN@HOST:PORT) (default: none; give --url or --launch)",
     )
     server.add_argument(
         "--launch",

@@ -36,6 +36,7 @@ from kvmeta.bench.workload import (
     pool_size,
     prefill,
 )
+from kvmeta.client.urls import split_credentials
 from kvmeta.errors import KvmetaError, ServerUnavailable
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench"]
@@ -335,6 +336,10 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     """
     if not cfg.seed:
         cfg.seed = f"{os.getpid()}-{time.time_ns()}"
+    # A token in the URL (http://:TOKEN@host:port) is the token; the URL is shown without it.
+    target = split_credentials(cfg.url)
+    cfg.url = target.url
+    cfg.auth_token = cfg.auth_token or target.token
     pages = _setup(cfg)
     redis_cpu = None if cfg.backend_pid else _redis_cpu(cfg)
     try:
