@@ -11,6 +11,7 @@ import difflib
 import json
 import logging
 import os
+import select
 import sys
 import time
 from collections.abc import Sequence
@@ -132,14 +133,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         pools=tuple(args.pool or ()),
         tenants=None if args.tenant is None else tuple(args.tenant),
     )
-    try:
-        return tail(options, sys.stdout, sys.stderr)
-    except BrokenPipeError:
-        # The reader went away (``| head``): stop quietly; stdout is pointed at /dev/null so
-        # that Python's own flush at exit does not fail on the closed pipe again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    return tail(options, sys.stdout, sys.stderr)
 
 
 def _add_events(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -273,13 +267,41 @@ def _unrecognized(
     target.error(message)
 
 
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe nobody reads any more (poll reports an error on it): a
+    BrokenPipeError from anything else, such as a socket, is a real failure."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or no real stdout
+        return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command; a reader of its output that went away (``| head -1``) ends it quietly
+    with exit 0, as a pager quitting is no error: stdout is pointed at /dev/null so that
+    Python's own flush at exit does not fail on the closed pipe again."""
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could no longer be caught
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unrecognized(parser, args, extra)
     try:
-        return int(args.func(args))
+        return _run(args)
     except KvmetaError as exc:
         print(f"kvmeta: error: {exc}", file=sys.stderr)
         return 2

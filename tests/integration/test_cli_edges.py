@@ -7,11 +7,17 @@ Real processes throughout: each command runs as ``python -m kvmeta`` with this c
 
 from __future__ import annotations
 
+import argparse
 import json
+import os
 import subprocess
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
+import pytest
+
+from kvmeta.cli import _run
 from tests.support import ServerProcess, child_env
 
 
@@ -60,3 +66,51 @@ def test_bench_reads_host_port_as_http(make_server: Callable[..., ServerProcess]
     report = json.loads(done.stdout)
     assert report["config"]["url"] == server.url
     assert report["requests"] >= 20
+
+
+# output into a pipe whose reader has gone (`| head -1`) ----------------------------------
+
+
+def _into_closed_pipe(*args: str) -> subprocess.CompletedProcess[str]:
+    """``kvmeta ARGS`` with stdout a pipe whose reading end is closed before it starts: the
+    first write fails as it does once ``head -1`` has read its line and exited."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    try:
+        return subprocess.run(
+            [sys.executable, "-m", "kvmeta", *args],
+            stdout=write_end,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=child_env(),
+            timeout=120,
+        )
+    finally:
+        os.close(write_end)
+
+
+@pytest.mark.parametrize(
+    "extra", [(), ("--json",), ("--watch", "0.1")], ids=["table", "json", "watch"]
+)
+def test_status_into_a_closed_pipe_exits_quietly(
+    make_server: Callable[..., ServerProcess], extra: tuple[str, ...]
+) -> None:
+    server = make_server("--in-memory")
+    done = _into_closed_pipe("status", "--url", server.url, *extra)
+    assert done.stderr == ""
+    assert done.returncode == 0
+
+
+def test_a_broken_pipe_other_than_stdout_stays_an_error() -> None:
+    def command(args: argparse.Namespace) -> int:
+        raise BrokenPipeError(32, "Broken pipe")  # e.g. a socket the server closed
+
+    with pytest.raises(BrokenPipeError):
+        _run(argparse.Namespace(func=command))
+
+
+def test_check_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
+    done = _into_closed_pipe("check", "--data-dir", str(tmp_path / "missing"))
+    [line] = _lines(done.stderr)  # the problem (stderr), and nothing about the pipe
+    assert line.startswith("PROBLEM: ")
+    assert done.returncode == 0
