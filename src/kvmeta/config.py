@@ -352,6 +352,12 @@ def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | No
     return env.get("KVMETA_" + name.upper()) or None
 
 
+def _given(name: str, sources: Mapping[str, str]) -> str:
+    """An option as an error names it: its flag, and the variable when that set it."""
+    flag = f"`--{name.replace('_', '-')}`"
+    return flag if sources[name].startswith("--") else f"{flag} (set by {sources[name]})"
+
+
 def settings_from_args(
     args: argparse.Namespace, environ: Mapping[str, str] | None = None
 ) -> Settings:
@@ -402,16 +408,22 @@ def settings_from_args(
     # Local state options next to a shared backend: kvmeta would silently ignore them.
     local = [name for name in ("data_dir", "in_memory", "persistence_path") if name in values]
     if settings.backend and local:
-        given = ", ".join(
-            f"`--{name.replace('_', '-')}`"
-            + ("" if sources[name].startswith("--") else f" (set by {sources[name]})")
-            for name in local
-        )
+        given = ", ".join(_given(name, sources) for name in local)
         raise ConfigError(
             f"{given} conflicts with `--backend`: with a shared backend all state lives there "
             "and no local data directory is used. Drop the local-state option (or its "
             "KVMETA_* variable), or drop `--backend` to keep state locally",
             local[0],
+        )
+    # --data-dir has a default an in-memory server ignores; only one given explicitly
+    # contradicts --in-memory (and would be silently unused).
+    if settings.in_memory and "data_dir" in values:
+        raise ConfigError(
+            f"{_given('in_memory', sources)} conflicts with {_given('data_dir', sources)}: an "
+            "in-memory server keeps no data directory. Drop `--data-dir` (or its KVMETA_* "
+            "variable) to keep state in memory only, or drop `--in-memory` to keep it in that "
+            "directory",
+            "data_dir",
         )
     if settings.events and settings.workers > 1:
         raise ConfigError(

@@ -114,3 +114,15 @@ def test_check_into_a_closed_pipe_exits_quietly(tmp_path: Path) -> None:
     [line] = _lines(done.stderr)  # the problem (stderr), and nothing about the pipe
     assert line.startswith("PROBLEM: ")
     assert done.returncode == 0
+
+
+# flags that contradict each other --------------------------------------------------------
+
+
+def test_serve_in_memory_with_a_data_dir_refuses_in_one_line(tmp_path: Path) -> None:
+    data = tmp_path / "state"
+    done = kvmeta("serve", "--in-memory", "--data-dir", str(data), "--port", "0", timeout=60)
+    assert done.returncode == 2
+    [line] = _lines(done.stderr)
+    assert line.startswith("kvmeta: error: `--in-memory` conflicts with `--data-dir`"), line
+    assert not data.exists()
