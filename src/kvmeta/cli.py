@@ -17,10 +17,12 @@ import time
 from collections.abc import Sequence
 
 from kvmeta import __version__
-from kvmeta.config import add_arguments, env_setting, settings_from_args
+from kvmeta.config import add_arguments, env_setting, settings_from_args, unknown_env
 from kvmeta.errors import KvmetaError, MissingExtra
 
 __all__ = ["main"]
+
+logger = logging.getLogger(__name__)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -48,6 +50,16 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
+def _warn_unknown_env(logged: bool) -> None:
+    """Say which ``KVMETA_*`` variables no command reads: through the log where the command
+    has configured one (its format may be JSON), else as a plain line on stderr."""
+    for line in unknown_env():
+        if logged:
+            logger.warning("%s", line)
+        else:
+            print(f"kvmeta: warning: {line}", file=sys.stderr)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvmeta.bench.commands import add_arguments as add_bench_arguments
 
@@ -60,6 +72,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvmeta.bench.commands import run as run_bench
 
     configure_logging("info")
+    _warn_unknown_env(logged=True)
     print(run_bench(args))
     return 0
 
@@ -69,6 +82,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    _warn_unknown_env(logged=True)
     serve(settings)
     return 0
 
@@ -76,6 +90,7 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 def _cmd_status(args: argparse.Namespace) -> int:
     from kvmeta.status import server_url, status
 
+    _warn_unknown_env(logged=False)
     url = server_url(args.url)
     token = args.token or env_setting("auth_token")
     if args.watch is not None:

@@ -8,6 +8,7 @@ and ``settings_from_args`` does the merge and validation, naming both forms on e
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -23,6 +24,7 @@ __all__ = [
     "add_arguments",
     "env_setting",
     "settings_from_args",
+    "unknown_env",
 ]
 
 
@@ -344,6 +346,29 @@ def _shown_default(value: Any) -> str:
     if value is True or value is False:
         return "on" if value else "off"
     return str(value)
+
+
+# Variables read besides one per option: KVMETA_REDIS_URL, the conventional name, as a fallback
+# for --backend. KVMETA_TEST_* belong to kvmeta's test suite, which sets them for itself.
+_OTHER_ENV = frozenset({"KVMETA_REDIS_URL"})
+_NOT_OURS = ("KVMETA_TEST_",)
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ``KVMETA_*`` variable that is no kvmeta setting, naming the closest one
+    that is: a misspelt variable is otherwise ignored without a word, and the server runs with
+    a default the operator believes they changed. Values are never shown (one may be a token).
+    """
+    env = os.environ if environ is None else environ
+    known = sorted({_env(opt) for opt in OPTIONS} | _OTHER_ENV)
+    lines = []
+    for name in sorted(env):
+        if not name.startswith("KVMETA_") or name in known or name.startswith(_NOT_OURS):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "`kvmeta serve --help` lists them"
+        lines.append(f"{name} is not a kvmeta setting ({hint})")
+    return lines
 
 
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:

@@ -126,3 +126,45 @@ def test_serve_in_memory_with_a_data_dir_refuses_in_one_line(tmp_path: Path) -> 
     [line] = _lines(done.stderr)
     assert line.startswith("kvmeta: error: `--in-memory` conflicts with `--data-dir`"), line
     assert not data.exists()
+
+
+# misspelt KVMETA_* variables ----------------------------------------------------------------
+
+
+def _warned(text: str) -> list[str]:
+    return [line for line in text.splitlines() if "is not a kvmeta setting" in line]
+
+
+def test_serve_warns_about_each_unknown_variable_and_starts(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    env = {
+        "KVMETA_READ_LEASES": "1",
+        "KVMETA_AUTH_TOKN": "value-never-shown",
+        "KVMETA_TEST_CACHE": "/nowhere",  # the test suite's own: not a server setting
+        "KVMETA_HOST": "127.0.0.1",  # a real one
+    }
+    server = make_server("--in-memory", env=env)
+    warned = _warned(server.log)
+    assert len(warned) == 2, server.log
+    assert warned[0].endswith(
+        "KVMETA_AUTH_TOKN is not a kvmeta setting (did you mean KVMETA_AUTH_TOKEN?)"
+    )
+    assert warned[1].endswith(
+        "KVMETA_READ_LEASES is not a kvmeta setting (did you mean KVMETA_READ_LEASE?)"
+    )
+    assert "value-never-shown" not in server.log
+    assert server.post("/0/initialize", {"num_pages": 4}).status_code == 204  # it carried on
+
+
+def test_status_warns_about_an_unknown_variable_and_carries_on(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    server = make_server("--in-memory")
+    done = kvmeta("status", "--url", server.url, env={"KVMETA_AUTH_TOKN": "t"})
+    assert done.returncode == 0, done.stderr
+    assert _lines(done.stderr) == [
+        "kvmeta: warning: KVMETA_AUTH_TOKN is not a kvmeta setting (did you mean "
+        "KVMETA_AUTH_TOKEN?)"
+    ]
+    assert "ready" in done.stdout

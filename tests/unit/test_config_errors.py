@@ -99,3 +99,20 @@ def test_the_path_rank_error_is_in_the_error_tree_with_its_status() -> None:
         parse_rank("abc")
     # A client maps the 422 back to the caller's-mistake class, as before.
     assert type(error_for_status(422, "Path parameter `rank` ...")) is InvalidRequest
+
+
+def test_unknown_variables_are_named_with_the_closest_real_one() -> None:
+    from kvmeta.config import unknown_env
+
+    env = {
+        "KVMETA_PORTT": "1",
+        "KVMETA_ZZZZZZZZZZZZ": "1",
+        "KVMETA_PORT": "1",  # a setting
+        "KVMETA_REDIS_URL": "redis://h:1/0",  # read as a fallback for --backend
+        "KVMETA_TEST_REDIS_SERVER": "valkey-server",  # the test suite's
+        "HOME": "/root",
+    }
+    assert unknown_env(env) == [
+        "KVMETA_PORTT is not a kvmeta setting (did you mean KVMETA_PORT?)",
+        "KVMETA_ZZZZZZZZZZZZ is not a kvmeta setting (`kvmeta serve --help` lists them)",
+    ]
