@@ -168,3 +168,44 @@ def test_status_warns_about_an_unknown_variable_and_carries_on(
         "KVMETA_AUTH_TOKEN?)"
     ]
     assert "ready" in done.stdout
+
+
+# kvmeta check on a directory kvmeta never wrote ---------------------------------------------
+
+
+@pytest.mark.parametrize("contents", [["hosts", "passwd"], []], ids=["other-files", "empty"])
+def test_check_refuses_a_directory_without_kvmeta_files(
+    tmp_path: Path, contents: list[str]
+) -> None:
+    directory = tmp_path / "etc"
+    directory.mkdir()
+    for name in contents:
+        (directory / name).write_text("not kvmeta's\n")
+    done = kvmeta("check", "--data-dir", str(directory))
+    assert done.returncode == 1
+    [line] = _lines(done.stderr)
+    assert line.startswith(f"PROBLEM: {directory} is not a kvmeta data directory"), line
+    for looked_for in ("journal-*.log", "snapshot-*.snap", "EPOCH", "LOCK"):
+        assert looked_for in line
+    assert "ok" not in done.stdout.split()
+    assert sorted(p.name for p in directory.iterdir()) == sorted(contents)  # nothing created
+
+
+def test_check_refuses_a_missing_directory(tmp_path: Path) -> None:
+    missing = tmp_path / "nowhere"
+    done = kvmeta("check", "--data-dir", str(missing))
+    assert done.returncode == 1
+    [line] = _lines(done.stderr)
+    assert line.startswith(f"PROBLEM: {missing} does not exist"), line
+    assert not missing.exists()
+
+
+def test_check_passes_the_directory_a_server_made_even_without_pools(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    server = ServerProcess("--data-dir", str(data), cwd=tmp_path).start()
+    assert server.stop() == 0  # SIGTERM: a clean stop
+    done = kvmeta("check", "--data-dir", str(data))
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert done.stderr == ""
+    assert done.stdout.splitlines()[-1] == "ok"
+    assert "total: 0 pools, 0 stored keys" in done.stdout
