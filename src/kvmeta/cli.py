@@ -11,15 +11,18 @@ import difflib
 import json
 import logging
 import os
+import select
 import sys
 import time
 from collections.abc import Sequence
 
 from kvmeta import __version__
-from kvmeta.config import add_arguments, env_setting, settings_from_args
+from kvmeta.config import add_arguments, env_setting, settings_from_args, unknown_env
 from kvmeta.errors import KvmetaError, MissingExtra
 
 __all__ = ["main"]
+
+logger = logging.getLogger(__name__)
 
 
 class _JsonFormatter(logging.Formatter):
@@ -47,6 +50,16 @@ def configure_logging(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
+def _warn_unknown_env(logged: bool) -> None:
+    """Say which ``KVMETA_*`` variables no command reads: through the log where the command
+    has configured one (its format may be JSON), else as a plain line on stderr."""
+    for line in unknown_env():
+        if logged:
+            logger.warning("%s", line)
+        else:
+            print(f"kvmeta: warning: {line}", file=sys.stderr)
+
+
 def _add_bench(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     from kvmeta.bench.commands import add_arguments as add_bench_arguments
 
@@ -59,6 +72,7 @@ def _cmd_bench(args: argparse.Namespace) -> int:
     from kvmeta.bench.commands import run as run_bench
 
     configure_logging("info")
+    _warn_unknown_env(logged=True)
     print(run_bench(args))
     return 0
 
@@ -68,21 +82,24 @@ def _cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from_args(args)
     configure_logging(settings.log_level, settings.log_format)
+    _warn_unknown_env(logged=True)
     serve(settings)
     return 0
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
-    from kvmeta.status import status
+    from kvmeta.status import server_url, status
 
+    _warn_unknown_env(logged=False)
+    url = server_url(args.url)
     token = args.token or env_setting("auth_token")
     if args.watch is not None:
         from kvmeta.status import watch
 
         if args.watch <= 0:
             raise KvmetaError("`--watch` takes a positive number of seconds, e.g. --watch 2")
-        return watch(args.url, token, args.watch, sys.stdout, as_json=args.json)
-    code, text = status(args.url, token, args.json)
+        return watch(url, token, args.watch, sys.stdout, as_json=args.json)
+    code, text = status(url, token, args.json)
     print(text, file=sys.stdout if code == 0 else sys.stderr)
     return code
 
@@ -93,7 +110,9 @@ def _add_status(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
         help="show a server's readiness and pools (exit 1: not ready, 2: unreachable)",
     )
     cmd.add_argument(
-        "--url", default="http://127.0.0.1:18000", help="server base URL (default %(default)s)"
+        "--url",
+        default="http://127.0.0.1:18000",
+        help="server base URL; HOST:PORT means http://HOST:PORT (default %(default)s)",
     )
     cmd.add_argument(
         "--token",
@@ -129,14 +148,7 @@ def _cmd_events(args: argparse.Namespace) -> int:
         pools=tuple(args.pool or ()),
         tenants=None if args.tenant is None else tuple(args.tenant),
     )
-    try:
-        return tail(options, sys.stdout, sys.stderr)
-    except BrokenPipeError:
-        # The reader went away (``| head``): stop quietly; stdout is pointed at /dev/null so
-        # that Python's own flush at exit does not fail on the closed pipe again.
-        devnull = os.open(os.devnull, os.O_WRONLY)
-        os.dup2(devnull, sys.stdout.fileno())
-        return 0
+    return tail(options, sys.stdout, sys.stderr)
 
 
 def _add_events(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -270,13 +282,41 @@ def _unrecognized(
     target.error(message)
 
 
+def _stdout_closed() -> bool:
+    """True when stdout is a pipe nobody reads any more (poll reports an error on it): a
+    BrokenPipeError from anything else, such as a socket, is a real failure."""
+    try:
+        poller = select.poll()
+        poller.register(sys.stdout.fileno(), select.POLLOUT)
+        return any(events & select.POLLERR for _, events in poller.poll(0))
+    except (AttributeError, OSError, ValueError):  # no poll, or no real stdout
+        return False
+
+
+def _run(args: argparse.Namespace) -> int:
+    """Run the command; a reader of its output that went away (``| head -1``) ends it quietly
+    with exit 0, as a pager quitting is no error: stdout is pointed at /dev/null so that
+    Python's own flush at exit does not fail on the closed pipe again."""
+    try:
+        code = int(args.func(args))
+        sys.stdout.flush()  # here, not at exit, where a closed pipe could no longer be caught
+    except BrokenPipeError:
+        if not _stdout_closed():
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+        return 0
+    return code
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, extra = parser.parse_known_args(argv)
     if extra:
         _unrecognized(parser, args, extra)
     try:
-        return int(args.func(args))
+        return _run(args)
     except KvmetaError as exc:
         print(f"kvmeta: error: {exc}", file=sys.stderr)
         return 2

@@ -8,6 +8,7 @@ and ``settings_from_args`` does the merge and validation, naming both forms on e
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -23,6 +24,7 @@ __all__ = [
     "add_arguments",
     "env_setting",
     "settings_from_args",
+    "unknown_env",
 ]
 
 
@@ -346,10 +348,39 @@ def _shown_default(value: Any) -> str:
     return str(value)
 
 
+# Variables read besides one per option: KVMETA_REDIS_URL, the conventional name, as a fallback
+# for --backend. KVMETA_TEST_* belong to kvmeta's test suite, which sets them for itself.
+_OTHER_ENV = frozenset({"KVMETA_REDIS_URL"})
+_NOT_OURS = ("KVMETA_TEST_",)
+
+
+def unknown_env(environ: Mapping[str, str] | None = None) -> list[str]:
+    """One line per ``KVMETA_*`` variable that is no kvmeta setting, naming the closest one
+    that is: a misspelt variable is otherwise ignored without a word, and the server runs with
+    a default the operator believes they changed. Values are never shown (one may be a token).
+    """
+    env = os.environ if environ is None else environ
+    known = sorted({_env(opt) for opt in OPTIONS} | _OTHER_ENV)
+    lines = []
+    for name in sorted(env):
+        if not name.startswith("KVMETA_") or name in known or name.startswith(_NOT_OURS):
+            continue
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.6)
+        hint = f"did you mean {close[0]}?" if close else "`kvmeta serve --help` lists them"
+        lines.append(f"{name} is not a kvmeta setting ({hint})")
+    return lines
+
+
 def env_setting(name: str, environ: Mapping[str, str] | None = None) -> str | None:
     """One option's ``KVMETA_*`` variable (for commands other than ``serve``), or None."""
     env = os.environ if environ is None else environ
     return env.get("KVMETA_" + name.upper()) or None
+
+
+def _given(name: str, sources: Mapping[str, str]) -> str:
+    """An option as an error names it: its flag, and the variable when that set it."""
+    flag = f"`--{name.replace('_', '-')}`"
+    return flag if sources[name].startswith("--") else f"{flag} (set by {sources[name]})"
 
 
 def settings_from_args(
@@ -402,16 +433,22 @@ def settings_from_args(
     # Local state options next to a shared backend: kvmeta would silently ignore them.
     local = [name for name in ("data_dir", "in_memory", "persistence_path") if name in values]
     if settings.backend and local:
-        given = ", ".join(
-            f"`--{name.replace('_', '-')}`"
-            + ("" if sources[name].startswith("--") else f" (set by {sources[name]})")
-            for name in local
-        )
+        given = ", ".join(_given(name, sources) for name in local)
         raise ConfigError(
             f"{given} conflicts with `--backend`: with a shared backend all state lives there "
             "and no local data directory is used. Drop the local-state option (or its "
             "KVMETA_* variable), or drop `--backend` to keep state locally",
             local[0],
+        )
+    # --data-dir has a default an in-memory server ignores; only one given explicitly
+    # contradicts --in-memory (and would be silently unused).
+    if settings.in_memory and "data_dir" in values:
+        raise ConfigError(
+            f"{_given('in_memory', sources)} conflicts with {_given('data_dir', sources)}: an "
+            "in-memory server keeps no data directory. Drop `--data-dir` (or its KVMETA_* "
+            "variable) to keep state in memory only, or drop `--in-memory` to keep it in that "
+            "directory",
+            "data_dir",
         )
     if settings.events and settings.workers > 1:
         raise ConfigError(

@@ -11,15 +11,24 @@ import json
 import time
 from collections.abc import Callable
 from typing import Any, TextIO
+from urllib.parse import urlsplit
 
 from kvmeta.client.http import HttpTransport
-from kvmeta.errors import KvmetaError, ServerError, ServerUnavailable, Unauthorized
+from kvmeta.client.urls import command_line_url, with_scheme
+from kvmeta.errors import (
+    InvalidRequest,
+    KvmetaError,
+    ServerError,
+    ServerUnavailable,
+    Unauthorized,
+)
 
 __all__ = [
     "EXIT_NOT_READY",
     "EXIT_OK",
     "EXIT_UNREACHABLE",
     "format_table",
+    "server_url",
     "status",
     "watch",
 ]
@@ -31,6 +40,28 @@ EXIT_UNREACHABLE = 2
 _BAR = 20
 # Cursor home, then clear the screen: each frame replaces the last one on a terminal.
 CLEAR = "\x1b[H\x1b[2J"
+
+
+def server_url(text: str) -> str:
+    """``--url`` as typed, ready for ``status`` and ``watch``: ``host:port`` means
+    ``http://host:port``; a token in it stays there (the transport sends it).
+
+    Raises:
+        InvalidRequest: it is not an http(s) URL with a host; the message shows it with its
+            password as ``***``.
+    """
+    target = command_line_url(text)
+    parts = urlsplit(target.url)
+    try:
+        parts.port  # noqa: B018 - raises on a port that is not a number
+    except ValueError:
+        parts = parts._replace(netloc="")
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise InvalidRequest(
+            f"--url must be http://HOST:PORT or https://HOST:PORT of a kvmeta server (a bare "
+            f"HOST:PORT means http://), got {target.shown!r}"
+        )
+    return with_scheme(text)
 
 
 def status(

@@ -13,14 +13,14 @@ import pytest
 
 from kvmeta import errors
 from kvmeta.cli import main
-from kvmeta.config import add_arguments, settings_from_args
+from kvmeta.config import Settings, add_arguments, settings_from_args
 from kvmeta.errors import ConfigError, InvalidPathParameter, InvalidRequest, error_for_status
 from kvmeta.server.app import parse_rank
 from kvmeta.store.redis import RedisBackend, check_url
 from tests.support import SRC
 
 
-def _settings(argv: list[str], env: dict[str, str] | None = None) -> object:
+def _settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
     parser = argparse.ArgumentParser()
     add_arguments(parser)
     return settings_from_args(parser.parse_args(argv), env or {})
@@ -34,6 +34,9 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> object:
         (["--fsync", "sometimes"], {}, "fsync", "Expected `--fsync` in always|batch|never"),
         (["--workers", "2"], {}, "workers", "`--workers` > 1 needs a shared `--backend`"),
         (["--backend", "redis://h:1/0", "--in-memory"], {}, "in_memory", "conflicts with"),
+        (["--in-memory", "--data-dir", "d"], {}, "data_dir", "`--in-memory` conflicts with"),
+        (["--in-memory"], {"KVMETA_DATA_DIR": "d"}, "data_dir", "(set by env KVMETA_DATA_DIR)"),
+        (["--data-dir", "d"], {"KVMETA_IN_MEMORY": "1"}, "data_dir", "`--data-dir`"),
         (["--ssl-certfile", "c.pem"], {}, "ssl_certfile", "go together"),
     ],
 )
@@ -44,6 +47,14 @@ def test_a_bad_setting_is_a_config_error_naming_it(
         _settings(argv, env)
     assert info.value.field == field
     assert isinstance(info.value, InvalidRequest)  # callers catching the old class still do
+
+
+def test_in_memory_keeps_its_sglang_persistence_file_and_the_default_data_dir() -> None:
+    # --data-dir has a default, which an in-memory server simply does not use; and the
+    # reference server's persistence file is a state file of its own, not a data directory.
+    settings = _settings(["--in-memory", "--persistence-path", "state.json"])
+    assert settings.in_memory and settings.persistence_path == "state.json"
+    assert _settings([], {"KVMETA_IN_MEMORY": "0", "KVMETA_DATA_DIR": "d"}).data_dir == "d"
 
 
 @pytest.mark.parametrize("url", ["http://h:1/0", "redis://h:1/abc", "redis://h:99999/0"])
@@ -88,3 +99,20 @@ def test_the_path_rank_error_is_in_the_error_tree_with_its_status() -> None:
         parse_rank("abc")
     # A client maps the 422 back to the caller's-mistake class, as before.
     assert type(error_for_status(422, "Path parameter `rank` ...")) is InvalidRequest
+
+
+def test_unknown_variables_are_named_with_the_closest_real_one() -> None:
+    from kvmeta.config import unknown_env
+
+    env = {
+        "KVMETA_PORTT": "1",
+        "KVMETA_ZZZZZZZZZZZZ": "1",
+        "KVMETA_PORT": "1",  # a setting
+        "KVMETA_REDIS_URL": "redis://h:1/0",  # read as a fallback for --backend
+        "KVMETA_TEST_REDIS_SERVER": "valkey-server",  # the test suite's
+        "HOME": "/root",
+    }
+    assert unknown_env(env) == [
+        "KVMETA_PORTT is not a kvmeta setting (did you mean KVMETA_PORT?)",
+        "KVMETA_ZZZZZZZZZZZZ is not a kvmeta setting (`kvmeta serve --help` lists them)",
+    ]

@@ -27,6 +27,7 @@ from kvmeta.bench.report import (
     to_json,
 )
 from kvmeta.bench.workload import HttpClient
+from kvmeta.client.urls import with_scheme
 from kvmeta.errors import InvalidRequest
 
 __all__ = ["add_arguments", "launch_of", "measure", "run", "server_args"]
@@ -109,8 +110,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server = parser.add_argument_group("server to measure (run, sweep)")
     server.add_argument(
         "--url",
-        help="a running server to drive, e.g. http://127.0.0.1:18000 (default: none; give "
-        "--url or --launch)",
+        help="a running server to drive, e.g. http://127.0.0.1:18000 (HOST:PORT means "
+        "http://HOST:PORT; a token may be the password: http://:TOKEN@HOST:PORT) (default: "
+        "none; give --url or --launch)",
     )
     server.add_argument(
         "--launch",
@@ -293,7 +295,7 @@ def server_args(given: list[str]) -> list[str]:
 
 def _config(args: argparse.Namespace) -> BenchConfig:
     return BenchConfig(
-        url=args.url or "",
+        url=with_scheme(args.url) if args.url else "",
         dialect=args.dialect,
         batch=args.batch,
         pool_pages=args.pool_pages,
@@ -398,12 +400,12 @@ def run(args: argparse.Namespace) -> str:
         raise InvalidRequest("give --url URL of a running server, or --launch to start kvmeta")
     if args.url and args.launch:
         raise InvalidRequest("give either --url (a running server) or --launch, not both")
-    if args.url:
-        HttpClient(args.url)  # a malformed URL fails here, before anything runs
+    cfg = _config(args)
+    if cfg.url:
+        HttpClient(cfg.url)  # a malformed URL fails here, before anything runs
     if args.backend_url:
         check_backend_url(args.backend_url)
     launch = launch_of(args)
-    cfg = _config(args)
     if args.mode == "sweep":
         from kvmeta.bench import sweep
 

@@ -1,9 +1,12 @@
 """Drive a server with the engines' cycle from several client processes and measure it.
 
 Timeline of one run: initialise the pool, prefill it (so every measured reserve evicts),
-start the clients, let them warm up, then open the measured window: clients record each
-request's latency while a shared flag is up, and the server's utime + stime is read from /proc
-at the window's two edges. Warm-up and prefill are therefore excluded from every number.
+start the clients and wait until every one has had its first answer, let them warm up, then
+open the measured window: clients record each request's latency while a shared flag is up, and
+the server's utime + stime is read from /proc at the window's two edges. Warm-up and prefill
+are therefore excluded from every number. Waiting for the clients matters: spawning a process
+takes the better part of a second on a small busy machine, and a window opened on clients
+still starting would measure fewer of them than asked (or none), without saying so.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import os
 import queue
 import statistics
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from multiprocessing.sharedctypes import Synchronized
 from pathlib import Path
@@ -32,6 +36,7 @@ from kvmeta.bench.workload import (
     pool_size,
     prefill,
 )
+from kvmeta.client.urls import split_credentials
 from kvmeta.errors import KvmetaError, ServerUnavailable
 
 __all__ = ["BenchConfig", "BenchResult", "run_bench"]
@@ -72,6 +77,8 @@ class BenchConfig:
     # serve the same load; 0: each client sends its next request as soon as the last is
     # answered (the machine's capacity).
     rate: float = 0.0
+    # Seconds for every client to start and get its first answer before the run fails.
+    start_timeout: float = 60.0
 
 
 @dataclass
@@ -98,6 +105,9 @@ class BenchResult:
     # With "info": each primary's share, "host:port" -> us/request (they sum to the total).
     backend_nodes_cpu_us_per_request: dict[str, float] | None = None
     journal_bytes_per_request: float | None = None
+    # Measured requests of each client: a client that measured far less than the others
+    # was starved (or started late), and the total alone would not show it.
+    client_requests: list[int] = field(default_factory=list)
     extra: dict[str, Any] = field(default_factory=dict)
 
     def to_dict(self) -> dict[str, Any]:
@@ -113,10 +123,26 @@ class _ClientReport:
     error: str
 
 
+def _nap(phase: Synchronized[int]) -> Callable[[float], None]:
+    """A sleep that ends early when the run stops: at a low ``--rate`` the next request may be
+    due long after the window closes, and the client must not keep the run waiting for it."""
+
+    def sleep(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while phase.value != _STOP:
+            left = end - time.perf_counter()
+            if left <= 0:
+                return
+            time.sleep(min(left, 0.05))
+
+    return sleep
+
+
 def _client_main(
     cfg: BenchConfig,
     index: int,
     phase: Synchronized[int],
+    started: Synchronized[int],
     quota: int,
     out: mp.Queue[_ClientReport],
 ) -> None:
@@ -129,10 +155,22 @@ def _client_main(
     error = ""
     refused = reserved = 0
     perf = time.perf_counter
-    pacer = Pacer(cfg.rate / cfg.clients, f"{cfg.seed}-{index}") if cfg.rate else None
+    pacer: Pacer | None = None
+    answered = False
 
     def timed(path: str, body: object) -> object:
-        nonlocal keys
+        nonlocal keys, answered, pacer
+        if not answered:
+            # The first request shows the client is connected and served; the parent opens
+            # the warm-up only once every client's has been answered, so it is never timed,
+            # and the pacing schedule starts after it.
+            reply = client.call(path, body)
+            answered = True
+            with started.get_lock():
+                started.value += 1
+            if cfg.rate:
+                pacer = Pacer(cfg.rate / cfg.clients, f"{cfg.seed}-{index}", sleep=_nap(phase))
+            return reply
         start = pacer.wait() if pacer is not None else 0.0
         if phase.value != _MEASURE:
             return client.call(path, body)
@@ -171,6 +209,53 @@ def _collect(out: mp.Queue[_ClientReport], procs: list[Any], timeout: float) -> 
             if time.monotonic() > deadline:
                 raise KvmetaError(f"benchmark clients did not report within {timeout}s") from None
     return results
+
+
+def _wait_started(
+    started: Synchronized[int],
+    procs: list[Any],
+    out: mp.Queue[_ClientReport],
+    cfg: BenchConfig,
+) -> None:
+    """Return once every client has had its first answer.
+
+    Raises:
+        KvmetaError: a client quit first (its error is in the message), or not every client
+            started within ``cfg.start_timeout``; the message says how many did.
+    """
+    deadline = time.monotonic() + cfg.start_timeout
+    while started.value < len(procs):
+        quit_early = [p.exitcode for p in procs if p.exitcode is not None]
+        if quit_early:
+            try:
+                error = out.get(timeout=1.0).error
+            except queue.Empty:
+                error = ""
+            raise KvmetaError(
+                f"{started.value} of {len(procs)} benchmark clients started: one stopped before "
+                f"its first answer from {cfg.url} ({error or f'exit code {quit_early[0]}'})"
+            )
+        if time.monotonic() > deadline:
+            raise KvmetaError(
+                f"{started.value} of {len(procs)} benchmark clients started (connected and had "
+                f"a first answer from {cfg.url}) within {cfg.start_timeout:g} s: the server is "
+                "not answering, or this machine is too busy to start them; try fewer --clients"
+            )
+        time.sleep(0.01)
+
+
+def _nothing_measured(cfg: BenchConfig, seconds: float) -> KvmetaError:
+    if cfg.rate:
+        why = (
+            f"at --rate {cfg.rate:g} requests/s none was due in it: raise --rate or lengthen "
+            "--duration"
+        )
+    else:
+        why = "the server answered none of the requests in flight: lengthen --duration"
+    return KvmetaError(
+        f"the measured window ({seconds:.3g} s) saw no request, so there is nothing to report "
+        f"({why})"
+    )
 
 
 def _percentile(sorted_values: list[float], q: float) -> float:
@@ -251,6 +336,10 @@ def run_bench(cfg: BenchConfig) -> BenchResult:
     """
     if not cfg.seed:
         cfg.seed = f"{os.getpid()}-{time.time_ns()}"
+    # A token in the URL (http://:TOKEN@host:port) is the token; the URL is shown without it.
+    target = split_credentials(cfg.url)
+    cfg.url = target.url
+    cfg.auth_token = cfg.auth_token or target.token
     pages = _setup(cfg)
     redis_cpu = None if cfg.backend_pid else _redis_cpu(cfg)
     try:
@@ -306,16 +395,19 @@ def _server_backend(cfg: BenchConfig) -> str | None:
 def _measure(cfg: BenchConfig, pages: int, redis_cpu: RedisCpu | None) -> BenchResult:
     ctx = mp.get_context("spawn")
     phase = ctx.Value("i", _WARMUP, lock=False)
+    started = ctx.Value("i", 0)
     out: mp.Queue[_ClientReport] = ctx.Queue()
     quota = -(-cfg.requests // cfg.clients) if cfg.requests else 0
     procs = [
-        ctx.Process(target=_client_main, args=(cfg, i, phase, quota, out), daemon=True)
+        ctx.Process(target=_client_main, args=(cfg, i, phase, started, quota, out), daemon=True)
         for i in range(cfg.clients)
     ]
     for proc in procs:
         proc.start()
     results: list[_ClientReport] = []
+    failed = True
     try:
+        _wait_started(started, procs, out, cfg)
         time.sleep(cfg.warmup)
         cpu0 = procstat.cpu_seconds(cfg.server_pid) if cfg.server_pid else None
         backend0 = procstat.cpu_seconds(cfg.backend_pid) if cfg.backend_pid else None
@@ -336,9 +428,12 @@ def _measure(cfg: BenchConfig, pages: int, redis_cpu: RedisCpu | None) -> BenchR
         rss = procstat.rss_bytes(cfg.server_pid) if cfg.server_pid else None
         if not quota:
             results = _collect(out, procs, 60.0)
+        failed = False
     finally:
         phase.value = _STOP
         for proc in procs:
+            if failed:
+                proc.kill()  # what a client of a failed run would still send does not matter
             proc.join(30)
             if proc.is_alive():
                 proc.kill()
@@ -349,6 +444,8 @@ def _measure(cfg: BenchConfig, pages: int, redis_cpu: RedisCpu | None) -> BenchR
     if errors:
         raise KvmetaError(f"{len(errors)} benchmark client(s) failed, e.g. {errors[0]}")
     result = _summarise(cfg, results, t1 - t0, cpu0, cpu1, rss)
+    if not result.requests:
+        raise _nothing_measured(cfg, t1 - t0)
     # The report names the pool that was measured; what was asked for stays next to it.
     result.config["pool_pages_requested"] = cfg.pool_pages
     result.config["pool_pages"] = pages
@@ -408,6 +505,7 @@ def _summarise(
         key_ops_per_s=keys / seconds if seconds else 0.0,
         latency_p50_us=_percentile(lat, 0.50) * 1e6,
         latency_p99_us=_percentile(lat, 0.99) * 1e6,
+        client_requests=[len(r.latencies) for r in results],
         extra={"latency_mean_us": statistics.fmean(lat) * 1e6 if lat else 0.0},
     )
     if cpu0 is not None and cpu1 is not None:

@@ -23,9 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.bench.driver import BenchConfig, run_bench
+from kvmeta.client.urls import REDACTED
 from kvmeta.errors import KvmetaError
 
-__all__ = ["LAUNCH_MODES", "Launch", "LaunchedServer", "run_on", "with_launch"]
+__all__ = ["LAUNCH_MODES", "Launch", "LaunchedServer", "redact_args", "run_on", "with_launch"]
 
 LAUNCH_MODES = ("durable", "memory", "redis")
 _LISTEN_RE = re.compile(r"kvmeta listening on (http)://([^\s:]+):(\d+) \(pid (\d+)\)")
@@ -61,7 +62,7 @@ class Launch:
         """The report's record of what was launched."""
         return {
             "launch": self.mode,
-            "server_args": list(self.args),
+            "server_args": redact_args(self.args),
             "workers": self.workers,
             "redis_transport": self.redis_transport if self.mode == "redis" else None,
         }
@@ -233,7 +234,8 @@ class LaunchedServer:
                 self.stop()
                 log = "".join(self.lines[-20:]).strip() or "(no output)"
                 raise KvmetaError(
-                    f"the launched `kvmeta serve {' '.join(args)}` did not start; its log:\n{log}"
+                    f"the launched `kvmeta serve {' '.join(redact_args(args))}` did not start; "
+                    f"its log:\n{log}"
                 )
             time.sleep(0.02)
         self.pid = self._proc.pid
@@ -263,6 +265,18 @@ class LaunchedServer:
         if self._tmp is not None:
             self._tmp.cleanup()
             self._tmp = None
+
+
+def redact_args(args: list[str]) -> list[str]:
+    """``kvmeta serve`` flags as reports and errors show them: the token as ``***``."""
+    out: list[str] = []
+    for arg in args:
+        if out and out[-1] == "--auth-token":
+            arg = REDACTED
+        elif arg.startswith("--auth-token="):
+            arg = "--auth-token=" + REDACTED
+        out.append(arg)
+    return out
 
 
 def _terminate(proc: subprocess.Popen[Any] | None) -> None:

@@ -39,11 +39,20 @@ class Pacer:
     overshoots by 100-400 us on a busy machine, and that is the sender's timer, not the
     server."""
 
-    def __init__(self, rate: float, seed: str, clock: Callable[[], float] = time.perf_counter):
+    def __init__(
+        self,
+        rate: float,
+        seed: str,
+        clock: Callable[[], float] = time.perf_counter,
+        sleep: Callable[[float], None] | None = None,
+    ) -> None:
+        """``sleep`` waits for the next due time (default ``time.sleep``); one that returns
+        early lets the sender stop without waiting for a request it will not send."""
         if not rate > 0:
             raise ValueError(f"rate must be positive, got {rate!r}")
         self._gap = arrivals(rate, seed)
         self._clock = clock
+        self._sleep = sleep
         self._due = clock() + self._gap()
 
     def wait(self) -> float:
@@ -52,5 +61,5 @@ class Pacer:
         ahead = due - self._clock()
         if ahead <= 0:
             return due
-        time.sleep(ahead)
+        (self._sleep or time.sleep)(ahead)
         return self._clock()

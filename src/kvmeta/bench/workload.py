@@ -20,6 +20,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from kvmeta.client.urls import split_credentials
 from kvmeta.errors import InvalidRequest, KvmetaError
 
 __all__ = [
@@ -50,11 +51,13 @@ class HttpClient:
     """One keep-alive connection; ``post`` returns (status, body bytes)."""
 
     def __init__(self, url: str, timeout: float = 30.0, auth_token: str | None = None) -> None:
-        """``auth_token`` goes with every request as ``Authorization: Bearer``.
+        """``auth_token`` goes with every request as ``Authorization: Bearer``; without it, the
+        password of ``url`` (``http://:TOKEN@host:port``) does.
 
         Raises:
         InvalidRequest: ``url`` is not ``http://host[:port][/prefix]``."""
-        parts = urlsplit(url)
+        target = split_credentials(url)
+        parts = urlsplit(target.url)
         try:
             port = parts.port
         except ValueError:
@@ -62,8 +65,9 @@ class HttpClient:
         if parts.scheme != "http" or not parts.hostname or port == -1:
             raise InvalidRequest(
                 f"--url must be http://HOST:PORT of a running server (the benchmark speaks plain "
-                f"HTTP), got {url!r}"
+                f"HTTP), got {target.shown!r}"
             )
+        auth_token = auth_token or target.token
         self.host = parts.hostname
         self.port = port or 80
         self.prefix = parts.path.rstrip("/")

@@ -16,10 +16,11 @@ import logging
 import time
 from collections.abc import Callable
 from typing import Any
-from urllib.parse import unquote, urlsplit, urlunsplit
+from urllib.parse import urlsplit
 
 import requests
 
+from kvmeta.client.urls import split_credentials
 from kvmeta.errors import KvmetaError, ServerError, ServerUnavailable, error_for_status
 
 __all__ = ["DEFAULT_TIMEOUT", "EPOCH_HEADER", "HttpTransport"]
@@ -50,24 +51,19 @@ class HttpTransport:
     ) -> None:
         if max_retries < 0:
             raise ValueError(f"max_retries must be >= 0, got {max_retries}")
-        parts = urlsplit(base_url.rstrip("/"))
-        if parts.scheme not in ("http", "https"):
-            raise ValueError(f"base_url must start with http:// or https://, got {base_url!r}")
+        target = split_credentials(base_url.rstrip("/"))
+        if urlsplit(target.url).scheme not in ("http", "https"):
+            raise ValueError(f"base_url must start with http:// or https://, got {target.shown!r}")
         self.session = requests.Session()
         self.session.verify = verify
         self.verify = verify
-        if parts.username is not None or parts.password is not None:
-            user = unquote(parts.username or "")
-            password = unquote(parts.password or "")
+        if target.username is not None or target.password is not None:
+            user, password = target.username or "", target.password or ""
             token = base64.b64encode(f"{user}:{password}".encode()).decode()
             self.session.headers["Authorization"] = f"Basic {token}"
-            netloc = parts.hostname or ""
-            if parts.port:
-                netloc += f":{parts.port}"
-            parts = parts._replace(netloc=netloc)
         if auth_token:
             self.session.headers["Authorization"] = f"Bearer {auth_token}"
-        self.base_url = urlunsplit(parts)
+        self.base_url = target.url
         self.max_retries = max_retries
         self.timeout = timeout
         self.backoff = backoff

@@ -8,6 +8,11 @@ files change under it (appends, snapshots, compaction), so what it finds may be 
 torn tail that is only a write in progress: the report says so, and the exit code is
 ``IN_USE`` (3) rather than 0 when nothing was found, because "ok" would not be definitive.
 Exit codes: 0 ok, 1 problems found, 3 no problem found but the directory is in use.
+
+A directory that does not exist, or holds none of the files a server keeps in its data
+directory, is a problem, not an empty state: "ok" for a mistyped path (or ``/etc``) would tell
+the operator their state is sound when nothing of it was looked at. A server creates ``LOCK``
+and ``EPOCH`` on its first start, so a directory one has used passes even with no pools.
 """
 
 from __future__ import annotations
@@ -19,11 +24,15 @@ from pathlib import Path
 
 from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.epoch import EPOCH_FILE
+from kvmeta.store.recovery import DataDirListing, list_data_dir, recover
 
 __all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
 
 IN_USE = 3
+# Files of a data directory besides journal segments and snapshots (which ``list_data_dir``
+# finds): any one of them marks a directory a server has used.
+_MARKERS = ("LOCK", EPOCH_FILE)
 
 
 @dataclass
@@ -72,13 +81,33 @@ def lock_held(directory: Path) -> bool:
     return False
 
 
+def _is_data_dir(directory: Path, listing: DataDirListing) -> bool:
+    if listing.segments or listing.snapshots:
+        return True
+    return any((directory / name).is_file() for name in _MARKERS)
+
+
 def check_data_dir(directory: Path) -> CheckReport:
     """Check ``directory``; never raises for damage, reports it."""
     from kvmeta.core.pool import Pool
 
     report = CheckReport()
+    if not directory.exists():
+        report.problems.append(
+            f"{directory} does not exist: nothing to check (give the --data-dir the server runs "
+            "with)"
+        )
+        return report
     if not directory.is_dir():
         report.problems.append(f"{directory} is not a directory")
+        return report
+    listing = list_data_dir(directory)
+    if not _is_data_dir(directory, listing):
+        report.problems.append(
+            f"{directory} is not a kvmeta data directory: it holds none of a server's files "
+            "(journal-*.log, snapshot-*.snap, EPOCH, LOCK); give the --data-dir the server runs "
+            "with"
+        )
         return report
     if lock_held(directory):
         report.in_use = True
@@ -88,7 +117,6 @@ def check_data_dir(directory: Path) -> CheckReport:
             "(e.g. a torn tail that is a write in progress). Stop the server, or check a copy, "
             "for a definitive answer."
         )
-    listing = list_data_dir(directory)
     report.lines.append(
         f"{directory}: {len(listing.snapshots)} snapshot(s), {len(listing.segments)} journal "
         f"segment(s), {len(listing.temporaries)} leftover temporary file(s)"

@@ -35,5 +35,6 @@ def test_check_on_a_directory_in_use_notes_it_and_exits_3(tmp_path: Path) -> Non
 
 def test_check_creates_no_lock_file(tmp_path: Path) -> None:
     (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "EPOCH").write_text("0123456789abcdef0123456789abcdef\n")  # a copy, no LOCK
     assert check_data_dir(tmp_path / "d").exit_code == 0
     assert not (tmp_path / "d" / "LOCK").exists()
