@@ -17,6 +17,7 @@
     +-- StorageError (OSError)             data directory / journal trouble
     |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
     |   +-- JournalFailed                  the journal cannot be written: 503 until it can
+    |       +-- JournalStalled             its fsync hangs (the disk stopped answering): 503
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
     |   +-- NotReplicated                  too few replicas acknowledged a write: 503
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
@@ -39,6 +40,7 @@ __all__ = [
     "MissingExtra",
     "JournalCorrupt",
     "JournalFailed",
+    "JournalStalled",
     "KvmetaError",
     "MethodNotAllowed",
     "NoHashIndex",
@@ -215,8 +217,7 @@ class MissingExtra(ConfigError):
     def __init__(self, feature: str, extra: str, exc: ImportError, setting: str | None = None):
         missing = f"{exc.name} is not installed" if exc.name else str(exc)
         super().__init__(
-            f"{feature} needs kvmeta's {extra!r} extra ({missing}): "
-            f"pip install 'kvmeta[{extra}]'",
+            f"{feature} needs kvmeta's {extra!r} extra ({missing}): pip install 'kvmeta[{extra}]'",
             setting,
         )
         self.extra = extra
@@ -271,6 +272,12 @@ class QuotaExceeded(KvmetaError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class JournalStalled(JournalFailed):
+    """Raised for changes while the journal's oldest fsync is older than ``--fsync-timeout``
+    (a hung mount or a dying disk): a ``JournalFailed`` that ends by itself, when the fsync
+    completes, rather than by a recovery snapshot (which the same disk would hold up too)."""
 
 
 _BY_STATUS: dict[int, type[KvmetaError]] = {
