@@ -12,6 +12,7 @@ retried, and after a kill -9 and a restart every acknowledged confirm is there a
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -22,7 +23,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from tests.crash.faults import PAGES, Driver, helper_pid, until
+from tests.crash.faults import PAGES, Driver, cmdline, helper_pid, until
 from tests.support import ServerProcess
 
 pytestmark = pytest.mark.slow
@@ -151,4 +152,37 @@ def test_a_hung_fsync_answers_503_marks_unready_and_recovers_when_it_completes(
         session.close()
         stalled_session.close()
         server.kill()  # kill -9: no final snapshot
+    driver.verify_after_restart(data, tmp_path, "always")
+
+
+def test_sigterm_during_a_stall_exits_and_the_restart_finds_every_acknowledged_confirm(
+    tmp_path: Path,
+) -> None:
+    """The final snapshot and the journal's last fsync would wait for the hung disk (and, on
+    the event loop, keep a second signal from being handled): shutdown skips them."""
+    data = tmp_path / "data"
+    server = ServerProcess(
+        "--data-dir", str(data), "--fsync", "always", "--fsync-timeout", str(BOUND), cwd=tmp_path
+    ).start()
+    helper = 0
+    try:
+        assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
+        driver = Driver(server)
+        with requests.Session() as session:
+            for _ in range(3):
+                assert driver.round(session) == 204
+            helper = helper_pid(server)
+            os.kill(helper, signal.SIGSTOP)
+            until(lambda: driver.round(session) == 503, what="a change refused by the stall")
+        started = time.monotonic()
+        code = server.stop(signal.SIGTERM, timeout=BOUND + MARGIN)
+        assert code == 0, server.log
+        assert time.monotonic() - started < BOUND + MARGIN
+        assert "no final snapshot" in server.log, server.log
+    finally:
+        if helper:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(helper, signal.SIGCONT)
+        server.kill()
+    assert not Path(f"/proc/{helper}").exists() or b"fsync_helper" not in cmdline(helper)
     driver.verify_after_restart(data, tmp_path, "always")

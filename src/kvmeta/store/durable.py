@@ -256,11 +256,19 @@ class DurableBackend(MemoryBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         journal = self.journal
-        if journal is not None:
+        if journal is not None and journal.stalled:
+            # Its rotation would fsync on the loop and hang the shutdown with the disk.
+            logger.error(
+                "no final snapshot: %s; the next start replays the journal (the journal's "
+                "records since its last completed fsync reach the disk once it answers again)",
+                journal.refusal(),
+            )
+        elif journal is not None:
             try:
                 await self.snapshot()
             except OSError as exc:
                 self._log_final_snapshot_failure(journal, exc)
+        if journal is not None:
             await journal.close()
         if self.options.persistence_path is not None:
             await self.save_legacy()

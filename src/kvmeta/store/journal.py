@@ -20,18 +20,15 @@ calls ``recovered``: everything up to then is durable again, and writing resumes
 segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
 waiter is ever left unanswered: each path that stops writing answers them.
 
-A stall (the disk stops answering: a hung NFS/iSCSI mount, a dying disk) is not a failure: no
-error comes back, the fsync just never completes. Once the fsync the helper is working on is
-older than ``stall_timeout`` (``--fsync-timeout``), the journal counts as stalled: every waiter
-gets ``JournalStalled`` (503) at once, so replies do not hang for as long as the disk does, and
-``refusal`` says why, so the owner refuses changes and reports not ready meanwhile. Nothing is
-discarded: records keep being written and the fsync request stays with the helper, so when it
-completes everything up to then is durable and the stall ends by itself (no snapshot is needed;
-one would wait for the same disk). A helper that reports an error instead fails the journal.
+A stall (a hung mount, a dying disk: no error, the fsync just never returns) is no failure.
+Once the fsync in progress is older than ``stall_timeout`` (``--fsync-timeout``), every waiter
+gets ``JournalStalled`` (503) at once and ``refusal`` says why, so the owner refuses changes
+meanwhile. Nothing is discarded: when the fsync completes, everything written is durable and
+the stall ends by itself (no snapshot needed; one would wait for the same disk).
 
 The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot) fdatasyncs
 the segment it closes, so that a segment is never torn unless it is the last one (recovery
-cuts only a last torn segment), and ``close`` fdatasyncs the final group.
+cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless stalled).
 
 Segments: ``journal-<N>.log`` (N zero-padded), created on their first write. ``rotate`` starts
 a new segment at a point the loop chooses, so a snapshot taken at that instant covers exactly
@@ -49,6 +46,7 @@ fsync modes:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import os
@@ -162,8 +160,7 @@ class Journal:
         self._helper_exits: deque[float] = deque(maxlen=_MAX_HELPER_STARTS)
         self._requested = 0  # highest seq the helper was asked to make durable
         self._replies = b""
-        # Stall watch: requests the helper has not answered, (seq, loop time sent), oldest
-        # first; when it last answered; the timer that checks the oldest one's age.
+        # Stall watch: unanswered requests (seq, loop time sent), oldest first.
         self._outstanding: deque[tuple[int, float]] = deque()
         self._last_reply = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
@@ -335,13 +332,19 @@ class Journal:
         await fut
 
     async def close(self) -> None:
-        """Write and fsync everything buffered, then stop the helper."""
+        """Write and fsync everything buffered, then stop the helper. While stalled, only
+        write: an fsync on the loop would hang the shutdown (a second signal too) for as long
+        as the disk does, and the page cache keeps what was written when the process exits."""
         self._closed = True
         self._cancel_stall_timer()
-        self._close_segment()
+        if self.stalled:
+            self.flush()
+            self._close_fd()
+        else:
+            self._close_segment()
         helper, self._helper = self._helper, None
         if helper is not None:
-            self._stop_helper(helper)  # exits as soon as its stdin closes: no real wait
+            self._stop_helper(helper)
 
     def _close_segment(self) -> None:
         """Write the open group and fdatasync and close the segment file, on the loop (rotation
@@ -488,12 +491,11 @@ class Journal:
         return JournalStalled(
             f"the disk holding data directory {self.directory} ({self.disk}) stopped "
             f"answering: the journal's fsync has not completed in {age:.1f} s (--fsync-timeout "
-            f"{self.stall_timeout:g}). Changes are refused (503) until it completes; reads keep "
-            "working. A change refused with this message after it was applied (a confirm, "
-            "delete or clear waiting for its fsync) stays applied in memory and becomes "
-            "durable when the fsync completes; retry it then (every change is idempotent). "
-            "Check the disk and its mount (dmesg; the NFS or iSCSI server; the disk's health): "
-            "kvmeta resumes by itself once the fsync completes"
+            f"{self.stall_timeout:g}). Changes are refused (503) until it does; reads keep "
+            "working. A change refused with this after it was applied (a confirm, delete or "
+            "clear waiting for its fsync) stays applied in memory and becomes durable when the "
+            "fsync completes: retry it then. Check the disk and its mount (dmesg; the NFS or "
+            "iSCSI server); kvmeta resumes by itself"
         )
 
     # ------------------------------------------------------------------ fsync helper
@@ -569,13 +571,22 @@ class Journal:
         self._request()
 
     def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
-        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code."""
+        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code.
+
+        A helper stuck in an fsync gets ``stall_timeout`` to finish, then SIGKILL; one the
+        kernel holds in the fsync even so is left to exit by itself (-1)."""
         self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
         try:
             helper.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass  # a dead helper's pipe: EPIPE on the last flush
-        code = helper.wait()
+        code = -1
+        try:
+            code = helper.wait(self.stall_timeout)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = helper.wait(self.stall_timeout)
         helper.stdout.close()  # type: ignore[union-attr]
         return code
 
