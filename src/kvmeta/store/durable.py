@@ -505,9 +505,9 @@ class DurableBackend(MemoryBackend):
         return result
 
     @_refused_while_failed
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
         """Replies once the removal is durable (operators expect it to stick)."""
-        dropped = self.store.v_remove(rank, tenant)
+        dropped = self.store.v_remove(rank, tenant, force)
         if dropped is not None and self.journal is not None:
             self._drop_seq = self.journal.seq
             await self._created()
