@@ -45,6 +45,7 @@ class Settings:
     # (defaults are the durable store's own, so they are written down once)
     fsync: str = _DURABILITY.fsync
     fsync_interval: float = _DURABILITY.fsync_interval
+    fsync_timeout: float = _DURABILITY.fsync_timeout
     snapshot_interval: float = _DURABILITY.snapshot_interval
     snapshot_min_records: int = _DURABILITY.snapshot_min_records
     persistence_path: str | None = None
@@ -188,6 +189,12 @@ OPTIONS: tuple[Option, ...] = (
     Option("fsync", "when the journal is fsynced", str, ("always", "batch", "never")),
     Option(
         "fsync_interval", "batch mode: longest wait before a group fsync, seconds (> 0)", _seconds
+    ),
+    Option(
+        "fsync_timeout",
+        "seconds a journal fsync may take before the disk counts as stalled: /ready 503, "
+        "changes 503 until it completes (> 0)",
+        _seconds,
     ),
     Option("snapshot_interval", "seconds between snapshots (0: only at shutdown)", _positive_float),
     Option(

@@ -12,11 +12,13 @@
     +-- Unauthorized                       missing or wrong auth token: 401
     +-- Forbidden                          the token's scope does not cover the request: 403
     +-- QuotaExceeded                      a tenant's page or request-rate quota: 429
+    +-- RankInUse                          removing a vLLM rank whose pages are in use: 409
     +-- ServerUnavailable                  client side: the server could not be reached
     +-- ServerError                        client side: the server answered 5xx
     +-- StorageError (OSError)             data directory / journal trouble
     |   +-- JournalCorrupt                 a journal or snapshot fails its checksum
     |   +-- JournalFailed                  the journal cannot be written: 503 until it can
+    |       +-- JournalStalled             its fsync hangs (the disk stopped answering): 503
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
     |   +-- NotReplicated                  too few replicas acknowledged a write: 503
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
@@ -39,6 +41,7 @@ __all__ = [
     "MissingExtra",
     "JournalCorrupt",
     "JournalFailed",
+    "JournalStalled",
     "KvmetaError",
     "MethodNotAllowed",
     "NoHashIndex",
@@ -47,6 +50,7 @@ __all__ = [
     "NotReplicated",
     "PayloadTooLarge",
     "QuotaExceeded",
+    "RankInUse",
     "ServerError",
     "ServerUnavailable",
     "StorageError",
@@ -272,12 +276,42 @@ class QuotaExceeded(KvmetaError):
         self.retry_after = retry_after
 
 
+class JournalStalled(JournalFailed):
+    """Raised for changes while the journal's oldest fsync is older than ``--fsync-timeout``
+    (a hung mount or a dying disk): a ``JournalFailed`` that ends by itself, when the fsync
+    completes, rather than by a recovery snapshot (which the same disk would hold up too)."""
+
+
+class RankInUse(KvmetaError):
+    """Raised when a vLLM rank to remove still has pages in use: reserved by writers, under a
+    read lease, or cooling after a release (409; nothing was changed). Registered again, a
+    removed rank would hand those pages to new blocks while the old writes and reads may still
+    land on them. ``force`` removes it anyway, for workers that are gone for good."""
+
+    status = 409
+
+    @classmethod
+    def for_rank(cls, rank: int, reserved: int, seconds: float) -> RankInUse:
+        """The refusal, worded the same by every backend (``seconds``: until the last lease on
+        the rank's pages ends)."""
+        return cls(
+            f"vLLM rank {rank} is still in use: {reserved} page(s) reserved by writers, and "
+            f"leases on its pages (writes, reads, released pages' grace) run for {seconds:.1f} s "
+            "more. Removed now, the rank would hand those pages to new blocks once it registers "
+            "again (a running worker does so by itself) while they may still be written or "
+            "read. Stop the rank's workers and remove it once the leases end, or, if they are "
+            f"gone for good, force it: POST /v1/vllm/ranks/{rank}/remove?force=true (kvmeta's "
+            "client: remove_rank(rank, force=True))"
+        )
+
+
 _BY_STATUS: dict[int, type[KvmetaError]] = {
     400: InvalidRequest,
     401: Unauthorized,
     403: Forbidden,
     404: NotFound,
     405: MethodNotAllowed,
+    409: RankInUse,
     413: PayloadTooLarge,
     422: InvalidRequest,
     429: QuotaExceeded,

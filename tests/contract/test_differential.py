@@ -294,10 +294,19 @@ class Differential(RuleBasedStateMachine):
     def v_clear(self, tenant: str) -> None:
         self.both("v_clear", tenant)
 
-    @rule(rank=RANK, tenant=TENANT)
-    def v_remove(self, rank: int, tenant: str) -> None:
-        self.both("v_remove", rank, tenant)
-        self.writers = [w for w in self.writers if w.pool != PoolId("v", rank, "", tenant)]
+    @rule(rank=RANK, tenant=TENANT, force=st.sampled_from([False, False, True]))
+    def v_remove(self, rank: int, tenant: str, force: bool) -> None:
+        """Refused (the same RankInUse, to the digit) while the rank's pages are in use,
+        unless forced."""
+        if self.both("v_remove", rank, tenant, force) is not None:
+            self.writers = [w for w in self.writers if w.pool != PoolId("v", rank, "", tenant)]
+
+    @precondition(lambda self: any(w.pool.dialect == "v" for w in self.writers))
+    @rule(data=st.data())
+    def v_remove_in_use(self, data: st.DataObject) -> None:
+        """An operator removes the rank of a writer that has not confirmed yet."""
+        writer = data.draw(st.sampled_from([w for w in self.writers if w.pool.dialect == "v"]))
+        self.v_remove(writer.pool.rank, writer.pool.tenant, False)
 
     @rule(world=WORLD, tenant=TENANT)
     def v_set_world_size(self, world: int | None, tenant: str) -> None:
@@ -437,6 +446,7 @@ MUST_SEE = [
     "feed cleared drop",
     "confirm error",
     "reserve error",
+    "v_remove error",
 ]
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.errors import NotInitialized
+from kvmeta.errors import NotInitialized, RankInUse
 from tests.contract.conftest import Sync
 
 V = [PoolId("v", r, "") for r in range(3)]
@@ -60,7 +60,10 @@ def test_remove_rank_drops_its_pool_and_is_idempotent(backend: Sync) -> None:
         backend.v_register(rank, 4, None)
         _store(backend, PoolId("v", rank, ""), ["k", "j"])
     ((_, page),) = backend.reserve(V77, ["in-flight"])
-    assert backend.v_remove(77) == 2
+    with pytest.raises(RankInUse, match="^vLLM rank 77 is still in use: 1 page"):
+        backend.v_remove(77)  # a write in flight: refused, nothing changed
+    assert backend.v_index().ranks == (0, 77) and backend.get(V77, ["k"]) != [None]
+    assert backend.v_remove(77, "", True) == 2  # forced
     assert backend.v_remove(77) is None
     assert backend.v_index().ranks == (0,)
     assert [s.pool for s in backend.stats()] == [V[0]]

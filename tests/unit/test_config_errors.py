@@ -32,6 +32,7 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
         (["--port", "70000"], {}, "port", "Expected `--port` (KVMETA_PORT)"),
         ([], {"KVMETA_READ_LEASE": "-1"}, "read_lease", "from env KVMETA_READ_LEASE"),
         (["--fsync", "sometimes"], {}, "fsync", "Expected `--fsync` in always|batch|never"),
+        (["--fsync-timeout", "0"], {}, "fsync_timeout", "Expected `--fsync-timeout`"),
         (["--workers", "2"], {}, "workers", "`--workers` > 1 needs a shared `--backend`"),
         (["--backend", "redis://h:1/0", "--in-memory"], {}, "in_memory", "conflicts with"),
         (["--in-memory", "--data-dir", "d"], {}, "data_dir", "`--in-memory` conflicts with"),

@@ -13,7 +13,7 @@ import msgspec
 import pytest
 
 from kvmeta.config import Settings
-from kvmeta.errors import InvalidRequest, NotInitialized
+from kvmeta.errors import InvalidRequest, NotInitialized, RankInUse
 from kvmeta.server import ops_routes, prefix_routes, sglang, status_page, vllm
 from kvmeta.server.app import App, Route
 from kvmeta.server.http import Request, Response
@@ -82,7 +82,11 @@ def test_vllm_handlers_alone() -> None:
     assert json_of(call(route(v, "/v1/vllm"), svc))["ranks"] == [0]
     assert json_of(call(route(v, "/v1/vllm/world_size"), svc, {"world_size": 1}))["required"] == [0]
     assert call(route(v, "/clear"), svc).status == 204
-    removed = json_of(call(route(v, "/v1/vllm/ranks/{rank}/remove"), svc, rank=0))
+    remove = route(v, "/v1/vllm/ranks/{rank}/remove")
+    with pytest.raises(RankInUse):  # the page just read is under its read lease
+        call(remove, svc, rank=0)
+    forced = Request("POST", "/v1/vllm/ranks/0/remove", "force=true", b"", None)
+    removed = json_of(asyncio.run(remove.handler(svc, forced, 0)))
     assert removed["removed"] is True
 
 

@@ -9,7 +9,7 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_pool
-from kvmeta.errors import InvalidRequest, NotInitialized
+from kvmeta.errors import InvalidRequest, NotInitialized, RankInUse
 from kvmeta.service.vllm import (
     INIT_ERROR,
     VALID_INIT,
@@ -184,6 +184,29 @@ def test_removal_and_world_size_survive_a_crash_and_a_snapshot(tmp_path: Path) -
         try:
             assert b.store.vllm_ranks() == [0, 1] and b.store.vllm_world_size is None
             assert await b.v_exists(["k"]) == [True]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_refused_removal_journals_nothing_and_the_rank_survives_a_crash(tmp_path: Path) -> None:
+    async def main() -> None:
+        b = await open_backend(tmp_path)
+        await b.v_register(77, 8, None)
+        await cycle(b, V77, ["old"])
+        [(_, page)] = await b.reserve(V77, ["in-flight"])
+        assert b.journal is not None
+        seq = b.journal.seq
+        with pytest.raises(RankInUse):
+            await b.v_remove(77)
+        assert b.journal.seq == seq and b.store.vllm_ranks() == [77]
+        await crash(b)
+        b = await open_backend(tmp_path)
+        try:
+            assert b.store.vllm_ranks() == [77] and await b.get(V77, ["old"]) != [None]
+            # Reservations do not survive a restart: nothing of the rank is in use now.
+            assert await b.v_remove(77) == 1
         finally:
             await b.close()
 

@@ -65,9 +65,15 @@ class Hf3fsMetadataInterface:
 
     # kvmeta additions for operators ---------------------------------------------------------
 
-    def remove_rank(self, rank: int) -> bool:
+    def remove_rank(self, rank: int, force: bool = False) -> bool:
         """Deregister a worker rank (a stray or retired one) and drop its keys; False when it
-        was not registered. A rank that registers again starts empty."""
+        was not registered. A rank that registers again starts empty.
+
+        Raises:
+            RankInUse: its pages are still reserved or being read (a worker of that rank is at
+                work, or died less than a lease ago); nothing was changed. ``force`` removes it
+                anyway: only for workers that are gone for good.
+        """
         raise NotImplementedError
 
     def set_world_size(self, world_size: int | None) -> None:
@@ -142,13 +148,14 @@ class Hf3fsGlobalMetadataClient(RemoteClient, Hf3fsMetadataInterface):
     def clear(self) -> None:
         self._post(None, "/clear", {})
 
-    def remove_rank(self, rank: int) -> bool:
+    def remove_rank(self, rank: int, force: bool = False) -> bool:
         # Forgotten first: auto_reinitialize must not bring it back, not even when this very
         # reply carries a new epoch.
         pool = PoolId("v", rank, "")
         init = self._known.pop(pool, None)
+        query = "?force=true" if force else ""
         try:
-            reply = self._post(None, f"/v1/vllm/ranks/{int(rank)}/remove", {})
+            reply = self._post(None, f"/v1/vllm/ranks/{int(rank)}/remove{query}", {})
         except KvmetaError:
             if init is not None:
                 self._known[pool] = init
@@ -198,8 +205,8 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     def clear(self) -> None:
         self._run(self._ops.v_clear())
 
-    def remove_rank(self, rank: int) -> bool:
-        return self._run(self._ops.v_remove(rank)) is not None
+    def remove_rank(self, rank: int, force: bool = False) -> bool:
+        return self._run(self._ops.v_remove(rank, "", force)) is not None
 
     def set_world_size(self, world_size: int | None) -> None:
         self._run(self._ops.v_set_world_size(world_size))

@@ -127,6 +127,22 @@ _DURABILITY: dict[str, tuple[str, str, bool]] = {
         "1 while the journal cannot be written (changes answer 503; see /health)",
         False,
     ),
+    "fsync_stalled": (
+        "kvmeta_journal_fsync_stalled",
+        "1 while a journal fsync is older than --fsync-timeout: the disk stopped answering "
+        "(changes answer 503; see /health)",
+        False,
+    ),
+    "fsync_stalls": (
+        "kvmeta_journal_fsync_stalls",
+        "times a journal fsync outlasted --fsync-timeout",
+        True,
+    ),
+    "fsync_pending_seconds": (
+        "kvmeta_journal_fsync_pending_seconds",
+        "age of the journal fsync in progress (0: none)",
+        False,
+    ),
     "redis_primaries": (
         "kvmeta_redis_primaries",
         "Redis/Valkey primaries holding the state, at the last readiness probe",

@@ -246,6 +246,9 @@ _ERRORS = {
     "the field and the fix; nothing was changed",
     "401": "--auth-token is set and the request lacks it",
     "404": "pool/rank not initialised (detail says how), or unknown path",
+    "409": "the rank's pages are in use (reserved, being read, or a released page's grace): "
+    "`detail` says for how long; nothing was changed. Retry once the leases end, or pass "
+    "force=true if the rank's workers are gone for good",
     "413": "a size limit (body bytes, keys per request); `detail` names the flag to raise it",
 }
 
@@ -348,13 +351,28 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         ("200", "VIndex"),
         _AUTH,
     ),
-    ("POST", "/v1/vllm/ranks/{rank}/remove"): _op(
-        "vLLM: deregister a worker rank and drop its keys, durably (idempotent: an unknown rank "
-        "answers removed=false)",
-        None,
-        ("200", "VRemoved"),
-        ("401", "422"),
-    ),
+    ("POST", "/v1/vllm/ranks/{rank}/remove"): {
+        **_op(
+            "vLLM: deregister a worker rank and drop its keys, durably (idempotent: an unknown "
+            "rank answers removed=false). Refused (409) while its pages are in use, unless "
+            "force=true",
+            None,
+            ("200", "VRemoved"),
+            ("400", "401", "409", "422"),
+        ),
+        "parameters": [
+            {
+                "name": "force",
+                "in": "query",
+                "required": False,
+                "schema": {"enum": ["true", "false", "1", "0"], "default": "false"},
+                "description": "remove the rank even while its pages are reserved or being "
+                "read: their writes and reads are dropped, and once the rank registers again "
+                "its pages may go to new blocks while those still land. Only for workers that "
+                "are gone for good",
+            }
+        ],
+    },
     ("POST", "/v1/vllm/world_size"): _op(
         "vLLM: pin the ranks a block needs to 0..world_size-1, or unpin them (null)",
         "VWorldSize",
@@ -482,6 +500,10 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
     },
 }
 CATALOGUE[("GET", "/ready")]["responses"]["503"] = _json(_ref("NotReady"), "not ready, and why")
+# A removal reads its query: an unknown parameter is named in a warning, as a body's field.
+CATALOGUE[("POST", "/v1/vllm/ranks/{rank}/remove")]["responses"]["200"]["headers"] = {
+    "X-Kvmeta-Warning": _WARNING
+}
 for _operation in CATALOGUE.values():  # every reply carries the epoch, errors included
     for _response in _operation["responses"].values():
         _response["headers"] = {**_response.get("headers", {}), "X-Kvmeta-Epoch": _EPOCH}
@@ -506,7 +528,7 @@ def build_document(routes: list[tuple[str, str]], version: str, auth: bool) -> d
     for method, pattern in routes:
         op = dict(CATALOGUE[(method, pattern)])
         if "{rank}" in pattern:
-            op["parameters"] = [_RANK_PARAM]
+            op["parameters"] = [_RANK_PARAM, *op.get("parameters", ())]
         paths.setdefault(pattern, {})[method.lower()] = op
     doc: dict[str, Any] = {
         "openapi": "3.1.0",

@@ -58,6 +58,7 @@ def build_backend(settings: Settings) -> Backend:
         data_dir=None if settings.in_memory else Path(settings.data_dir),
         fsync=settings.fsync,
         fsync_interval=settings.fsync_interval,
+        fsync_timeout=settings.fsync_timeout,
         snapshot_interval=settings.snapshot_interval,
         snapshot_min_records=settings.snapshot_min_records,
         persistence_path=legacy,

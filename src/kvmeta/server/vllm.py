@@ -20,6 +20,7 @@ from __future__ import annotations
 from itertools import repeat
 from operator import itemgetter
 from typing import Annotated, Any
+from urllib.parse import parse_qsl
 
 import msgspec
 
@@ -30,12 +31,14 @@ from kvmeta.server.app import (
     NO_CONTENT,
     App,
     BodyDecoder,
+    CallerWarning,
     Explain,
     Route,
     add_table,
     json_response,
     nested_error,
     reply,
+    unknown_fields_warning,
 )
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import PREFIX_HITS
@@ -335,19 +338,49 @@ async def vllm_index(service: Service, req: Request, _: int) -> Response:
     return json_response((await service.v_index(tenant_of(req))).view())
 
 
+_REMOVE_PARAMS = ("force",)
+_FLAGS = {"true": True, "1": True, "false": False, "0": False}
+
+
+def _force(query: str) -> tuple[bool, list[CallerWarning]]:
+    """The ``force`` query parameter of a removal (absent: false); other parameters are
+    named in a warning."""
+    try:
+        pairs = parse_qsl(query, keep_blank_values=True, max_num_fields=8)
+    except ValueError:
+        raise InvalidRequest(
+            "too many query parameters; a removal reads `force`", "force"
+        ) from None
+    values = [value for name, value in pairs if name == "force"]
+    if len(values) > 1:
+        raise InvalidRequest("query parameter `force` is given twice; give it once", "force")
+    force = _FLAGS.get(values[0].lower()) if values else False
+    if force is None:
+        raise InvalidRequest(
+            f"query parameter `force` must be true or false (or 1 or 0), got {values[0][:40]!r}",
+            "force",
+        )
+    unknown = [name[:64] for name, _ in pairs if name != "force"]
+    return force, [unknown_fields_warning(unknown, _REMOVE_PARAMS)] if unknown else []
+
+
 async def remove_rank(service: Service, req: Request, rank: int) -> Response:
-    # The body is ignored: the rank is in the path.
+    # The body is ignored: the rank is in the path, ``force`` in the query.
+    force, warnings = _force(req.query)
     tenant = tenant_of(req)
-    dropped = await service.v_remove(rank, tenant)
+    dropped = await service.v_remove(rank, tenant, force)
     index = await service.v_index(tenant)
-    return json_response(
-        {
-            "rank": rank,
-            "removed": dropped is not None,
-            "keys_dropped": dropped or 0,
-            "required": index.required,
-            "message": remove_message(rank, dropped, index),
-        }
+    return reply(
+        json_response(
+            {
+                "rank": rank,
+                "removed": dropped is not None,
+                "keys_dropped": dropped or 0,
+                "required": index.required,
+                "message": remove_message(rank, dropped, index),
+            }
+        ),
+        warnings,
     )
 
 

@@ -306,13 +306,17 @@ class Operations:
     def v_clear(self, tenant: str = "") -> Op[int]:
         return (yield ("v_clear", (tenant,)))  # type: ignore[no-any-return]
 
-    def v_remove(self, rank: int, tenant: str = "") -> Op[int | None]:
-        """The number of keys dropped, or None when the rank was not registered."""
+    def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> Op[int | None]:
+        """The number of keys dropped, or None when the rank was not registered; refused
+        (``RankInUse``) while its pages are in use, unless ``force``."""
         self.limits.check_rank(rank)
-        dropped: int | None = yield ("v_remove", (rank, tenant))
+        dropped: int | None = yield ("v_remove", (rank, tenant, force))
         if dropped is not None:
             pool = PoolId("v", rank, "", tenant)
-            logger.warning("Removed %s and its %d stored keys", pool, dropped)
+            how = " (forced: writes and reads in flight on it, if any, were dropped)"
+            logger.warning(
+                "Removed %s and its %d stored keys%s", pool, dropped, how if force else ""
+            )
         return dropped
 
     def v_set_world_size(self, world_size: Any, tenant: str = "") -> Op[None]:

@@ -136,8 +136,8 @@ class Service:
     async def v_clear(self, tenant: str = "") -> int:
         return await run_async(self.ops.v_clear(tenant), self.backend)
 
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
-        return await run_async(self.ops.v_remove(rank, tenant), self.backend)
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
+        return await run_async(self.ops.v_remove(rank, tenant, force), self.backend)
 
     async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
         await run_async(self.ops.v_set_world_size(world_size, tenant), self.backend)

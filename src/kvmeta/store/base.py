@@ -200,7 +200,9 @@ class Backend(Protocol):
     async def clear(self, pool: PoolId) -> int: ...
 
     # The vLLM index is per tenant: each tenant has its own ranks (pools
-    # ``PoolId("v", rank, "", tenant)``) and world size; ``tenant`` is always the last parameter.
+    # ``PoolId("v", rank, "", tenant)``) and world size; ``tenant`` follows each operation's own
+    # parameters (only ``v_remove``'s ``force`` flag comes after it, so that calls naming the
+    # tenant by position keep their meaning).
 
     async def v_register(
         self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
@@ -210,9 +212,14 @@ class Backend(Protocol):
 
     async def v_clear(self, tenant: str = "") -> int: ...
 
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
         """Deregister a worker rank and drop its pool; the number of keys dropped, or None
-        when the rank was not registered (idempotent)."""
+        when the rank was not registered (idempotent).
+
+        Raises:
+            RankInUse: a lease on its pages is live (a reservation, a read lease, a released
+                page's grace) and not ``force``; nothing was changed.
+        """
         ...
 
     async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:

@@ -28,6 +28,12 @@ is deleted, and writing resumes in a fresh segment. The window: if the process d
 journal is failed, changes acknowledged after the last durable group are lost (``batch``:
 confirms and deletes of up to one group before the failure; ``always``: nothing acknowledged).
 
+Journal stall (an fsync older than ``--fsync-timeout``: the disk stopped answering): the same
+refusals and the same not-ready, but the replies waiting for that fsync are answered 503 too
+(their changes stay applied in memory), and it ends by itself when the fsync completes, which
+makes all of it durable (``store.journal``). No periodic snapshot is taken meanwhile: its
+rotation fsyncs on the event loop and would hang every request, reads too.
+
 Snapshots are taken every ``--snapshot-interval`` seconds once ``--snapshot-min-records``
 records have accumulated, and at shutdown; see ``store.snapshot`` for why they never stop the
 server.
@@ -54,7 +60,12 @@ from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
 from kvmeta.store.codec import Commit
 from kvmeta.store.epoch import data_dir_epoch
-from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
+from kvmeta.store.journal import (
+    DEFAULT_FSYNC_INTERVAL,
+    DEFAULT_FSYNC_TIMEOUT,
+    Journal,
+    segment_path,
+)
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 from kvmeta.store.recovery import gc_paused, install, list_data_dir, recover
@@ -75,14 +86,16 @@ _Method = Callable[Concatenate["DurableBackend", _P], Coroutine[Any, Any, _T]]
 
 
 def _refused_while_failed(method: _Method[_P, _T]) -> _Method[_P, _T]:
-    """A change is refused while the journal is failed, before it touches the state: a change
-    that cannot be journaled must not be applied (or acknowledged)."""
+    """A change is refused while the journal is failed or stalled, before it touches the
+    state: a change that cannot be made durable must not be applied (or acknowledged)."""
 
     @functools.wraps(method)
     async def guarded(self: DurableBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
         journal = self.journal
-        if journal is not None and journal.failed is not None:
-            raise JournalFailed(str(journal.failed))
+        if journal is not None:
+            refusal = journal.refusal()
+            if refusal is not None:
+                raise refusal
         return await method(self, *args, **kwargs)
 
     return guarded
@@ -95,6 +108,7 @@ class DurabilityOptions:
     data_dir: Path | None
     fsync: str = "batch"
     fsync_interval: float = DEFAULT_FSYNC_INTERVAL
+    fsync_timeout: float = DEFAULT_FSYNC_TIMEOUT
     snapshot_interval: float = 300.0
     snapshot_min_records: int = 100_000
     persistence_path: Path | None = None
@@ -170,6 +184,7 @@ class DurableBackend(MemoryBackend):
                 state.next_segment,
                 mode=opts.fsync,
                 interval=opts.fsync_interval,
+                stall_timeout=opts.fsync_timeout,
                 loop=loop,
             )
             self.journal.on_fail = self._retry_wake.set
@@ -241,11 +256,19 @@ class DurableBackend(MemoryBackend):
             with contextlib.suppress(asyncio.CancelledError):
                 await task
         journal = self.journal
-        if journal is not None:
+        if journal is not None and journal.stalled:
+            # Its rotation would fsync on the loop and hang the shutdown with the disk.
+            logger.error(
+                "no final snapshot: %s; the next start replays the journal (the journal's "
+                "records since its last completed fsync reach the disk once it answers again)",
+                journal.refusal(),
+            )
+        elif journal is not None:
             try:
                 await self.snapshot()
             except OSError as exc:
                 self._log_final_snapshot_failure(journal, exc)
+        if journal is not None:
             await journal.close()
         if self.options.persistence_path is not None:
             await self.save_legacy()
@@ -278,9 +301,11 @@ class DurableBackend(MemoryBackend):
 
     @property
     def failure(self) -> str | None:
-        """Why changes are refused (the journal cannot be written), or None."""
+        """Why changes are refused (the journal cannot be written, or its disk stopped
+        answering), or None."""
         journal = self.journal
-        return None if journal is None or journal.failed is None else str(journal.failed)
+        refusal = None if journal is None else journal.refusal()
+        return None if refusal is None else str(refusal)
 
     async def ready(self) -> bool:
         return self.failure is None
@@ -480,9 +505,9 @@ class DurableBackend(MemoryBackend):
         return result
 
     @_refused_while_failed
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
         """Replies once the removal is durable (operators expect it to stick)."""
-        dropped = self.store.v_remove(rank, tenant)
+        dropped = self.store.v_remove(rank, tenant, force)
         if dropped is not None and self.journal is not None:
             self._drop_seq = self.journal.seq
             await self._created()
@@ -547,7 +572,10 @@ class DurableBackend(MemoryBackend):
             "snapshot_stall_seconds_max": self.snapshot_stall_max,
             "reserve_waits": float(self.reserve_waits),
             "reserve_wait_seconds": self.reserve_wait_seconds,
-            "journal_failed": 1.0 if self.failure is not None else 0.0,
+            "journal_failed": 1.0 if j is not None and j.failed is not None else 0.0,
+            "fsync_stalled": 1.0 if j is not None and j.stalled else 0.0,
+            "fsync_stalls": float(j.stalls if j else 0),
+            "fsync_pending_seconds": j.fsync_pending_seconds() if j else 0.0,
         }
 
 

@@ -20,9 +20,15 @@ calls ``recovered``: everything up to then is durable again, and writing resumes
 segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
 waiter is ever left unanswered: each path that stops writing answers them.
 
+A stall (a hung mount, a dying disk: no error, the fsync just never returns) is no failure.
+Once the fsync in progress is older than ``stall_timeout`` (``--fsync-timeout``), every waiter
+gets ``JournalStalled`` (503) at once and ``refusal`` says why, so the owner refuses changes
+meanwhile. Nothing is discarded: when the fsync completes, everything written is durable and
+the stall ends by itself (no snapshot needed; one would wait for the same disk).
+
 The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot) fdatasyncs
 the segment it closes, so that a segment is never torn unless it is the last one (recovery
-cuts only a last torn segment), and ``close`` fdatasyncs the final group.
+cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless stalled).
 
 Segments: ``journal-<N>.log`` (N zero-padded), created on their first write. ``rotate`` starts
 a new segment at a point the loop chooses, so a snapshot taken at that instant covers exactly
@@ -40,6 +46,7 @@ fsync modes:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import heapq
 import logging
 import os
@@ -50,7 +57,7 @@ from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 
-from kvmeta.errors import JournalFailed
+from kvmeta.errors import JournalFailed, JournalStalled
 from kvmeta.store.codec import (
     HEADER,
     HEADER_TENANTS,
@@ -61,8 +68,16 @@ from kvmeta.store.codec import (
     encode_records,
     has_tenant,
 )
+from kvmeta.store.mounts import describe_disk
 
-__all__ = ["DEFAULT_FSYNC_INTERVAL", "FSYNC_MODES", "Journal", "fsync_dir", "segment_path"]
+__all__ = [
+    "DEFAULT_FSYNC_INTERVAL",
+    "DEFAULT_FSYNC_TIMEOUT",
+    "FSYNC_MODES",
+    "Journal",
+    "fsync_dir",
+    "segment_path",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -72,6 +87,10 @@ FSYNC_MODES = ("always", "batch", "never")
 # in benchmarks/README.md), while a waiting reply closes its group at once, so no reply waits
 # for the timer.
 DEFAULT_FSYNC_INTERVAL = 0.025
+# An fsync older than this (seconds) means the disk stopped answering: a healthy local disk
+# answers in milliseconds, and even a loaded one in well under a second; five seconds is long
+# enough for a burst of write-back, short enough that a load balancer moves traffic away soon.
+DEFAULT_FSYNC_TIMEOUT = 5.0
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)
 _HELPER = str(Path(__file__).with_name("fsync_helper.py"))
@@ -105,6 +124,7 @@ class Journal:
         *,
         mode: str = "batch",
         interval: float = DEFAULT_FSYNC_INTERVAL,
+        stall_timeout: float = DEFAULT_FSYNC_TIMEOUT,
         loop: asyncio.AbstractEventLoop,
     ) -> None:
         if mode not in FSYNC_MODES:
@@ -112,6 +132,8 @@ class Journal:
         self.directory = directory
         self.mode = mode
         self.interval = interval
+        self.stall_timeout = stall_timeout
+        self.disk = describe_disk(directory)
         self.loop = loop
         self.waits = mode != "never"
         # Records appended so far, last removal, last written to the file, reported durable.
@@ -138,6 +160,12 @@ class Journal:
         self._helper_exits: deque[float] = deque(maxlen=_MAX_HELPER_STARTS)
         self._requested = 0  # highest seq the helper was asked to make durable
         self._replies = b""
+        # Stall watch: unanswered requests (seq, loop time sent), oldest first.
+        self._outstanding: deque[tuple[int, float]] = deque()
+        self._last_reply = 0.0
+        self._stall_timer: asyncio.TimerHandle | None = None
+        self._stalled_from: float | None = None  # loop time the stalled fsync began
+        self.stalls = 0
         # Stats, for metrics.
         self.fsyncs = 0
         self.fsync_seconds_total = 0.0
@@ -153,6 +181,28 @@ class Journal:
     def failed(self) -> JournalFailed | None:
         """Why the journal stopped writing (None while it works)."""
         return self._failed
+
+    @property
+    def stalled(self) -> bool:
+        """Whether the fsync in progress is older than ``stall_timeout`` (see the module
+        docstring); it ends when the helper answers."""
+        return self._stalled_from is not None
+
+    def refusal(self) -> JournalFailed | None:
+        """The error to refuse a change with now: the journal failed, or its fsync is stalled
+        (None: changes are welcome)."""
+        if self._failed is not None:
+            return JournalFailed(str(self._failed))
+        if self.stalled:
+            return self._stall_error()
+        return None
+
+    def fsync_pending_seconds(self) -> float:
+        """Age of the fsync the helper is working on: since the oldest request it has not
+        answered was sent, or since its last answer if later (0: nothing outstanding)."""
+        if not self._outstanding:
+            return 0.0
+        return max(0.0, self.loop.time() - self._busy_since())
 
     def start(self) -> None:
         """Raises OSError when the helper cannot be started (e.g. no file descriptors)."""
@@ -265,6 +315,8 @@ class Journal:
             raise JournalFailed(str(self._failed))
         if not self.waits or self.durable_seq >= seq:
             return
+        if self.stalled:
+            raise self._stall_error()
         if seq > self.written_seq:
             self.flush()  # someone is waiting: close the group now rather than at its timer
             if self._failed is not None:  # that write failed and answered every waiter
@@ -280,12 +332,19 @@ class Journal:
         await fut
 
     async def close(self) -> None:
-        """Write and fsync everything buffered, then stop the helper."""
+        """Write and fsync everything buffered, then stop the helper. While stalled, only
+        write: an fsync on the loop would hang the shutdown (a second signal too) for as long
+        as the disk does, and the page cache keeps what was written when the process exits."""
         self._closed = True
-        self._close_segment()
+        self._cancel_stall_timer()
+        if self.stalled:
+            self.flush()
+            self._close_fd()
+        else:
+            self._close_segment()
         helper, self._helper = self._helper, None
         if helper is not None:
-            self._stop_helper(helper)  # exits as soon as its stdin closes: no real wait
+            self._stop_helper(helper)
 
     def _close_segment(self) -> None:
         """Write the open group and fdatasync and close the segment file, on the loop (rotation
@@ -325,6 +384,7 @@ class Journal:
     def _on_durable(self, seq: int) -> None:
         if seq > self.durable_seq:
             self.durable_seq = seq
+        self._prune()
         waiters = self._waiters
         while waiters and waiters[0][0] <= seq:
             fut = heapq.heappop(waiters)[2]
@@ -356,6 +416,8 @@ class Journal:
         if self._timer is not None:
             self._timer.cancel()
             self._timer = None
+        self._cancel_stall_timer()
+        self._stalled_from = None  # the failure says more, and its recovery ends both
         self._close_fd()  # a descriptor back (EMFILE); never written again
         waiters, self._waiters = self._waiters, []
         for _, _, fut in waiters:
@@ -363,6 +425,78 @@ class Journal:
                 fut.set_exception(JournalFailed(str(error)))
         if self.on_fail is not None:
             self.on_fail()
+
+    # ------------------------------------------------------------------ stall watch
+
+    def _busy_since(self) -> float:
+        return max(self._outstanding[0][1], self._last_reply)
+
+    def _prune(self) -> None:
+        """Forget the requests that are answered: everything up to ``durable_seq``."""
+        outstanding = self._outstanding
+        while outstanding and outstanding[0][0] <= self.durable_seq:
+            outstanding.popleft()
+
+    def _watch(self) -> None:
+        """Arm the check of the fsync in progress, due when it turns ``stall_timeout`` old."""
+        if self._stall_timer is not None or not self._outstanding or self.stalled:
+            return
+        due = self._busy_since() + self.stall_timeout
+        self._stall_timer = self.loop.call_at(due, self._check_stall)
+
+    def _cancel_stall_timer(self) -> None:
+        if self._stall_timer is not None:
+            self._stall_timer.cancel()
+            self._stall_timer = None
+
+    def _check_stall(self) -> None:
+        self._stall_timer = None
+        if not self._outstanding or self.stalled or self._failed is not None or self._closed:
+            return
+        if self.loop.time() - self._busy_since() < self.stall_timeout:
+            self._watch()  # the helper answered meanwhile: check its current fsync
+            return
+        self._stalled_from = self._busy_since()
+        self.stalls += 1
+        error = self._stall_error()
+        logger.error("%s", error)
+        waiters, self._waiters = self._waiters, []
+        for _, _, fut in waiters:
+            if not fut.done():
+                fut.set_exception(self._stall_error())
+
+    def _answered(self, durable: int) -> None:
+        """The helper answered (up to ``durable``, or 0 for a segment compacted meanwhile): it
+        and the disk are alive, so a stall ends here."""
+        self._last_reply = self.loop.time()
+        if durable:
+            self._on_durable(durable)
+        self._prune()
+        if self._stalled_from is not None:
+            took = self._last_reply - self._stalled_from
+            self._stalled_from = None
+            logger.warning(
+                "the journal's fsync in %s completed after %.1f s: the disk answers again; "
+                "everything acknowledged or refused while it hung is durable now, and changes "
+                "are accepted again",
+                self.directory,
+                took,
+            )
+        self._cancel_stall_timer()
+        self._watch()
+
+    def _stall_error(self) -> JournalStalled:
+        since = self._stalled_from
+        age = self.stall_timeout if since is None else self.loop.time() - since
+        return JournalStalled(
+            f"the disk holding data directory {self.directory} ({self.disk}) stopped "
+            f"answering: the journal's fsync has not completed in {age:.1f} s (--fsync-timeout "
+            f"{self.stall_timeout:g}). Changes are refused (503) until it does; reads keep "
+            "working. A change refused with this after it was applied (a confirm, delete or "
+            "clear waiting for its fsync) stays applied in memory and becomes durable when the "
+            "fsync completes: retry it then. Check the disk and its mount (dmesg; the NFS or "
+            "iSCSI server); kvmeta resumes by itself"
+        )
 
     # ------------------------------------------------------------------ fsync helper
 
@@ -382,6 +516,7 @@ class Journal:
         self._helper = helper
         self._requested = 0
         self._replies = b""
+        self._outstanding.clear()  # the new helper is asked again, from now
         self._request()
 
     def _request(self) -> None:
@@ -400,6 +535,8 @@ class Journal:
         except OSError:
             return  # the helper died: its reader sees EOF and restarts it
         self._requested = self.written_seq
+        self._outstanding.append((self.written_seq, self.loop.time()))
+        self._watch()
 
     def _on_reply(self) -> None:
         helper = self._helper
@@ -429,18 +566,27 @@ class Journal:
             self.fsync_seconds_total += took
             self.fsync_seconds_max = max(self.fsync_seconds_max, took)
             durable = max(durable, int(seq))
-        if durable:
-            self._on_durable(durable)
+        if lines:
+            self._answered(durable)
         self._request()
 
     def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
-        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code."""
+        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code.
+
+        A helper stuck in an fsync gets ``stall_timeout`` to finish, then SIGKILL; one the
+        kernel holds in the fsync even so is left to exit by itself (-1)."""
         self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
         try:
             helper.stdin.close()  # type: ignore[union-attr]
         except OSError:
             pass  # a dead helper's pipe: EPIPE on the last flush
-        code = helper.wait()
+        code = -1
+        try:
+            code = helper.wait(self.stall_timeout)
+        except subprocess.TimeoutExpired:
+            helper.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                code = helper.wait(self.stall_timeout)
         helper.stdout.close()  # type: ignore[union-attr]
         return code
 

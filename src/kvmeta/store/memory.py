@@ -34,7 +34,7 @@ from kvmeta.core.invariants import (
     copy_pool,
 )
 from kvmeta.core.pool import Pool
-from kvmeta.errors import NoHashIndex, NotInitialized
+from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
@@ -361,17 +361,27 @@ class MemoryStore:
         pids = [pid for pid in self.pools if pid.dialect == "v" and pid.tenant == tenant]
         return sum(self.clear(pid) for pid in pids)
 
-    def v_remove(self, rank: int, tenant: str = "") -> int | None:
+    def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
         """Deregister ``rank``: its pool, keys and reservations go; None if not registered.
+
+        Refused (``RankInUse``, nothing changed) while a lease on its pages is live, unless
+        ``force``: registered again, the rank starts with a new pool that knows nothing of the
+        old writes and reads, and would hand their pages to new blocks.
 
         Journaled as one ``drop`` record (a snapshot simply no longer holds the pool). A
         journaled caller must not let the rank's page file be written again before that record
         is durable (``DurableBackend.v_register`` waits for it).
         """
         pid = PoolId("v", rank, "", tenant)
-        pool = self.pools.pop(pid, None)
+        pool = self.pools.get(pid)
         if pool is None:
             return None
+        if not force:
+            now = self.clock()
+            until = pool.in_use_until(now)
+            if until > now:
+                raise RankInUse.for_rank(rank, pool.reserved_count, until - now)
+        del self.pools[pid]
         self._count_pages(pid, -pool.num_pages)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
@@ -557,8 +567,8 @@ class MemoryBackend:
         await self._durable()
         return count
 
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
-        return self.store.v_remove(rank, tenant)
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
+        return self.store.v_remove(rank, tenant, force)
 
     async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
         self.store.v_set_world_size(world_size, tenant)

@@ -74,6 +74,7 @@ from kvmeta.errors import (
     NoHashIndex,
     NotInitialized,
     NotReplicated,
+    RankInUse,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
@@ -179,7 +180,15 @@ _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx
 # Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
 # the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
 # ``now_s``). A static test checks each script reads exactly this ARGV.
-_TIMED = {"reserve": 3, "confirm": 3, "get": 2, "delete": 3, "clear": 4, "stats": 1}
+_TIMED = {
+    "reserve": 3,
+    "confirm": 3,
+    "get": 2,
+    "delete": 3,
+    "clear": 4,
+    "stats": 1,
+    "v_remove": 4,
+}
 _MAX_PROBLEMS = 20
 _BUDGET_BATCH = 64  # pool sizes read concurrently by ``budget``
 # Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
@@ -211,6 +220,7 @@ def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
 
 
 # Script error code -> the kvmeta error it means (code 0 is success).
+_IN_USE = 5  # v_remove's refusal: the rank's pages are in use (RankInUse)
 _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
@@ -1212,10 +1222,13 @@ class RedisBackend:
                 continue  # removed since the registry was read: nothing left to clear
         return total
 
-    async def v_remove(self, rank: int, tenant: str = "") -> int | None:
+    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
         pool = PoolId("v", rank, "", tenant)
         keys = (self._v_keys(tenant)[0], *pool_keys(pool))
-        reply = await self._changing("v_remove", pool, keys, [rank], CLEARED, REASON_DROP)
+        args: list[Any] = [rank, "1" if force else "0"]
+        reply = await self._changing("v_remove", pool, keys, args, CLEARED, REASON_DROP)
+        if int(reply[0]) == _IN_USE:
+            raise RankInUse.for_rank(rank, int(reply[1]), float(reply[2]))
         dropped = int(reply[1])
         self._v_known.pop(tenant, None)
         return None if dropped < 0 else dropped

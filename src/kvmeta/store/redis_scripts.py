@@ -48,8 +48,11 @@ LIBRARY_NAME = "kvmeta"
 # and its reply's 4th element (walk the pool to build its index), and hidx_fill (a format-3
 # script would neither take the key nor keep the index); 5: one server walks a build
 # (initialize's ARGV[4] and ARGV[5], hidx_fill's ARGV[3] and ARGV[4] and its reply [2]: a
-# format-4 server would walk every build it is asked to, and fail to pass the claim)
-LIBRARY_FORMAT = 5
+# format-4 server would walk every build it is asked to, and fail to pass the claim); 6:
+# v_remove's ARGV[2] is its force flag (the feed flag and the test clock moved one on) and its
+# reply [5, ...] refuses a rank whose pages are in use (a format-5 server would pass its feed
+# flag as force, and not know the refusal)
+LIBRARY_FORMAT = 6
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas
