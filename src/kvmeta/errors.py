@@ -19,6 +19,8 @@
     |   +-- JournalFailed                  the journal cannot be written: 503 until it can
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
     |   +-- NotReplicated                  too few replicas acknowledged a write: 503
+    |   +-- BackendMisconfigured           Redis may evict kvmeta's keys: no start, /ready 503
+    |   +-- PoolDamaged                    a pool's keys partly evicted or deleted: 503
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
 
 All of them subclass ``RuntimeError`` because both engines' stock clients raise
@@ -30,6 +32,7 @@ same classes (``from_status``), so a message travels unchanged from server to ca
 from __future__ import annotations
 
 __all__ = [
+    "BackendMisconfigured",
     "BackendUnavailable",
     "CannotListen",
     "ConfigError",
@@ -46,6 +49,7 @@ __all__ = [
     "NotInitialized",
     "NotReplicated",
     "PayloadTooLarge",
+    "PoolDamaged",
     "QuotaExceeded",
     "ServerError",
     "ServerUnavailable",
@@ -215,8 +219,7 @@ class MissingExtra(ConfigError):
     def __init__(self, feature: str, extra: str, exc: ImportError, setting: str | None = None):
         missing = f"{exc.name} is not installed" if exc.name else str(exc)
         super().__init__(
-            f"{feature} needs kvmeta's {extra!r} extra ({missing}): "
-            f"pip install 'kvmeta[{extra}]'",
+            f"{feature} needs kvmeta's {extra!r} extra ({missing}): pip install 'kvmeta[{extra}]'",
             setting,
         )
         self.extra = extra
@@ -271,6 +274,20 @@ class QuotaExceeded(KvmetaError):
     def __init__(self, message: str, retry_after: float = 1.0) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+
+
+class BackendMisconfigured(BackendUnavailable):
+    """Raised when the Redis/Valkey server is set up to lose kvmeta's keys on its own (a
+    ``maxmemory-policy`` that evicts any key): kvmeta refuses to start on it, and ``/ready``
+    answers 503 with this message while it lasts. The message names the node, the setting and
+    the command that fixes it."""
+
+
+class PoolDamaged(BackendUnavailable):
+    """Raised by initialize when some of a pool's Redis keys exist without the one that says
+    the pool exists (its ``meta``): Redis evicted, or someone deleted, part of the pool.
+    Creating the pool again would hand out pages that its stored keys still name, so nothing
+    is changed (503) until an operator deletes the leftover keys."""
 
 
 _BY_STATUS: dict[int, type[KvmetaError]] = {

@@ -67,6 +67,7 @@ from kvmeta._types import PoolId
 from kvmeta.core.hash_index import hash_field
 from kvmeta.core.pool import PoolCounters
 from kvmeta.errors import (
+    BackendMisconfigured,
     BackendUnavailable,
     ConfigError,
     InvalidRequest,
@@ -74,6 +75,7 @@ from kvmeta.errors import (
     NoHashIndex,
     NotInitialized,
     NotReplicated,
+    PoolDamaged,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
@@ -97,6 +99,8 @@ from kvmeta.store.redis_nodes import (
     Topology,
     retriable,
 )
+from kvmeta.store.redis_policy import EvictionWatch, eviction_problem
+from kvmeta.store.redis_policy import parse_info as _info
 from kvmeta.store.redis_scripts import ScriptLibrary
 from kvmeta.store.redis_url import (
     DB_HINT,
@@ -210,11 +214,28 @@ def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
     return InvalidRequest(f"num_pages must be a positive integer, got {reply[1]}", "num_pages")
 
 
+def _damaged(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
+    prefix = pool_prefix(pid)
+    found = ", ".join(_text(part) for part in reply[1:])
+    return PoolDamaged(
+        f"{pid}: its meta key, which says the pool exists, is gone, yet its keys "
+        f"{prefix}{{{found}}} are left: part of the pool was evicted or deleted (a "
+        "maxmemory-policy that evicts any key, or a manual delete). "
+        "Creating it again would hand out pages its stored keys still name, so kvmeta "
+        "refuses (nothing was changed). Fix: set "
+        "maxmemory-policy noeviction on every Redis primary and replica; stop the engines "
+        f"that use this pool (or wait --reservation-ttl), delete its keys (redis-cli --scan "
+        f"--pattern '{prefix}*' | xargs redis-cli unlink) and start the engines again: the "
+        "pool starts empty"
+    )
+
+
 # Script error code -> the kvmeta error it means (code 0 is success).
 _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
     3: _bad_size,
+    4: _damaged,
 }
 
 
@@ -231,16 +252,6 @@ def _checked(pid: PoolId, reply: list[Any], request: Any) -> list[Any]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _info(raw: Any) -> dict[str, str]:
-    """An ``INFO`` reply read off a raw connection: ``field:value`` lines."""
-    out = {}
-    for line in _text(raw).splitlines():
-        field, sep, value = line.partition(":")
-        if sep and not line.startswith("#"):
-            out[field] = value.strip()
-    return out
 
 
 def _set_up_refused(url: str, exc: RedisError) -> str:
@@ -376,6 +387,9 @@ class RedisBackend:
         # servers share the registry, so this is a guess, never an answer.
         self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
+        # Whether a primary may evict kvmeta's keys (``store.redis_policy``).
+        self._eviction = EvictionWatch(self._primaries)
+        self._started = False  # start-up's own checks done: new links are watched from now
 
     @property
     def describe(self) -> str:
@@ -508,9 +522,11 @@ class RedisBackend:
             target = await self._check_single()
         kinds = {"single": Topology, "cluster": ClusterTopology, "sentinel": SentinelTopology}
         topo = kinds[target.mode](target, read_timeout=read_timeout)
+        topo.on_link = self._linked
         self._topo = topo
         try:
             await topo.start()
+            await self._refuse_eviction(topo.primaries())
             for node in topo.primaries():
                 logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
@@ -524,7 +540,29 @@ class RedisBackend:
             raise BackendUnavailable(
                 f"cannot set up kvmeta on Redis at {target.shown}: {exc}"
             ) from exc
+        self._started = True
         logger.info("%s: epoch %s", self.describe, self._epoch)
+
+    def _primaries(self) -> list[Node]:
+        return [] if self._topo is None else self._topo.primaries()
+
+    def _linked(self, node: Node) -> None:
+        """A link to ``node`` opened (``Node.on_link``): it may be a new primary, or one that
+        restarted; its eviction policy is read again in the background."""
+        if self._started:
+            self._eviction.linked(node)
+
+    async def _refuse_eviction(self, primaries: list[Node]) -> None:
+        """Refuse to start on primaries that may evict kvmeta's keys (``store.redis_policy``),
+        before kvmeta changes anything on them.
+
+        Raises:
+            BackendMisconfigured: naming each such primary, its policy and the fix.
+        """
+        found = await asyncio.gather(*(eviction_problem(n.addr, n.call) for n in primaries))
+        problems = [problem for problem in found if problem]
+        if problems:
+            raise BackendMisconfigured("; ".join(problems))
 
     async def _check_single(self) -> RedisTarget:
         """Ping the one endpoint (Redis's answer to a bad database or password goes into the
@@ -674,6 +712,7 @@ class RedisBackend:
         await asyncio.gather(*builds, return_exceptions=True)
         await self._release_walks(sorted(self._walked))
         self._walked.clear()
+        await self._eviction.close()
         if self._topo is not None:
             await self._topo.close()
             self._topo = None
@@ -720,7 +759,12 @@ class RedisBackend:
 
     async def ready(self) -> bool:
         """Every slot has a primary and every primary answers (``INFO replication``, whose
-        replica counts ``durability_stats`` reports)."""
+        replica counts ``durability_stats`` reports), and none may evict kvmeta's keys.
+
+        Raises:
+            BackendMisconfigured: a primary's ``maxmemory-policy`` may evict them (the message
+                is the reason ``/ready`` gives).
+        """
         topo = self._topo
         if topo is None:
             return False
@@ -731,8 +775,11 @@ class RedisBackend:
         for attempt in range(2):
             try:
                 primaries = topo.primaries()
-                replies = await asyncio.wait_for(
-                    asyncio.gather(*(node.call("INFO", "replication") for node in primaries)),
+                replies, problems = await asyncio.wait_for(
+                    asyncio.gather(
+                        asyncio.gather(*(node.call("INFO", "replication") for node in primaries)),
+                        self._eviction.check(primaries),
+                    ),
                     self.failover_timeout,
                 )
                 if replies and all(replies):
@@ -741,6 +788,8 @@ class RedisBackend:
                         "redis_primaries": float(len(counts)),
                         "redis_replicas_min": float(min(counts)),
                     }
+                    if problems:
+                        raise BackendMisconfigured("; ".join(problems))
                     return True
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass

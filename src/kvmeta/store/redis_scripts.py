@@ -48,8 +48,10 @@ LIBRARY_NAME = "kvmeta"
 # and its reply's 4th element (walk the pool to build its index), and hidx_fill (a format-3
 # script would neither take the key nor keep the index); 5: one server walks a build
 # (initialize's ARGV[4] and ARGV[5], hidx_fill's ARGV[3] and ARGV[4] and its reply [2]: a
-# format-4 server would walk every build it is asked to, and fail to pass the claim)
-LIBRARY_FORMAT = 5
+# format-4 server would walk every build it is asked to, and fail to pass the claim); 6:
+# initialize and v_register answer [4, part, ...] when a pool's keys are left without its meta
+# (a format-5 server cannot read that reply, and its library would create the pool over them)
+LIBRARY_FORMAT = 6
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas
