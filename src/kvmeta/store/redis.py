@@ -185,6 +185,9 @@ _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx
 # ``now_s``). A static test checks each script reads exactly this ARGV.
 _TIMED = {"reserve": 3, "confirm": 3, "get": 2, "delete": 3, "clear": 4, "stats": 1}
 _MAX_PROBLEMS = 20
+# Scripts whose code 1 answers a request with "this pool does not exist" (stats and check skip
+# such a pool instead: one listed before it was created, see ``_sadd_pool``).
+_ANSWERS_GONE = frozenset({"exists", "reserve", "confirm", "get", "delete", "clear", "hidx_fill"})
 _BUDGET_BATCH = 64  # pool sizes read concurrently by ``budget``
 # Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
 _FIRST_DELAY = 0.05
@@ -252,6 +255,12 @@ def _checked(pid: PoolId, reply: list[Any], request: Any) -> list[Any]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
+
+
+def _seen(read: asyncio.Future[None]) -> None:
+    """Retrieve a shared epoch read's failure: its callers may all have given up on it."""
+    if not read.cancelled():
+        read.exception()
 
 
 def _set_up_refused(url: str, exc: RedisError) -> str:
@@ -380,7 +389,12 @@ class RedisBackend:
         self._topo: Topology | None = None
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
         self._epoch = ""
-        self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
+        # The epoch is read again before the next reply once something says Redis may have
+        # lost its data (``_epoch_doubt``): each doubt bumps the first count, and a read covers
+        # the doubts counted when it began (the second); a read is shared by concurrent calls.
+        self._epoch_doubts = 0
+        self._epoch_read_for = 0
+        self._epoch_read: asyncio.Future[None] | None = None
         self._replication: dict[str, float] = {}  # see durability_stats
         # What v_exists needs from each tenant's registry as this process last read it (see
         # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
@@ -404,7 +418,9 @@ class RedisBackend:
     @property
     def epoch(self) -> str:
         """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
-        again after every reconnect or failover, so it changes exactly when Redis lost data."""
+        again before the next reply whenever Redis may have lost its data (``_epoch_doubt``: a
+        new link, kvmeta's code missing, a failed-over call, a pool or rank found missing, a
+        ``/ready`` probe), so it changes exactly when Redis lost data."""
         return self._epoch
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
@@ -481,7 +497,7 @@ class RedisBackend:
         meta = pool_keys(pool)[0]
         size, hx, hb, stamp = await self._command(meta, "HMGET", meta, "n", "hx", "hb", "hbt")
         if size is None:
-            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+            raise await self._gone(pool)
         if pool.dialect == "s" and hx is not None and _text(hx) == "1":
             self._built[pool] = self._epoch
             return n
@@ -495,7 +511,7 @@ class RedisBackend:
         """Raises NotInitialized unless the pool exists (its meta hash has a size)."""
         meta = pool_keys(pool)[0]
         if not await self._command(meta, "HEXISTS", meta, "n"):
-            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+            raise await self._gone(pool)
 
     def durability_stats(self) -> dict[str, float]:
         """How many primaries hold the state and the fewest replicas any of them has, as the
@@ -531,6 +547,7 @@ class RedisBackend:
                 logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
             await self._refresh_epoch()
+            self._epoch_read_for = self._epoch_doubts  # (the links start-up opened: read now)
             await self._warn_old_layouts()
         except BackendUnavailable:
             await self.close()
@@ -548,7 +565,10 @@ class RedisBackend:
 
     def _linked(self, node: Node) -> None:
         """A link to ``node`` opened (``Node.on_link``): it may be a new primary, or one that
-        restarted; its eviction policy is read again in the background."""
+        restarted empty, and no call need have failed to bring it here (an idle server's
+        links close with the node; the next call just opens one). So the epoch is read again
+        before the next reply, and the node's eviction policy in the background."""
+        self._epoch_doubt()
         if self._started:
             self._eviction.linked(node)
 
@@ -688,9 +708,48 @@ class RedisBackend:
                 n,
             )
 
+    def _epoch_doubt(self) -> None:
+        """Redis may have lost its data since the epoch was read: a link opened, kvmeta's
+        code was missing, a call failed over or moved to another primary, or Redis answered
+        that a pool or rank is gone. The next reply waits for a read of the epoch key."""
+        self._epoch_doubts += 1
+
+    async def _settle_epoch(self) -> None:
+        """Read the epoch again until a read covers every doubt so far (at most twice: a
+        doubt raised during a read, such as the read's own new link, gets one more), sharing
+        the read in progress with concurrent calls, so none answers from the lost data under
+        the old epoch while another call is reading the new one."""
+        for _ in range(2):
+            if self._epoch_doubts == self._epoch_read_for:
+                return
+            read = self._epoch_read
+            if read is None or read.done():
+                read = self._epoch_read = asyncio.ensure_future(
+                    self._read_epoch(self._epoch_doubts)
+                )
+                read.add_done_callback(_seen)
+            await asyncio.shield(read)
+
+    async def _read_epoch(self, doubts: int) -> None:
+        await self._refresh_epoch()
+        self._epoch_read_for = max(self._epoch_read_for, doubts)
+
+    async def _gone(self, pool: PoolId) -> NotInitialized:
+        """The error for a pool Redis says does not exist, once the epoch has been read again:
+        a pool that vanished (FLUSHALL keeps every connection and kvmeta's code) is the one
+        sign that Redis lost its data, and the reply must carry the new epoch."""
+        self._epoch_doubt()
+        await self._settle_epoch()
+        return NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+
     async def _refresh_epoch(self) -> None:
-        await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, new_epoch(), "NX")
+        """Read the epoch key; create it (SET NX: another server may create it first) only
+        when it is missing, so a read stays a read where writes are refused (a primary short
+        of ``min-replicas-to-write`` still answers lookups)."""
         value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
+        if value is None:
+            await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, new_epoch(), "NX")
+            value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
         epoch = _text(value)
         if self._epoch and epoch != self._epoch:
             logger.warning(
@@ -759,7 +818,8 @@ class RedisBackend:
 
     async def ready(self) -> bool:
         """Every slot has a primary and every primary answers (``INFO replication``, whose
-        replica counts ``durability_stats`` reports), and none may evict kvmeta's keys.
+        replica counts ``durability_stats`` reports), and none may evict kvmeta's keys. Each
+        probe reads the epoch again too.
 
         Raises:
             BackendMisconfigured: a primary's ``maxmemory-policy`` may evict them (the message
@@ -790,6 +850,10 @@ class RedisBackend:
                     }
                     if problems:
                         raise BackendMisconfigured("; ".join(problems))
+                    # A FLUSHALL breaks no link and keeps kvmeta's code: with no request
+                    # finding a pool gone, the probes are what notice it.
+                    self._epoch_doubt()
+                    await asyncio.wait_for(self._settle_epoch(), self.failover_timeout)
                     return True
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
@@ -811,6 +875,9 @@ class RedisBackend:
         command = self._scripts.command(script, keys, args)
         wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
         reply: list[Any] = _decode(await self._call(keys[0], command, script, wait))
+        if reply[0] == 1 and script in _ANSWERS_GONE:
+            self._epoch_doubt()  # the pool is gone: see ``_gone``
+            await self._settle_epoch()
         return reply
 
     async def _warn_old_layouts(self) -> None:
@@ -871,6 +938,7 @@ class RedisBackend:
                     continue
                 if self._scripts.missing(exc) and not installed and node is not None:
                     installed = True
+                    self._epoch_doubt()  # (a node that lost its code may have lost its data)
                     logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
                     await self._install_on(node)
                     continue
@@ -887,7 +955,7 @@ class RedisBackend:
                         f"Redis backend at {where} failed during {what} and did not recover "
                         f"within --failover-timeout {self.failover_timeout:g}s: {exc}{why}"
                     ) from exc
-                self._stale_epoch = True
+                self._epoch_doubt()
                 lost = not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError)
                 if lost and node is not None:  # its idle connections may be half-closed
                     await node.drop()
@@ -905,13 +973,12 @@ class RedisBackend:
                     rechecks += 1
                     assert node is not None
                     if rechecks <= _MAX_RECHECKS and await topo.recheck(node):
-                        self._stale_epoch = True
+                        self._epoch_doubt()
                         hops = 0
                         continue
                     raise
-            if self._stale_epoch and what not in _EPOCH_COMMANDS:
-                self._stale_epoch = False
-                await self._refresh_epoch()
+            if self._epoch_doubts != self._epoch_read_for and what not in _EPOCH_COMMANDS:
+                await self._settle_epoch()
             return reply
 
     def _check_acks(self, where: str, what: str, acks: Any) -> None:
@@ -1221,8 +1288,10 @@ class RedisBackend:
             if plan is None or not (fresh or plan[1]):
                 plan, fresh = self._v_exists_plan(await self._v_registry(tenant), tenant), True
             names, ranks = plan
-            if not ranks:
-                return [False] * len(keys)  # a required rank is not registered (yet)
+            if not ranks:  # a required rank is not registered (yet), or Redis lost it
+                self._epoch_doubt()
+                await self._settle_epoch()
+                return [False] * len(keys)
             reply = await self._run("v_exists", names, [request, ranks])
             if int(reply[0]) != self._V_STALE:
                 return [bool(x) for x in reply[1:]]
