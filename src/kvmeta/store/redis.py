@@ -759,6 +759,8 @@ class RedisBackend:
                 self._epoch,
                 epoch,
             )
+            self._epoch = epoch
+            self._feed.lost()  # the change feed's listener states every pool again
         self._epoch = epoch
 
     async def close(self) -> None:
