@@ -89,7 +89,7 @@ from kvmeta.store.changes import (
     Change,
     ChangeListener,
 )
-from kvmeta.store.epoch import new_epoch
+from kvmeta.store.redis_epoch import EPOCH_COMMANDS, RedisEpoch
 from kvmeta.store.redis_feed import ChangeSequencer
 from kvmeta.store.redis_nodes import (
     READ_TIMEOUT,
@@ -125,7 +125,6 @@ _PREFIX = "kvmeta:2"
 _OLD_LAYOUTS = {"kvmeta": "kvmeta:pools"}
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
-_EPOCH_COMMANDS = ("SET", "GET")  # how _refresh_epoch reads it (no epoch refresh after those)
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
@@ -257,12 +256,6 @@ def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
 
 
-def _seen(read: asyncio.Future[None]) -> None:
-    """Retrieve a shared epoch read's failure: its callers may all have given up on it."""
-    if not read.cancelled():
-        read.exception()
-
-
 def _set_up_refused(url: str, exc: RedisError) -> str:
     """Start-up message for a Redis that answered but refused the connection set-up."""
     answer = str(exc)
@@ -388,19 +381,15 @@ class RedisBackend:
         self._client: aioredis.Redis | None = None  # single endpoint only: start-up checks
         self._topo: Topology | None = None
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
-        self._epoch = ""
-        # The epoch is read again before the next reply once something says Redis may have
-        # lost its data (``_epoch_doubt``): each doubt bumps the first count, and a read covers
-        # the doubts counted when it began (the second); a read is shared by concurrent calls.
-        self._epoch_doubts = 0
-        self._epoch_read_for = 0
-        self._epoch_read: asyncio.Future[None] | None = None
         self._replication: dict[str, float] = {}  # see durability_stats
         # What v_exists needs from each tenant's registry as this process last read it (see
         # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
         # servers share the registry, so this is a guess, never an answer.
         self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
+        # The epoch, read again whenever Redis may have lost its data (``store.redis_epoch``);
+        # a new one is reported to the change feed's listener, which states every pool again.
+        self._epochs = RedisEpoch(_EPOCH_KEY, self._command, self._feed.lost)
         # Whether a primary may evict kvmeta's keys (``store.redis_policy``).
         self._eviction = EvictionWatch(self._primaries)
         self._started = False  # start-up's own checks done: new links are watched from now
@@ -418,10 +407,10 @@ class RedisBackend:
     @property
     def epoch(self) -> str:
         """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
-        again before the next reply whenever Redis may have lost its data (``_epoch_doubt``: a
-        new link, kvmeta's code missing, a failed-over call, a pool or rank found missing, a
+        again before the next reply whenever Redis may have lost its data (``store.redis_epoch``:
+        a new link, kvmeta's code missing, a failed-over call, a pool or rank found missing, a
         ``/ready`` probe), so it changes exactly when Redis lost data."""
-        return self._epoch
+        return self._epochs.value
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
         """Report each change once its script answered (and its ``WAIT``, with
@@ -492,14 +481,14 @@ class RedisBackend:
         if hashes and pool.dialect == "s":
             fields = Strings([hash_field(h) for h in hashes])
             n = await self._leading_fields(pool_keys(pool)[_HIDX], fields)
-            if n == len(hashes) or (n and self._built.get(pool) == self._epoch):
+            if n == len(hashes) or (n and self._built.get(pool) == self._epochs.value):
                 return n
         meta = pool_keys(pool)[0]
         size, hx, hb, stamp = await self._command(meta, "HMGET", meta, "n", "hx", "hb", "hbt")
         if size is None:
             raise await self._gone(pool)
         if pool.dialect == "s" and hx is not None and _text(hx) == "1":
-            self._built[pool] = self._epoch
+            self._built[pool] = self._epochs.value
             return n
         if pool.dialect == "s" and hb is not None and _text(hb) == "1":
             if self.hash_index:
@@ -546,8 +535,7 @@ class RedisBackend:
             for node in topo.primaries():
                 logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
-            await self._refresh_epoch()
-            self._epoch_read_for = self._epoch_doubts  # (the links start-up opened: read now)
+            await self._epochs.start()
             await self._warn_old_layouts()
         except BackendUnavailable:
             await self.close()
@@ -558,7 +546,7 @@ class RedisBackend:
                 f"cannot set up kvmeta on Redis at {target.shown}: {exc}"
             ) from exc
         self._started = True
-        logger.info("%s: epoch %s", self.describe, self._epoch)
+        logger.info("%s: epoch %s", self.describe, self._epochs.value)
 
     def _primaries(self) -> list[Node]:
         return [] if self._topo is None else self._topo.primaries()
@@ -568,7 +556,7 @@ class RedisBackend:
         restarted empty, and no call need have failed to bring it here (an idle server's
         links close with the node; the next call just opens one). So the epoch is read again
         before the next reply, and the node's eviction policy in the background."""
-        self._epoch_doubt()
+        self._epochs.doubt()
         if self._started:
             self._eviction.linked(node)
 
@@ -708,60 +696,12 @@ class RedisBackend:
                 n,
             )
 
-    def _epoch_doubt(self) -> None:
-        """Redis may have lost its data since the epoch was read: a link opened, kvmeta's
-        code was missing, a call failed over or moved to another primary, or Redis answered
-        that a pool or rank is gone. The next reply waits for a read of the epoch key."""
-        self._epoch_doubts += 1
-
-    async def _settle_epoch(self) -> None:
-        """Read the epoch again until a read covers every doubt so far (at most twice: a
-        doubt raised during a read, such as the read's own new link, gets one more), sharing
-        the read in progress with concurrent calls, so none answers from the lost data under
-        the old epoch while another call is reading the new one."""
-        for _ in range(2):
-            if self._epoch_doubts == self._epoch_read_for:
-                return
-            read = self._epoch_read
-            if read is None or read.done():
-                read = self._epoch_read = asyncio.ensure_future(
-                    self._read_epoch(self._epoch_doubts)
-                )
-                read.add_done_callback(_seen)
-            await asyncio.shield(read)
-
-    async def _read_epoch(self, doubts: int) -> None:
-        await self._refresh_epoch()
-        self._epoch_read_for = max(self._epoch_read_for, doubts)
-
     async def _gone(self, pool: PoolId) -> NotInitialized:
         """The error for a pool Redis says does not exist, once the epoch has been read again:
         a pool that vanished (FLUSHALL keeps every connection and kvmeta's code) is the one
         sign that Redis lost its data, and the reply must carry the new epoch."""
-        self._epoch_doubt()
-        await self._settle_epoch()
+        await self._epochs.recheck()
         return NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
-
-    async def _refresh_epoch(self) -> None:
-        """Read the epoch key; create it (SET NX: another server may create it first) only
-        when it is missing, so a read stays a read where writes are refused (a primary short
-        of ``min-replicas-to-write`` still answers lookups)."""
-        value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
-        if value is None:
-            await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, new_epoch(), "NX")
-            value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
-        epoch = _text(value)
-        if self._epoch and epoch != self._epoch:
-            logger.warning(
-                "Redis epoch changed from %s to %s: Redis lost its data (restart without "
-                "persistence, flush, or a failover to a replica without it); engines "
-                "re-initialise their pools",
-                self._epoch,
-                epoch,
-            )
-            self._epoch = epoch
-            self._feed.lost()  # the change feed's listener states every pool again
-        self._epoch = epoch
 
     async def close(self) -> None:
         """Stop this server's walks of index builds and release their claims, then close the
@@ -854,8 +794,7 @@ class RedisBackend:
                         raise BackendMisconfigured("; ".join(problems))
                     # A FLUSHALL breaks no link and keeps kvmeta's code: with no request
                     # finding a pool gone, the probes are what notice it.
-                    self._epoch_doubt()
-                    await asyncio.wait_for(self._settle_epoch(), self.failover_timeout)
+                    await asyncio.wait_for(self._epochs.recheck(), self.failover_timeout)
                     return True
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
@@ -878,8 +817,7 @@ class RedisBackend:
         wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
         reply: list[Any] = _decode(await self._call(keys[0], command, script, wait))
         if reply[0] == 1 and script in _ANSWERS_GONE:
-            self._epoch_doubt()  # the pool is gone: see ``_gone``
-            await self._settle_epoch()
+            await self._epochs.recheck()  # the pool is gone: see ``_gone``
         return reply
 
     async def _warn_old_layouts(self) -> None:
@@ -940,7 +878,7 @@ class RedisBackend:
                     continue
                 if self._scripts.missing(exc) and not installed and node is not None:
                     installed = True
-                    self._epoch_doubt()  # (a node that lost its code may have lost its data)
+                    self._epochs.doubt()  # (a node that lost its code may have lost its data)
                     logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
                     await self._install_on(node)
                     continue
@@ -957,7 +895,7 @@ class RedisBackend:
                         f"Redis backend at {where} failed during {what} and did not recover "
                         f"within --failover-timeout {self.failover_timeout:g}s: {exc}{why}"
                     ) from exc
-                self._epoch_doubt()
+                self._epochs.doubt()
                 lost = not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError)
                 if lost and node is not None:  # its idle connections may be half-closed
                     await node.drop()
@@ -975,12 +913,13 @@ class RedisBackend:
                     rechecks += 1
                     assert node is not None
                     if rechecks <= _MAX_RECHECKS and await topo.recheck(node):
-                        self._epoch_doubt()
+                        self._epochs.doubt()
                         hops = 0
                         continue
                     raise
-            if self._epoch_doubts != self._epoch_read_for and what not in _EPOCH_COMMANDS:
-                await self._settle_epoch()
+            epochs = self._epochs
+            if epochs.doubts != epochs.read_for and what not in EPOCH_COMMANDS:
+                await epochs.settle()
             return reply
 
     def _check_acks(self, where: str, what: str, acks: Any) -> None:
@@ -1291,8 +1230,7 @@ class RedisBackend:
                 plan, fresh = self._v_exists_plan(await self._v_registry(tenant), tenant), True
             names, ranks = plan
             if not ranks:  # a required rank is not registered (yet), or Redis lost it
-                self._epoch_doubt()
-                await self._settle_epoch()
+                await self._epochs.recheck()
                 return [False] * len(keys)
             reply = await self._run("v_exists", names, [request, ranks])
             if int(reply[0]) != self._V_STALE:
