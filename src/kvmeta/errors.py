@@ -21,6 +21,8 @@
     |       +-- JournalStalled             its fsync hangs (the disk stopped answering): 503
     +-- BackendUnavailable                 the shared backend (Redis) cannot be reached
     |   +-- NotReplicated                  too few replicas acknowledged a write: 503
+    |   +-- BackendMisconfigured           Redis may evict kvmeta's keys: no start, /ready 503
+    |   +-- PoolDamaged                    a pool's keys partly evicted or deleted: 503
     +-- CannotListen                       serve: the port is taken / not allowed / bad host
 
 All of them subclass ``RuntimeError`` because both engines' stock clients raise
@@ -32,6 +34,7 @@ same classes (``from_status``), so a message travels unchanged from server to ca
 from __future__ import annotations
 
 __all__ = [
+    "BackendMisconfigured",
     "BackendUnavailable",
     "CannotListen",
     "ConfigError",
@@ -49,6 +52,7 @@ __all__ = [
     "NotInitialized",
     "NotReplicated",
     "PayloadTooLarge",
+    "PoolDamaged",
     "QuotaExceeded",
     "RankInUse",
     "ServerError",
@@ -303,6 +307,20 @@ class RankInUse(KvmetaError):
             f"gone for good, force it: POST /v1/vllm/ranks/{rank}/remove?force=true (kvmeta's "
             "client: remove_rank(rank, force=True))"
         )
+
+
+class BackendMisconfigured(BackendUnavailable):
+    """Raised when the Redis/Valkey server is set up to lose kvmeta's keys on its own (a
+    ``maxmemory-policy`` that evicts any key): kvmeta refuses to start on it, and ``/ready``
+    answers 503 with this message while it lasts. The message names the node, the setting and
+    the command that fixes it."""
+
+
+class PoolDamaged(BackendUnavailable):
+    """Raised by initialize when some of a pool's Redis keys exist without the one that says
+    the pool exists (its ``meta``): Redis evicted, or someone deleted, part of the pool.
+    Creating the pool again would hand out pages that its stored keys still name, so nothing
+    is changed (503) until an operator deletes the leftover keys."""
 
 
 _BY_STATUS: dict[int, type[KvmetaError]] = {

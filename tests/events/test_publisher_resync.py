@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections.abc import Awaitable, Callable
+from types import SimpleNamespace
 from typing import Any
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotInitialized
 from kvmeta.events.publisher import Publisher
 from kvmeta.events.wire import pool_label, sglang_hash
-from kvmeta.store.changes import STORED, UNSURE, Change
+from kvmeta.store.changes import EVERY_POOL, LOST, STORED, UNSURE, Change
 from tests.events.test_publisher_shapes import make_publisher, published
 
 POOL = PoolId("s", 0, "kv")
@@ -160,5 +161,45 @@ def test_an_unsure_pool_reported_before_the_start_resync_waits_for_it() -> None:
             ("AllBlocksCleared", "resync"),
             ("BlockStored", "resync"),
         ]
+
+    _run(test)
+
+
+class WholeBackend(Backend):
+    """``Backend`` holding one pool, for a whole-server resync (``stats`` lists it)."""
+
+    epoch = "new-epoch"
+
+    async def stats(self) -> list[Any]:
+        return [SimpleNamespace(pool=POOL)]
+
+
+def test_a_lost_state_is_stated_again_whole_after_what_was_queued() -> None:
+    """``LOST`` (Redis lost its data): what was queued goes first, then one whole-server
+    ``AllBlocksCleared`` and every pool the backend holds now, reason ``data-lost``, then the
+    changes made meanwhile; the pools' kept parents and hash arrays are forgotten."""
+    keys = [key(i) for i in range(3)]
+
+    async def test(pub: Publisher) -> None:
+        backend = WholeBackend(pub, keys)
+        await pub.resync(backend)
+        pub.note_reserve(POOL, [(key(7), key(6))])
+        start = len(published(pub))
+        backend.during = [Change(POOL, STORED, (key(9),))]
+        pub.on_changes([Change(POOL, STORED, (key(8),)), Change(EVERY_POOL, LOST, ())])
+        assert not pub._prefixes and not pub._chains and not pub._stored
+        await _until(lambda: pub.stats.resyncs == 2)
+        await _until(lambda: len(published(pub)) - start == 6)
+        got = published(pub)[start:]
+        assert [(e[0], e[-1]) for e in got] == [
+            ("BlockStored", ""),  # queued before the loss: sent first
+            ("AllBlocksCleared", "data-lost"),  # the whole server
+            ("AllBlocksCleared", "data-lost"),  # the pool, then what it holds now
+            ("BlockStored", "data-lost"),
+            ("BlockStored", "data-lost"),
+            ("BlockStored", ""),  # made while the state was read: after it
+        ]
+        assert got[1][1] == "" and got[2][1] == pool_label(POOL)
+        assert [h for e in got[3:5] for h in e[2]] == _hashes(*keys)
 
     _run(test)

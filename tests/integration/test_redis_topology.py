@@ -17,7 +17,7 @@ import redis
 from redis.crc import key_slot
 
 from kvmeta._types import PoolId
-from kvmeta.errors import BackendUnavailable
+from kvmeta.errors import BackendUnavailable, NotInitialized
 from kvmeta.store.redis import RedisBackend, pool_keys
 from tests.redis_support import Node, RedisCluster, RedisServer, free_port
 
@@ -374,9 +374,19 @@ def test_close_after_a_failover_leaves_no_connection_open(doomed_cluster: RedisC
     assert unclosed == []
 
 
+async def _connections_gone(backend: RedisBackend) -> None:
+    """Until the backend has seen every connection to its primaries close: its next call then
+    opens a new one without any call failing (what an idle server sees after a restart)."""
+    deadline = time.monotonic() + 30
+    while any(node.links for node in backend._primaries()):
+        assert time.monotonic() < deadline, "the backend did not notice its connections close"
+        await asyncio.sleep(0.01)
+
+
 def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
     """FLUSHALL then every connection dropped (what a restart without persistence looks
-    like to kvmeta): the next call finds kvmeta:2:epoch gone and makes a new one."""
+    like to kvmeta): the next call finds kvmeta:2:epoch gone and makes a new one, also when
+    the backend noticed the dropped connections before that call (no call failed)."""
 
     async def go() -> None:
         redis_server.flush()
@@ -388,13 +398,44 @@ def test_the_epoch_changes_when_redis_lost_its_data(redis_server: Any) -> None:
             await backend.initialize(PoolId("s", 0, "e"), 4)
             with redis_server.client() as client:
                 client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await _connections_gone(backend)
             await backend.initialize(PoolId("s", 0, "e"), 4)
             assert backend.epoch == first  # a reconnect alone changes nothing
             with redis_server.client() as client:
                 client.flushall()
                 client.execute_command("CLIENT", "KILL", "TYPE", "normal", "SKIPME", "yes")
+            await _connections_gone(backend)
             await backend.initialize(PoolId("s", 0, "e"), 4)
             assert backend.epoch != first
+        finally:
+            await backend.close()
+
+    _run(go())
+
+
+def test_the_epoch_changes_on_a_flush_the_connections_survive(redis_server: Any) -> None:
+    """FLUSHALL alone (the functions library stays, no connection drops): the first call that
+    finds its pool gone reads the epoch again before it answers, and sees it changed."""
+
+    async def go() -> None:
+        redis_server.flush()
+        backend = RedisBackend(redis_server.url)
+        await backend.start()
+        pool = PoolId("s", 0, "flushed")
+        try:
+            first = backend.epoch
+            await _cycle(backend, pool, "a")
+            redis_server.flush()
+            with pytest.raises(NotInitialized):
+                await backend.exists(pool, ["a"])
+            second = backend.epoch
+            assert second != first
+            with redis_server.client() as client:
+                assert client.get("kvmeta:2:epoch") == second.encode()
+            redis_server.flush()
+            with pytest.raises(NotInitialized):
+                await backend.dump(pool, "", 10)
+            assert backend.epoch not in (first, second)
         finally:
             await backend.close()
 
@@ -416,6 +457,7 @@ def test_a_restart_keeps_the_epoch_with_an_aof_and_changes_it_without() -> None:
             port = server.port
             server.stop()
             server.start(port=port)
+            await _connections_gone(backend)  # no call fails: the next one connects anew
             await backend.initialize(pid, 16)  # reconnects, then reads the epoch again
             return before, backend.epoch, [page, *await backend.get(pid, ["a"])]
         finally:

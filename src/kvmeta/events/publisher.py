@@ -24,6 +24,12 @@ older change follows the pool's new state), everything queued is sent, then the 
 Pools are resynced one at a time; while the backend does not answer, the pool waits and is
 tried again, so the subscribers' view converges once Redis is back.
 
+A backend that reports ``LOST`` (Redis lost its data: its epoch changed) gets the start's
+resync again, whole, with reason ``data-lost``: what is queued is sent, then one
+``AllBlocksCleared`` for the whole server and every pool the backend holds now (none, or the
+ones created since), the changes made meanwhile after. The run and topic stay (the topic names
+the epoch the run started in); sequence numbers go on.
+
 SGLang's parent block: the reserve request names each key's prefix key (``note_reserve``); it
 is kept per pool until the key's confirm is published, within ``_PREFIX_CAP`` keys overall
 (the oldest are forgotten first: their events then carry no parent). A reserve whose keys form
@@ -70,6 +76,8 @@ from kvmeta.events.wire import (
 )
 from kvmeta.store.changes import (
     CLEARED,
+    LOST,
+    REASON_DATA_LOST,
     REASON_RESTART,
     REASON_RESYNC,
     REMOVED,
@@ -236,6 +244,9 @@ class Publisher:
         self._backend: Any = None
         self._resync_lock = asyncio.Lock()
         self._closed = False
+        # A LOST change waiting for its whole-server resync (``_resync_lost``), and the task.
+        self._lost = False
+        self._lost_task: asyncio.Task[None] | None = None
 
     # ------------------------------------------------------------------ inputs
 
@@ -387,9 +398,13 @@ class Publisher:
                 self._stored_keys -= sum(len(run) for run, _ in dropped.values())
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
-        if not keys:  # (an UNSURE change has none: off the path of the usual ones)
+        if not keys:  # (UNSURE and LOST changes have none: off the path of the usual ones)
             if kind == UNSURE:
                 self._doubt(pool)
+            elif kind == LOST:
+                self._forget_all()
+                self._lost = True
+                self._resync_lost_soon()
             return
         self._pending_blocks += len(keys)
         if pool.dialect != "s":
@@ -522,32 +537,82 @@ class Publisher:
         """Publish what the backend holds (see the module docstring); live changes wait."""
         self._backend = backend
         async with self._resync_lock:
-            await self._resync_all(backend)
+            self._lost = False  # (a loss reported before: this resync reads the state after it)
+            await self._resync_all(backend, REASON_RESTART)
         self._resync_unsure_soon()  # pools reported before the backend was known
+        self._resync_lost_soon()
 
-    async def _resync_all(self, backend: Any) -> None:
+    async def _resync_all(self, backend: Any, reason: str) -> None:
         self._holding = True
         started = time.perf_counter()
         pools = 0
         keys_sent = 0
         try:
             enc = self.encoder
-            self._send([enc.cleared(None, REASON_RESTART)], 0, 0.0)
+            self._send([enc.cleared(None, reason)], 0, 0.0)
             for st in await backend.stats():
                 # (a pool removed meanwhile: its drop is among the held changes)
-                keys_sent += await self._state_pool(backend, st.pool, REASON_RESTART)
+                keys_sent += await self._state_pool(backend, st.pool, reason)
                 pools += 1
             self.stats.resyncs += 1
         finally:
             self._holding = False
             self.flush()  # what changed meanwhile, right after the resync
+        why = (
+            ""
+            if reason == REASON_RESTART
+            else f", after the backend's epoch changed to {backend.epoch}"
+        )
         logger.info(
-            "events: resync published %d pools, %d keys in %.3f s (run %s)",
+            "events: resync published %d pools, %d keys in %.3f s (run %s%s)",
             pools,
             keys_sent,
             time.perf_counter() - started,
             self.run,
+            why,
         )
+
+    # ------------------------------------------------------------------ lost state
+
+    def _forget_all(self) -> None:
+        """Drop what is kept per pool (parents, hash arrays): the pools' keys may all be gone."""
+        self._chains.clear()
+        self._prefixes.clear()
+        self._partial.clear()
+        self._stored.clear()
+        self._stored_keys = 0
+
+    def _resync_lost_soon(self) -> None:
+        if not self._lost or self._closed or self._loop is None or self._backend is None:
+            return
+        if self._lost_task is None or self._lost_task.done():
+            self._lost_task = self._loop.create_task(self._resync_lost())
+
+    async def _resync_lost(self) -> None:
+        """The whole-server resync after ``LOST`` (the module docstring); while the backend
+        does not answer it waits and tries again, as a pool's resync does. Losses reported
+        while one runs make one more."""
+        delay = _RESYNC_RETRY[0]
+        while self._lost:
+            try:
+                async with self._resync_lock:
+                    if not self._lost:
+                        return
+                    self._lost = False
+                    self.flush()  # the changes before the loss, before the clear of them all
+                    await self._resync_all(self._backend, REASON_DATA_LOST)
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # the backend did not answer: try again later
+                self._lost = True
+                logger.warning(
+                    "events: cannot read the backend for the resync after it lost its data "
+                    "(%s); trying again in %.1f s",
+                    exc,
+                    delay,
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RESYNC_RETRY[1])
 
     async def _state_pool(self, backend: Any, pool: PoolId, reason: str) -> int:
         """Send ``pool``'s ``AllBlocksCleared`` and ``BlockStored`` of every key it holds (a
@@ -636,12 +701,13 @@ class Publisher:
         )
 
     async def cancel_resyncs(self) -> None:
-        """Stop resyncing unsure pools (at shutdown, before the backend closes)."""
+        """Stop resyncing unsure pools and a lost state (at shutdown, before the backend
+        closes)."""
         self._closed = True
-        task = self._unsure_task
-        if task is not None and not task.done():
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
+        for task in (self._unsure_task, self._lost_task):
+            if task is not None and not task.done():
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     # ------------------------------------------------------------------ lifecycle
 

@@ -548,7 +548,11 @@ class _EventMetrics:
             ("kvmeta_events_blocks", "keys (blocks) named by published events", st.blocks),
             ("kvmeta_events_batches", "event batches (ZeroMQ messages) published", st.batches),
             ("kvmeta_events_replay_requests", "replay requests answered", st.replay_requests),
-            ("kvmeta_events_resyncs", "resyncs published after a start", st.resyncs),
+            (
+                "kvmeta_events_resyncs",
+                "whole-server resyncs published (at a start, and after the backend lost its data)",
+                st.resyncs,
+            ),
             (
                 "kvmeta_events_pool_resyncs",
                 "pools stated again after a backend call failed without a reply",

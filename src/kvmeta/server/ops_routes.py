@@ -21,7 +21,7 @@ import msgspec
 
 from kvmeta import __version__
 from kvmeta.config import Settings
-from kvmeta.errors import Unauthorized
+from kvmeta.errors import KvmetaError, Unauthorized
 from kvmeta.server import prefix_routes, status_page
 from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
@@ -74,6 +74,8 @@ class OpsState:
             return False, failure
         try:
             ok = await self.backend.ready()
+        except KvmetaError as exc:  # the backend's own reason (its message names the fix)
+            return False, str(exc)
         except Exception as exc:  # noqa: BLE001 - any backend failure means not ready
             return False, f"backend {self.backend.name} failed its readiness check: {exc}"
         if not ok:

@@ -67,6 +67,7 @@ from kvmeta._types import PoolId
 from kvmeta.core.hash_index import hash_field
 from kvmeta.core.pool import PoolCounters
 from kvmeta.errors import (
+    BackendMisconfigured,
     BackendUnavailable,
     ConfigError,
     InvalidRequest,
@@ -74,6 +75,7 @@ from kvmeta.errors import (
     NoHashIndex,
     NotInitialized,
     NotReplicated,
+    PoolDamaged,
     RankInUse,
 )
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
@@ -88,7 +90,7 @@ from kvmeta.store.changes import (
     Change,
     ChangeListener,
 )
-from kvmeta.store.epoch import new_epoch
+from kvmeta.store.redis_epoch import EPOCH_COMMANDS, RedisEpoch
 from kvmeta.store.redis_feed import ChangeSequencer
 from kvmeta.store.redis_nodes import (
     READ_TIMEOUT,
@@ -98,6 +100,8 @@ from kvmeta.store.redis_nodes import (
     Topology,
     retriable,
 )
+from kvmeta.store.redis_policy import EvictionWatch, eviction_problem
+from kvmeta.store.redis_policy import parse_info as _info
 from kvmeta.store.redis_scripts import ScriptLibrary
 from kvmeta.store.redis_url import (
     DB_HINT,
@@ -122,7 +126,6 @@ _PREFIX = "kvmeta:2"
 _OLD_LAYOUTS = {"kvmeta": "kvmeta:pools"}
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
-_EPOCH_COMMANDS = ("SET", "GET")  # how _refresh_epoch reads it (no epoch refresh after those)
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
@@ -190,6 +193,9 @@ _TIMED = {
     "v_remove": 4,
 }
 _MAX_PROBLEMS = 20
+# Scripts whose code 1 answers a request with "this pool does not exist" (stats and check skip
+# such a pool instead: one listed before it was created, see ``_sadd_pool``).
+_ANSWERS_GONE = frozenset({"exists", "reserve", "confirm", "get", "delete", "clear", "hidx_fill"})
 _BUDGET_BATCH = 64  # pool sizes read concurrently by ``budget``
 # Back-off between retries while a failover or resharding settles: 50 ms doubling to 500 ms.
 _FIRST_DELAY = 0.05
@@ -219,12 +225,29 @@ def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
     return InvalidRequest(f"num_pages must be a positive integer, got {reply[1]}", "num_pages")
 
 
+def _damaged(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
+    prefix = pool_prefix(pid)
+    found = ", ".join(_text(part) for part in reply[1:])
+    return PoolDamaged(
+        f"{pid}: its meta key, which says the pool exists, is gone, yet its keys "
+        f"{prefix}{{{found}}} are left: part of the pool was evicted or deleted (a "
+        "maxmemory-policy that evicts any key, or a manual delete). "
+        "Creating it again would hand out pages its stored keys still name, so kvmeta "
+        "refuses (nothing was changed). Fix: set "
+        "maxmemory-policy noeviction on every Redis primary and replica; stop the engines "
+        f"that use this pool (or wait --reservation-ttl), delete its keys (redis-cli --scan "
+        f"--pattern '{prefix}*' | xargs redis-cli unlink) and start the engines again: the "
+        "pool starts empty"
+    )
+
+
 # Script error code -> the kvmeta error it means (code 0 is success).
 _IN_USE = 5  # v_remove's refusal: the rank's pages are in use (RankInUse)
 _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
     3: _bad_size,
+    4: _damaged,
 }
 
 
@@ -241,16 +264,6 @@ def _checked(pid: PoolId, reply: list[Any], request: Any) -> list[Any]:
 
 def _text(value: Any) -> str:
     return value.decode() if isinstance(value, bytes) else str(value)
-
-
-def _info(raw: Any) -> dict[str, str]:
-    """An ``INFO`` reply read off a raw connection: ``field:value`` lines."""
-    out = {}
-    for line in _text(raw).splitlines():
-        field, sep, value = line.partition(":")
-        if sep and not line.startswith("#"):
-            out[field] = value.strip()
-    return out
 
 
 def _set_up_refused(url: str, exc: RedisError) -> str:
@@ -378,14 +391,18 @@ class RedisBackend:
         self._client: aioredis.Redis | None = None  # single endpoint only: start-up checks
         self._topo: Topology | None = None
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
-        self._epoch = ""
-        self._stale_epoch = False  # a call failed over or reconnected: read the epoch again
         self._replication: dict[str, float] = {}  # see durability_stats
         # What v_exists needs from each tenant's registry as this process last read it (see
         # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
         # servers share the registry, so this is a guess, never an answer.
         self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
+        # The epoch, read again whenever Redis may have lost its data (``store.redis_epoch``);
+        # a new one is reported to the change feed's listener, which states every pool again.
+        self._epochs = RedisEpoch(_EPOCH_KEY, self._command, self._feed.lost)
+        # Whether a primary may evict kvmeta's keys (``store.redis_policy``).
+        self._eviction = EvictionWatch(self._primaries)
+        self._started = False  # start-up's own checks done: new links are watched from now
 
     @property
     def describe(self) -> str:
@@ -400,8 +417,10 @@ class RedisBackend:
     @property
     def epoch(self) -> str:
         """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
-        again after every reconnect or failover, so it changes exactly when Redis lost data."""
-        return self._epoch
+        again before the next reply whenever Redis may have lost its data (``store.redis_epoch``:
+        a new link, kvmeta's code missing, a failed-over call, a pool or rank found missing, a
+        ``/ready`` probe), so it changes exactly when Redis lost data."""
+        return self._epochs.value
 
     def set_change_listener(self, listener: ChangeListener | None) -> None:
         """Report each change once its script answered (and its ``WAIT``, with
@@ -472,14 +491,14 @@ class RedisBackend:
         if hashes and pool.dialect == "s":
             fields = Strings([hash_field(h) for h in hashes])
             n = await self._leading_fields(pool_keys(pool)[_HIDX], fields)
-            if n == len(hashes) or (n and self._built.get(pool) == self._epoch):
+            if n == len(hashes) or (n and self._built.get(pool) == self._epochs.value):
                 return n
         meta = pool_keys(pool)[0]
         size, hx, hb, stamp = await self._command(meta, "HMGET", meta, "n", "hx", "hb", "hbt")
         if size is None:
-            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+            raise await self._gone(pool)
         if pool.dialect == "s" and hx is not None and _text(hx) == "1":
-            self._built[pool] = self._epoch
+            self._built[pool] = self._epochs.value
             return n
         if pool.dialect == "s" and hb is not None and _text(hb) == "1":
             if self.hash_index:
@@ -491,7 +510,7 @@ class RedisBackend:
         """Raises NotInitialized unless the pool exists (its meta hash has a size)."""
         meta = pool_keys(pool)[0]
         if not await self._command(meta, "HEXISTS", meta, "n"):
-            raise NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
+            raise await self._gone(pool)
 
     def durability_stats(self) -> dict[str, float]:
         """How many primaries hold the state and the fewest replicas any of them has, as the
@@ -518,13 +537,15 @@ class RedisBackend:
             target = await self._check_single()
         kinds = {"single": Topology, "cluster": ClusterTopology, "sentinel": SentinelTopology}
         topo = kinds[target.mode](target, read_timeout=read_timeout)
+        topo.on_link = self._linked
         self._topo = topo
         try:
             await topo.start()
+            await self._refuse_eviction(topo.primaries())
             for node in topo.primaries():
                 logger.info("Redis %s: %s", node.addr, await self._install_on(node))
             await self._choose_ack_mode(topo.primaries())
-            await self._refresh_epoch()
+            await self._epochs.start()
             await self._warn_old_layouts()
         except BackendUnavailable:
             await self.close()
@@ -534,7 +555,32 @@ class RedisBackend:
             raise BackendUnavailable(
                 f"cannot set up kvmeta on Redis at {target.shown}: {exc}"
             ) from exc
-        logger.info("%s: epoch %s", self.describe, self._epoch)
+        self._started = True
+        logger.info("%s: epoch %s", self.describe, self._epochs.value)
+
+    def _primaries(self) -> list[Node]:
+        return [] if self._topo is None else self._topo.primaries()
+
+    def _linked(self, node: Node) -> None:
+        """A link to ``node`` opened (``Node.on_link``): it may be a new primary, or one that
+        restarted empty, and no call need have failed to bring it here (an idle server's
+        links close with the node; the next call just opens one). So the epoch is read again
+        before the next reply, and the node's eviction policy in the background."""
+        self._epochs.doubt()
+        if self._started:
+            self._eviction.linked(node)
+
+    async def _refuse_eviction(self, primaries: list[Node]) -> None:
+        """Refuse to start on primaries that may evict kvmeta's keys (``store.redis_policy``),
+        before kvmeta changes anything on them.
+
+        Raises:
+            BackendMisconfigured: naming each such primary, its policy and the fix.
+        """
+        found = await asyncio.gather(*(eviction_problem(n.addr, n.call) for n in primaries))
+        problems = [problem for problem in found if problem]
+        if problems:
+            raise BackendMisconfigured("; ".join(problems))
 
     async def _check_single(self) -> RedisTarget:
         """Ping the one endpoint (Redis's answer to a bad database or password goes into the
@@ -660,19 +706,12 @@ class RedisBackend:
                 n,
             )
 
-    async def _refresh_epoch(self) -> None:
-        await self._command(_EPOCH_KEY, "SET", _EPOCH_KEY, new_epoch(), "NX")
-        value = await self._command(_EPOCH_KEY, "GET", _EPOCH_KEY)
-        epoch = _text(value)
-        if self._epoch and epoch != self._epoch:
-            logger.warning(
-                "Redis epoch changed from %s to %s: Redis lost its data (restart without "
-                "persistence, flush, or a failover to a replica without it); engines "
-                "re-initialise their pools",
-                self._epoch,
-                epoch,
-            )
-        self._epoch = epoch
+    async def _gone(self, pool: PoolId) -> NotInitialized:
+        """The error for a pool Redis says does not exist, once the epoch has been read again:
+        a pool that vanished (FLUSHALL keeps every connection and kvmeta's code) is the one
+        sign that Redis lost its data, and the reply must carry the new epoch."""
+        await self._epochs.recheck()
+        return NotInitialized.for_pool(pool.dialect, pool.rank, pool.namespace)
 
     async def close(self) -> None:
         """Stop this server's walks of index builds and release their claims, then close the
@@ -684,6 +723,7 @@ class RedisBackend:
         await asyncio.gather(*builds, return_exceptions=True)
         await self._release_walks(sorted(self._walked))
         self._walked.clear()
+        await self._eviction.close()
         if self._topo is not None:
             await self._topo.close()
             self._topo = None
@@ -730,7 +770,13 @@ class RedisBackend:
 
     async def ready(self) -> bool:
         """Every slot has a primary and every primary answers (``INFO replication``, whose
-        replica counts ``durability_stats`` reports)."""
+        replica counts ``durability_stats`` reports), and none may evict kvmeta's keys. Each
+        probe reads the epoch again too.
+
+        Raises:
+            BackendMisconfigured: a primary's ``maxmemory-policy`` may evict them (the message
+                is the reason ``/ready`` gives).
+        """
         topo = self._topo
         if topo is None:
             return False
@@ -741,8 +787,11 @@ class RedisBackend:
         for attempt in range(2):
             try:
                 primaries = topo.primaries()
-                replies = await asyncio.wait_for(
-                    asyncio.gather(*(node.call("INFO", "replication") for node in primaries)),
+                replies, problems = await asyncio.wait_for(
+                    asyncio.gather(
+                        asyncio.gather(*(node.call("INFO", "replication") for node in primaries)),
+                        self._eviction.check(primaries),
+                    ),
                     self.failover_timeout,
                 )
                 if replies and all(replies):
@@ -751,6 +800,11 @@ class RedisBackend:
                         "redis_primaries": float(len(counts)),
                         "redis_replicas_min": float(min(counts)),
                     }
+                    if problems:
+                        raise BackendMisconfigured("; ".join(problems))
+                    # A FLUSHALL breaks no link and keeps kvmeta's code: with no request
+                    # finding a pool gone, the probes are what notice it.
+                    await asyncio.wait_for(self._epochs.recheck(), self.failover_timeout)
                     return True
             except (RedisError, OSError, asyncio.TimeoutError):
                 pass
@@ -772,6 +826,8 @@ class RedisBackend:
         command = self._scripts.command(script, keys, args)
         wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
         reply: list[Any] = _decode(await self._call(keys[0], command, script, wait))
+        if reply[0] == 1 and script in _ANSWERS_GONE:
+            await self._epochs.recheck()  # the pool is gone: see ``_gone``
         return reply
 
     async def _warn_old_layouts(self) -> None:
@@ -832,6 +888,7 @@ class RedisBackend:
                     continue
                 if self._scripts.missing(exc) and not installed and node is not None:
                     installed = True
+                    self._epochs.doubt()  # (a node that lost its code may have lost its data)
                     logger.warning("Redis %s lacks kvmeta's code (%s): installing", where, exc)
                     await self._install_on(node)
                     continue
@@ -848,7 +905,7 @@ class RedisBackend:
                         f"Redis backend at {where} failed during {what} and did not recover "
                         f"within --failover-timeout {self.failover_timeout:g}s: {exc}{why}"
                     ) from exc
-                self._stale_epoch = True
+                self._epochs.doubt()
                 lost = not isinstance(exc, ResponseError) or isinstance(exc, ReadOnlyError)
                 if lost and node is not None:  # its idle connections may be half-closed
                     await node.drop()
@@ -866,13 +923,13 @@ class RedisBackend:
                     rechecks += 1
                     assert node is not None
                     if rechecks <= _MAX_RECHECKS and await topo.recheck(node):
-                        self._stale_epoch = True
+                        self._epochs.doubt()
                         hops = 0
                         continue
                     raise
-            if self._stale_epoch and what not in _EPOCH_COMMANDS:
-                self._stale_epoch = False
-                await self._refresh_epoch()
+            epochs = self._epochs
+            if epochs.doubts != epochs.read_for and what not in EPOCH_COMMANDS:
+                await epochs.settle()
             return reply
 
     def _check_acks(self, where: str, what: str, acks: Any) -> None:
@@ -1182,8 +1239,9 @@ class RedisBackend:
             if plan is None or not (fresh or plan[1]):
                 plan, fresh = self._v_exists_plan(await self._v_registry(tenant), tenant), True
             names, ranks = plan
-            if not ranks:
-                return [False] * len(keys)  # a required rank is not registered (yet)
+            if not ranks:  # a required rank is not registered (yet), or Redis lost it
+                await self._epochs.recheck()
+                return [False] * len(keys)
             reply = await self._run("v_exists", names, [request, ranks])
             if int(reply[0]) != self._V_STALE:
                 return [bool(x) for x in reply[1:]]

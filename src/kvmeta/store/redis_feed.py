@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from itertools import count
 
 from kvmeta._types import PoolId
-from kvmeta.store.changes import UNSURE, Change, ChangeListener
+from kvmeta.store.changes import EVERY_POOL, LOST, UNSURE, Change, ChangeListener
 
 __all__ = ["ChangeSequencer", "Ticket"]
 
@@ -96,6 +96,19 @@ class ChangeSequencer:
                 logger.exception(
                     "change listener failed on %d change(s) of %s", len(ready), ticket.pool
                 )
+
+    def lost(self) -> None:
+        """Report that Redis lost its data (``LOST``): every pool may be gone. The changes
+        still held are dropped: those of the lost data must not follow the listener's full
+        read of the state, and those of the new data are in that read, which comes after."""
+        for state in self._pools.values():
+            state.pending.clear()
+        if self.listener is None:
+            return
+        try:
+            self.listener([Change(EVERY_POOL, LOST, ())])
+        except Exception:  # the request succeeded: a subscriber's bug must not fail it
+            logger.exception("change listener failed on the report that Redis lost its data")
 
     async def settle(self, pool: PoolId, counter: int) -> None:
         """``counter``: the pool's change counter, read from Redis just now. Return once every

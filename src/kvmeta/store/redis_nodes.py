@@ -14,6 +14,7 @@ import asyncio
 import functools
 import logging
 import sys
+from collections.abc import Callable
 from typing import Any
 
 import redis.asyncio as aioredis
@@ -96,6 +97,9 @@ class Node:
         self._opening: asyncio.Future[Link] | None = None  # the first link, while it opens
         self._connecting = 0
         self.closed = False
+        # Called with this node each time a link to it opens: a new connection may reach a
+        # node that restarted, or one just promoted (the backend re-reads what it relies on).
+        self.on_link: Callable[[Node], None] | None = None
 
     def connect(self) -> AbstractConnection:
         """A redis-py connection to this node, not yet connected."""
@@ -148,6 +152,8 @@ class Node:
             raise BackendUnavailable(f"the Redis backend's connections to {self.addr} are closed")
         link.on_close = self._forget
         self.links.append(link)
+        if self.on_link is not None:
+            self.on_link(self)
         return link
 
     def _forget(self, link: Link) -> None:
@@ -191,6 +197,7 @@ class Topology:
         self.last_error = ""  # why the last refresh found no primary, for the 503 message
         self.closed = False
         self._refreshing: asyncio.Task[None] | None = None  # a refresh running in the background
+        self.on_link: Callable[[Node], None] | None = None  # given to every node (``Node``)
 
     def node(self, host: str, port: int) -> Node:
         found = self._nodes.get((host, port))
@@ -200,6 +207,7 @@ class Topology:
             found = self._nodes[(host, port)] = Node(
                 self.target, host, port, read_timeout=self.read_timeout
             )
+            found.on_link = self.on_link
         return found
 
     def route(self, key: str) -> Node:

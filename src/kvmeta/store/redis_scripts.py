@@ -51,7 +51,9 @@ LIBRARY_NAME = "kvmeta"
 # format-4 server would walk every build it is asked to, and fail to pass the claim); 6:
 # v_remove's ARGV[2] is its force flag (the feed flag and the test clock moved one on) and its
 # reply [5, ...] refuses a rank whose pages are in use (a format-5 server would pass its feed
-# flag as force, and not know the refusal)
+# flag as force, and not know the refusal); initialize and v_register answer [4, part, ...] when
+# a pool's keys are left without its meta (a format-5 server cannot read that reply, and its
+# library would create the pool over them)
 LIBRARY_FORMAT = 6
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"

@@ -305,6 +305,24 @@ local function init_pool(k, requested)
   if requested == nil or requested < 1 or requested % 1 ~= 0 then
     return { 3, requested or -1 }
   end
+  -- No pool, yet some of its keys exist: Redis evicted (or someone deleted) its meta and left
+  -- the rest. A new allocator would start at page 0 under stored keys that still name those
+  -- pages, and writers or readers of the lost pool may still hold them: refuse, naming what
+  -- is left ([4, part, ...]); an operator deletes the keys once no engine uses the pool.
+  -- (meta with only 'chg' is a pool v_remove dropped: its counter outlives it on purpose.)
+  local left = {}
+  local fields = redis.call('HLEN', k.meta)
+  if fields > 1 or (fields == 1 and redis.call('HEXISTS', k.meta, 'chg') == 0) then
+    left[#left + 1] = 'meta'
+  end
+  for i, part in ipairs(PARTS) do
+    if i > 1 and redis.call('EXISTS', k[part]) == 1 then
+      left[#left + 1] = part
+    end
+  end
+  if #left > 0 then
+    return { 4, unpack(left) }
+  end
   redis.call('HSET', k.meta, 'n', string.format('%d', requested), 'next', '0', 'tick', '0')
   return { 0, 1, requested }
 end
