@@ -8,6 +8,8 @@ files change under it (appends, snapshots, compaction), so what it finds may be 
 torn tail that is only a write in progress: the report says so, and the exit code is
 ``IN_USE`` (3) rather than 0 when nothing was found, because "ok" would not be definitive.
 Exit codes: 0 ok, 1 problems found, 3 no problem found but the directory is in use.
+
+Every problem names the way to start again, ``kvmeta check --repair`` (``store.repair``).
 """
 
 from __future__ import annotations
@@ -110,7 +112,10 @@ def check_data_dir(directory: Path) -> CheckReport:
             pool = Pool.load(num_pages, list(entries.items()))
             check_pool(pool)
         except (InvalidRequest, InvariantViolation) as exc:
-            report.problems.append(f"{pid}: {exc}")
+            report.problems.append(
+                f"{pid}: {exc}. To start again, run `kvmeta check --repair --data-dir "
+                f"{directory}`: it keeps every pool and drops every key"
+            )
             continue
         report.lines.append(f"{pid}: {num_pages} pages, {len(entries)} stored keys: ok")
     if state.vworld is not None:

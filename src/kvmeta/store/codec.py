@@ -80,6 +80,7 @@ __all__ = [
     "encode_record",
     "encode_records",
     "has_tenant",
+    "salvage_records",
 ]
 
 VERSION = 3  # 2: the drop record; 3: tenants' records
@@ -334,3 +335,30 @@ def _valid_frame_after(data: bytes, offset: int) -> int | None:
             if _crc32(view[body : body + length]) == crc:
                 return pos
     return None
+
+
+def salvage_records(data: bytes) -> tuple[list[Record], int]:
+    """Every record still readable in a damaged segment, and how many damaged stretches were
+    stepped over: each bad frame (or payload that is no record) is skipped up to the next
+    valid frame. Only ``kvmeta check --repair`` reads a journal this way, and it keeps no key
+    from it: a record read past damage may follow changes that were lost.
+
+    Raises:
+        FrameError: the header is not one this version reads.
+    """
+    check_header(data)
+    records: list[Record] = []
+    skipped = 0
+    pos: int | None = len(HEADER)
+    while pos is not None:
+        start, pos = pos, None
+        for offset, payload, _ in _frames(data, start):
+            if payload is None:
+                skipped += 1
+                pos = _valid_frame_after(data, offset)
+                break
+            try:
+                records.append(_decode(payload))
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                skipped += 1
+    return records, skipped

@@ -94,15 +94,23 @@ def list_data_dir(directory: Path) -> DataDirListing:
 
 
 def corrupt(directory: Path, file: Path, reason: str, *, in_check: bool = False) -> JournalCorrupt:
-    """The start-up refusal, with every way forward (``in_check``: said by ``kvmeta check``,
-    which must not advise running itself)."""
-    check = "" if in_check else f"run `kvmeta check --data-dir {directory}` for details; "
+    """The start-up refusal, with the way forward (``in_check``: said by ``kvmeta check``,
+    which must not advise running itself for details).
+
+    The way forward is never an older state: a restored backup, or the journal cut before the
+    damage, undoes every eviction and delete after that point while their pages were handed to
+    other keys and rewritten since. ``kvmeta check --repair`` keeps the pools and drops the
+    keys (``store.repair``)."""
+    details = "" if in_check else f"Run `kvmeta check --data-dir {directory}` for details. "
     return JournalCorrupt(
-        f"{file}: {reason}. kvmeta will not start on a data directory it cannot read (it would "
-        f"overwrite the evidence). Options: {check}restore {directory} from a backup; move "
-        f"{file.name} (and any later journal-*.log) out of {directory} to start from the state "
-        "before it, losing the changes it holds; or start with another --data-dir (or "
-        "--in-memory) and keep this one for inspection."
+        f"{file}: {reason}. kvmeta will not start on a data directory it cannot read to its "
+        f"end (it would overwrite the evidence, and an older state serves wrong pages). "
+        f"{details}To start again, run `kvmeta check --repair --data-dir {directory}`: it "
+        "keeps every pool and drops every key (the cache starts empty, never a wrong page) "
+        f"and moves the journal and snapshot files into {directory}/retired-<time>/. Do not "
+        "move journal files away or restore an older copy of the directory instead: its keys "
+        "point at pages that were handed to other keys since. Or start with another "
+        "--data-dir (or --in-memory) and keep this one for inspection."
     )
 
 

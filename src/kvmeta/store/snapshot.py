@@ -56,6 +56,7 @@ __all__ = [
     "StoreImage",
     "capture",
     "read_snapshot",
+    "read_snapshot_pools",
     "snapshot_path",
     "write_snapshot",
 ]
@@ -226,4 +227,46 @@ def read_snapshot(path: Path) -> SnapshotData:
             out.pools.append((PoolId(dialect, rank, namespace, tenant), num_pages, keys, pages))
     except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
         raise SnapshotError(f"malformed content ({exc})") from None
+    return out
+
+
+def read_snapshot_pools(path: Path) -> SnapshotData:
+    """The pools of a snapshot whose checksum fails, without their keys, for ``kvmeta check
+    --repair`` (which keeps pools and drops keys): read only when the header is intact and the
+    lengths the meta names add up to the file exactly, so that a damaged meta is not taken
+    for pool sizes.
+
+    Raises:
+        SnapshotError: the header, the meta or its lengths are damaged.
+    """
+    data = path.read_bytes()
+    if len(data) < _HEAD.size:
+        raise SnapshotError("file shorter than its header")
+    magic, version, length, _ = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise SnapshotError("not a kvmeta snapshot (bad magic)")
+    if version > VERSION:
+        raise SnapshotError(f"snapshot format {version} is newer than this kvmeta ({VERSION})")
+    payload = memoryview(data)[_HEAD.size :]
+    if len(payload) != length:
+        raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    try:
+        (meta_len,) = _U32.unpack_from(payload)
+        body = msgspec.msgpack.decode(payload[_U32.size : _U32.size + meta_len])
+        out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        for tenant, size in body.get("tworld", {}).items():
+            out.tworld[str(tenant)] = int(size)
+        total = _U32.size + meta_len
+        for entry in body["pools"]:
+            dialect, rank, namespace, num_pages, chunk_lengths, pages_len = entry[:6]
+            tenant = str(entry[6]) if len(entry) > 6 else ""
+            if dialect not in ("s", "v") or type(num_pages) is not int or num_pages <= 0:
+                raise SnapshotError(f"pool entry {entry[:4]!r} is not a pool")
+            total += sum(int(n) for n in chunk_lengths) + int(pages_len)
+            pid = PoolId(dialect, int(rank), str(namespace), tenant)
+            out.pools.append((pid, num_pages, [], array("i")))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
+        raise SnapshotError(f"malformed content ({exc})") from None
+    if total != length:
+        raise SnapshotError(f"the meta's lengths add up to {total} bytes, the payload is {length}")
     return out
