@@ -166,3 +166,61 @@ def test_repair_refuses_a_directory_a_server_holds(tmp_path: Path) -> None:
         assert server.post("/0/exists", {"keys": ["kv-5-1"]}).json() == {"exists": [True]}
     finally:
         server.kill()
+
+
+def three_runs(data: Path, cwd: Path) -> list[str]:
+    """Three runs each killed with SIGKILL (no final snapshot): journal segments 1, 2 and 3,
+    each with stores, deletes and evictions; every key written."""
+    keys: list[str] = []
+    for run in range(3):
+        server = serve(data, cwd)
+        try:
+            if run == 0:
+                keys += fill(server)
+            else:
+                batch = [f"run{run}-{i}" for i in range(SMALL)]
+                write(server, batch, "small")  # evicts the last run's keys
+                assert server.post("/0/delete_keys", {"keys": keys[:2]}).ok
+                keys += batch
+        finally:
+            server.kill()
+    assert list_data_dir(data).segments == [1, 2, 3]
+    assert list_data_dir(data).snapshots == []
+    return keys
+
+
+def assert_gap_refused(data: Path, missing: str) -> None:
+    check = kvmeta_check(data)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert f"{missing}: this journal segment is missing" in check.stderr
+    assert f"kvmeta check --repair --data-dir {data}" in check.stderr
+    refused = start_refused(data)
+    assert refused.returncode == 2, refused.stderr
+    assert f"{missing}: this journal segment is missing" in refused.stderr
+
+
+def test_a_missing_middle_segment_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = three_runs(data, tmp_path)
+    (data / "journal-000000000002.log").unlink()
+    assert_gap_refused(data, "journal-000000000002.log")
+    assert repair(data).returncode == 0
+    server = serve(data, tmp_path)
+    try:
+        assert_pools_kept_and_empty(server, keys)
+    finally:
+        assert server.stop() == 0
+
+
+def test_a_missing_last_segment_is_refused(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    keys = three_runs(data, tmp_path)
+    (data / "journal-000000000003.log").unlink()
+    assert_gap_refused(data, "journal-000000000003.log")
+    assert repair(data).returncode == 0
+    assert list_data_dir(data).snapshots == [4]  # above the segment HEAD names
+    server = serve(data, tmp_path)
+    try:
+        assert_pools_kept_and_empty(server, keys)
+    finally:
+        assert server.stop() == 0

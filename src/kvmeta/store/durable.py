@@ -54,6 +54,7 @@ from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
 from kvmeta.store.codec import Commit
 from kvmeta.store.epoch import data_dir_epoch
+from kvmeta.store.history import write_head
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
@@ -171,7 +172,9 @@ class DurableBackend(MemoryBackend):
                 mode=opts.fsync,
                 interval=opts.fsync_interval,
                 loop=loop,
+                previous=max(list_data_dir(directory).segments, default=0),
             )
+            self.journal.on_new_segment = functools.partial(write_head, directory)
             self.journal.on_fail = self._retry_wake.set
             self.journal.start()
             self.store.sink = self.journal

@@ -5,9 +5,9 @@ only then builds each ``Pool`` with ``Pool.load``, which checks that no page or 
 twice. Reservations and leases are not durable: every page not STORED comes back FREE.
 
 A torn last record (the process died mid-append) is cut off with a WARNING. Every other kind of
-damage raises ``JournalCorrupt`` naming the file, the offset and the options: kvmeta never starts
-empty over a data directory it could not read, because its next snapshot would destroy the
-evidence.
+damage, a missing segment included (``store.history``), raises ``JournalCorrupt`` naming the
+file, the offset and the options: kvmeta never starts empty over a data directory it could not
+read, because its next snapshot would destroy the evidence.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from kvmeta._types import PoolId
@@ -38,6 +39,7 @@ from kvmeta.store.codec import (
     WorldSize,
     decode_frames,
 )
+from kvmeta.store.history import check_history
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.snapshot import SnapshotError, read_snapshot
 
@@ -157,6 +159,8 @@ def _recover(directory: Path, repair: bool) -> Recovered:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
     first = out.snapshot if out.snapshot is not None else 0
     segments = [s for s in listing.segments if s >= first]
+    refuse = partial(corrupt, directory, in_check=not repair)
+    check_history(directory, segments, out.snapshot, refuse)
     last_nonempty = _last_nonempty(directory, segments)
     for segment in segments:
         path = directory / f"journal-{segment:012d}.log"

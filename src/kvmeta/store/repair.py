@@ -40,6 +40,7 @@ from kvmeta.store.codec import (
     salvage_records,
 )
 from kvmeta.store.epoch import renew_epoch
+from kvmeta.store.history import read_head, write_head
 from kvmeta.store.journal import fsync_dir, segment_path
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.recovery import list_data_dir
@@ -116,12 +117,17 @@ def _lock(directory: Path) -> int:
 def _repair(directory: Path) -> RepairReport:
     report = RepairReport()
     listing = list_data_dir(directory)
-    if listing.empty:
+    if listing.empty:  # starts empty anyway (``store.history``)
         report.lines.append(f"{directory} holds no journal and no snapshot: nothing to repair")
         return report
     found = salvage(directory)
     report.lines += found.notes
-    number = max([*listing.segments, *listing.snapshots]) + 1
+    try:
+        head = read_head(directory) or 0
+    except (ValueError, OSError):
+        head = 0  # rewritten below
+    # Above every file and the last segment HEAD names: nothing older is replayed after it.
+    number = max([*listing.segments, *listing.snapshots, head]) + 1
     store = MemoryStore()
     for pid, num_pages in found.pools.items():
         store.initialize(pid, num_pages)
@@ -130,6 +136,7 @@ def _repair(directory: Path) -> RepairReport:
     try:
         path = write_snapshot(directory, number, capture(store))
         epoch = renew_epoch(directory)
+        write_head(directory, number - 1)
         retired = _retire(directory, number)
     except OSError as exc:
         raise StorageError(
