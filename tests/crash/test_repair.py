@@ -4,6 +4,7 @@ on it with every pool, no key, and hands out pages again."""
 
 from __future__ import annotations
 
+import shutil
 import struct
 import subprocess
 import sys
@@ -224,3 +225,69 @@ def test_a_missing_last_segment_is_refused(tmp_path: Path) -> None:
         assert_pools_kept_and_empty(server, keys)
     finally:
         assert server.stop() == 0
+
+
+def backup_then_go_on(data: Path, backup: Path, cwd: Path) -> list[str]:
+    """A server writes keys and stops; ``backup`` is a copy of its directory (cp -a, as a
+    backup tool takes it); a second run then evicts and deletes the backed-up keys and hands
+    their pages to new ones. Every key written."""
+    server = serve(data, cwd)
+    try:
+        keys = fill(server)
+    finally:
+        assert server.stop() == 0
+    shutil.copytree(data, backup)
+    server = serve(data, cwd)
+    try:
+        batch = [f"after-{i}" for i in range(SMALL)]
+        write(server, batch, "small")  # every page of the small pool changes hands
+        assert server.post("/0/delete_keys", {"keys": keys}).ok
+        keys += batch
+    finally:
+        server.kill()
+    return keys
+
+
+def assert_restore_refused(data: Path, why: str) -> None:
+    check = kvmeta_check(data)
+    assert check.returncode == 1, check.stdout + check.stderr
+    assert why in check.stderr and f"kvmeta check --repair --data-dir {data}" in check.stderr
+    refused = start_refused(data)
+    assert refused.returncode == 2, refused.stderr
+    assert why in refused.stderr
+
+
+def test_a_restored_backup_of_the_directory_is_refused(tmp_path: Path) -> None:
+    data, backup = tmp_path / "data", tmp_path / "backup"
+    keys = backup_then_go_on(data, backup, tmp_path)
+    data.rename(tmp_path / "data.damaged")
+    shutil.copytree(backup, data)  # the whole directory, HEAD and all
+    assert_restore_refused(data, "this is not the directory its HEAD file was written in")
+    assert repair(data).returncode == 0
+    server = serve(data, tmp_path)
+    try:
+        assert_pools_kept_and_empty(server, keys)
+    finally:
+        assert server.stop() == 0
+
+
+def test_older_files_restored_into_the_directory_are_refused(tmp_path: Path) -> None:
+    data, backup = tmp_path / "data", tmp_path / "backup"
+    backup_then_go_on(data, backup, tmp_path)
+    for path in data.glob("journal-*.log"):
+        path.unlink()
+    for path in data.glob("snapshot-*.snap"):
+        path.unlink()
+    for path in backup.glob("snapshot-*.snap"):
+        shutil.copy2(path, data / path.name)
+    assert_restore_refused(data, "older files restored over the directory")
+
+
+def test_a_backup_restored_without_head_is_refused(tmp_path: Path) -> None:
+    data, backup = tmp_path / "data", tmp_path / "backup"
+    backup_then_go_on(data, backup, tmp_path)
+    restored = tmp_path / "restored"
+    restored.mkdir()
+    for path in backup.glob("snapshot-*.snap"):
+        shutil.copy2(path, restored / path.name)
+    assert_restore_refused(restored, "HEAD: missing, while the snapshot was written by a kvmeta")

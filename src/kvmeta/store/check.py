@@ -21,7 +21,8 @@ from pathlib import Path
 
 from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.history import HEAD_FILE, moved
+from kvmeta.store.recovery import corrupt, list_data_dir, recover
 
 __all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
 
@@ -88,7 +89,8 @@ def check_data_dir(directory: Path) -> CheckReport:
             f"NOTE: {directory} is in use by a running kvmeta server (its LOCK is held): the "
             "files change while they are read, so this result may be stale or inconsistent "
             "(e.g. a torn tail that is a write in progress). Stop the server, or check a copy, "
-            "for a definitive answer."
+            "for a definitive answer (a copy is reported as one: a server refuses to start on "
+            "it; its other findings still hold)."
         )
     listing = list_data_dir(directory)
     report.lines.append(
@@ -103,6 +105,12 @@ def check_data_dir(directory: Path) -> CheckReport:
     except OSError as exc:  # a file compacted away by the running server while we read
         report.problems.append(f"cannot read {directory}: {exc}")
         return report
+    try:
+        why = moved(directory)
+    except (ValueError, OSError):
+        why = None  # recover() reported an unreadable HEAD already
+    if why is not None:
+        report.problems.append(str(corrupt(directory, directory / HEAD_FILE, why, in_check=True)))
     report.lines.append(
         f"snapshot {state.snapshot}, {state.records} journal records replayed, "
         f"{state.torn_bytes} torn bytes at the tail (cut at next start) in {state.seconds:.3f} s"

@@ -54,7 +54,7 @@ from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
 from kvmeta.store.codec import Commit
 from kvmeta.store.epoch import data_dir_epoch
-from kvmeta.store.history import write_head
+from kvmeta.store.history import read_head, write_head
 from kvmeta.store.journal import DEFAULT_FSYNC_INTERVAL, Journal, segment_path
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
@@ -155,6 +155,9 @@ class DurableBackend(MemoryBackend):
             self._epoch = data_dir_epoch(directory, has_state=not listing.empty)
             state = recover(directory)
             install(self.store, state, directory)
+            previous = max(list_data_dir(directory).segments, default=0)
+            if read_head(directory) is None:  # a directory an older kvmeta wrote
+                write_head(directory, previous)
             logger.info(
                 "recovered %d pools, %d keys from %s (snapshot %s, %d journal records, %d torn "
                 "bytes cut) in %.3f s",
@@ -172,7 +175,7 @@ class DurableBackend(MemoryBackend):
                 mode=opts.fsync,
                 interval=opts.fsync_interval,
                 loop=loop,
-                previous=max(list_data_dir(directory).segments, default=0),
+                previous=previous,
             )
             self.journal.on_new_segment = functools.partial(write_head, directory)
             self.journal.on_fail = self._retry_wake.set

@@ -146,6 +146,7 @@ def _recover(directory: Path, repair: bool) -> Recovered:
     started = time.perf_counter()
     listing = list_data_dir(directory)
     out = Recovered()
+    keeps_head = False  # the snapshot was written by a kvmeta that keeps HEAD
     if listing.snapshots:
         out.snapshot = listing.snapshots[-1]
         path = directory / f"snapshot-{out.snapshot:012d}.snap"
@@ -155,12 +156,17 @@ def _recover(directory: Path, repair: bool) -> Recovered:
             raise corrupt(directory, path, str(exc), in_check=not repair) from None
         out.vworld = snap.vworld
         out.tworld = dict(snap.tworld)
+        keeps_head = snap.head
         for pid, num_pages, keys, pages in snap.pools:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
     first = out.snapshot if out.snapshot is not None else 0
     segments = [s for s in listing.segments if s >= first]
     refuse = partial(corrupt, directory, in_check=not repair)
-    check_history(directory, segments, out.snapshot, refuse)
+    # Whether the files are a copy: start-up refuses one; ``kvmeta check`` reports it apart,
+    # and still checks what the files hold.
+    check_history(
+        directory, segments, out.snapshot, refuse, snapshot_keeps_head=keeps_head, identity=repair
+    )
     last_nonempty = _last_nonempty(directory, segments)
     for segment in segments:
         path = directory / f"journal-{segment:012d}.log"

@@ -123,11 +123,12 @@ def _repair(directory: Path) -> RepairReport:
     found = salvage(directory)
     report.lines += found.notes
     try:
-        head = read_head(directory) or 0
+        head = read_head(directory)
     except (ValueError, OSError):
-        head = 0  # rewritten below
+        head = None  # rewritten below
+    last = 0 if head is None else head.segment
     # Above every file and the last segment HEAD names: nothing older is replayed after it.
-    number = max([*listing.segments, *listing.snapshots, head]) + 1
+    number = max([*listing.segments, *listing.snapshots, last]) + 1
     store = MemoryStore()
     for pid, num_pages in found.pools.items():
         store.initialize(pid, num_pages)

@@ -9,7 +9,7 @@ segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
     meta    = msgpack map {"segment": N, "vworld": int|nil,
                            "pools": [[dialect, rank, namespace, num_pages, [chunk_len...],
                                       pages_len(, tenant)]],
-                           ("tworld": {tenant: int})}
+                           ("tworld": {tenant: int}), ("head": 1)}
     blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
               then its pages (little-endian int32, parallel to the keys, coldest first)
 
@@ -18,6 +18,10 @@ its tenant, and other tenants' vLLM world sizes are in ``tworld``. A snapshot wi
 them is written as version 1, byte for byte what an older kvmeta writes; one with them is
 version 2, which an older kvmeta refuses ("snapshot format 2 is newer") rather than load a
 tenant's pool as the default tenant's. A version 1 snapshot loads as tenant ``""``.
+
+``"head": 1`` says the kvmeta that wrote it keeps a ``HEAD`` file in the data directory
+(``store.history``): a directory holding such a snapshot without HEAD had its files restored
+or copied without it. An older kvmeta ignores the key.
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
 pool's page->key table and LRU links (at memcpy speed); ``write_snapshot`` walks the copies,
@@ -112,6 +116,7 @@ class SnapshotData:
     vworld: int | None
     pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
     tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
+    head: bool = False  # written by a kvmeta that keeps HEAD (``store.history``)
 
 
 class SnapshotError(Exception):
@@ -154,6 +159,7 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     body: dict[str, Any] = {"segment": segment, "vworld": image.vworld, "pools": pools}
     if image.tworld:
         body["tworld"] = image.tworld
+    body["head"] = 1
     meta = _encode(body)
     pieces = [_U32.pack(len(meta)), meta, *blobs]
     crc = 0
@@ -208,6 +214,7 @@ def read_snapshot(path: Path) -> SnapshotData:
         pos = _U32.size + meta_len
         body = msgspec.msgpack.decode(payload[_U32.size : pos])
         out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        out.head = bool(body.get("head"))
         for tenant, size in body.get("tworld", {}).items():
             out.tworld[str(tenant)] = int(size)
         for entry in body["pools"]:

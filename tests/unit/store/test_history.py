@@ -5,6 +5,7 @@ chain existed are read as before."""
 from __future__ import annotations
 
 import asyncio
+import shutil
 from pathlib import Path
 
 import pytest
@@ -32,6 +33,11 @@ async def _runs(directory: Path, runs: int, *, snapshot_first: bool = False) -> 
             await crash(b)
 
 
+def _head(directory: Path) -> int | None:
+    head = read_head(directory)
+    return None if head is None else head.segment
+
+
 def _header(directory: Path, segment: int) -> bytes:
     return segment_path(directory, segment).read_bytes()[: len(HEADER)]
 
@@ -40,7 +46,7 @@ def test_each_segment_names_the_one_before_and_head_the_last(tmp_path: Path) -> 
     asyncio.run(_runs(tmp_path, 3))
     assert list_data_dir(tmp_path).segments == [1, 2, 3]
     assert [predecessor(_header(tmp_path, n), n) for n in (1, 2, 3)] == [0, 1, 2]
-    assert read_head(tmp_path) == 3
+    assert _head(tmp_path) == 3
     assert recover(tmp_path).pools[S0][1] == {"k0": 0, "k1": 1, "k2": 2}
 
 
@@ -106,7 +112,7 @@ def test_segments_of_an_older_kvmeta_are_read_as_before(tmp_path: Path) -> None:
             await crash(b)
 
     asyncio.run(serve_on())
-    assert predecessor(_header(tmp_path, 4), 4) == 3 and read_head(tmp_path) == 4
+    assert predecessor(_header(tmp_path, 4), 4) == 3 and _head(tmp_path) == 4
     assert recover(tmp_path).pools[S0][1] == {"a": 1, "b": 0}
     segment_path(tmp_path, 3).unlink()
     with pytest.raises(JournalCorrupt, match="journal-000000000004.log follows it"):
@@ -117,7 +123,7 @@ def test_a_segment_created_just_before_a_crash_is_no_gap(tmp_path: Path) -> None
     """A crash after a new segment's header reached the disk but before HEAD was rewritten."""
     asyncio.run(_runs(tmp_path, 1))
     segment_path(tmp_path, 2).write_bytes(_header(tmp_path, 1)[:5] + bytes([1, 0, 0]))
-    assert read_head(tmp_path) == 1
+    assert _head(tmp_path) == 1
     assert recover(tmp_path).pools[S0][1] == {"k0": 0}
 
 
@@ -151,3 +157,38 @@ def test_head_that_cannot_be_written_fails_the_journal(tmp_path: Path) -> None:
         assert recover(tmp_path).pools[S0][1] == {"a": 0, "b": 1}
 
     asyncio.run(main())
+
+
+def test_a_copy_of_the_directory_is_refused_and_a_renamed_one_is_not(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    asyncio.run(_runs(data, 2))
+    copy = tmp_path / "copy"
+    shutil.copytree(data, copy)
+    with pytest.raises(JournalCorrupt, match="inode numbers of the directory, HEAD, journal-"):
+        recover(copy)
+    report = check_data_dir(copy)  # says it is a copy, and still checks what it holds
+    (problem,) = report.problems
+    assert "this is not the directory its HEAD file was written in" in problem
+    assert "kvmeta check --repair" in problem and "for details" not in problem
+    assert any("1 pool" in line and "2 stored keys" in line for line in report.lines)
+    moved = tmp_path / "moved"
+    data.rename(moved)  # same file system: the same inodes, the same directory
+    assert recover(moved).pools[S0][1] == {"k0": 0, "k1": 1}
+    repair_data_dir(copy)
+    assert recover(copy).pools == {S0: (64, {})}
+
+
+def test_start_up_pins_a_directory_an_older_kvmeta_wrote(tmp_path: Path) -> None:
+    _old_segment(tmp_path, 1, [encode_record(NewPool(S0, 8))])
+
+    async def start_and_stop() -> None:
+        b = await open_backend(tmp_path)
+        await crash(b)
+
+    asyncio.run(start_and_stop())
+    head = read_head(tmp_path)
+    assert head is not None and head.segment == 1 and set(head.inodes) == {"dir", "head", "segment"}
+    copy = tmp_path.parent / (tmp_path.name + "-copy")
+    shutil.copytree(tmp_path, copy)
+    with pytest.raises(JournalCorrupt, match="not the directory its HEAD file was written in"):
+        recover(copy)

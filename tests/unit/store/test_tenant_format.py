@@ -5,6 +5,8 @@ pool as the default tenant's (it refuses the file instead)."""
 from __future__ import annotations
 
 import asyncio
+import functools
+import struct
 from pathlib import Path
 from typing import NamedTuple
 
@@ -25,6 +27,7 @@ from kvmeta.store.codec import (
     decode_frames,
     encode_record,
 )
+from kvmeta.store.history import write_head
 from kvmeta.store.journal import Journal, segment_path
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.recovery import install, recover
@@ -121,6 +124,7 @@ def _journal(directory: Path, records: list[list[Record]]) -> bytes:
 
     async def run() -> None:
         journal = Journal(directory, 1, mode="never", loop=asyncio.get_running_loop())
+        journal.on_new_segment = functools.partial(write_head, directory)  # as the server does
         for group in records:
             for record in group:
                 journal.append(record)
@@ -207,8 +211,19 @@ def test_a_snapshot_before_tenants_loads_as_the_default_tenant(tmp_path: Path) -
     ]
 
 
-def test_a_snapshot_without_tenants_is_the_same_bytes_as_before() -> None:
-    assert b"".join(encode_image(capture(_old_state()), 5)) == _SNAPSHOT_BEFORE
+def _snapshot_parts(data: bytes) -> tuple[int, dict[str, object], bytes]:
+    """Version, meta and blobs of a snapshot file (head: 20 bytes, then the meta's length)."""
+    (meta_len,) = struct.unpack_from("<I", data, 20)
+    return data[4], msgspec.msgpack.decode(data[24 : 24 + meta_len]), data[24 + meta_len :]
+
+
+def test_a_snapshot_without_tenants_is_what_an_older_kvmeta_wrote_and_reads() -> None:
+    """The same version, pools and blobs; the meta only adds ``head`` (an older reader looks
+    keys up by name and ignores it)."""
+    version, meta, blobs = _snapshot_parts(b"".join(encode_image(capture(_old_state()), 5)))
+    old_version, old_meta, old_blobs = _snapshot_parts(_SNAPSHOT_BEFORE)
+    assert version == old_version == 1 and blobs == old_blobs
+    assert meta == {**old_meta, "head": 1}
 
 
 def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> None:
@@ -218,6 +233,7 @@ def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> Non
     store.confirm(T0, [("a", out[0][1])], [])
     store.v_register(0, 3, 1, "team-a")
     path = write_snapshot(tmp_path, 7, capture(store))
+    write_head(tmp_path, 6)  # as in a server's data directory
     data = path.read_bytes()
     assert data[4] == 2  # an older kvmeta refuses it: "snapshot format 2 is newer"
     snap = read_snapshot(path)
