@@ -223,13 +223,21 @@ def _cmd_check(args: argparse.Namespace) -> int:
 
     from kvmeta.store.check import check_data_dir
 
-    report = check_data_dir(Path(args.data_dir))
+    directory = Path(args.data_dir)
+    report = check_data_dir(directory)
     for line in report.lines:
         print(line)
     for problem in report.problems:
         print(f"PROBLEM: {problem}", file=sys.stderr)
     print(report.summary)
-    return report.exit_code
+    if not args.repair:
+        return report.exit_code
+    from kvmeta.store.repair import repair_data_dir
+
+    print(f"repairing {directory}: keeping every pool, dropping every key")
+    for line in repair_data_dir(directory).lines:
+        print(line)
+    return 0
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -253,9 +261,20 @@ def build_parser() -> argparse.ArgumentParser:
     check = sub.add_parser(
         "check",
         help="verify a data directory offline (exit 0 ok, 1 problems, 3 in use by a server)",
+        description="Verify a data directory offline, changing nothing (exit 0 ok, 1 problems, "
+        "3 no problem found but a server holds it). With --repair, then make it safe to "
+        "start on: keep every pool, drop every key (exit 0 repaired, 2 could not).",
     )
     check.add_argument(
         "--data-dir", default="./kvmeta-data", help="directory to check (default %(default)s)"
+    )
+    check.add_argument(
+        "--repair",
+        action="store_true",
+        help="after the check, keep every pool (rank, namespace, size, tenant) and drop every "
+        "key, moving the journal and snapshots into DIR/retired-<time>/: the way to start "
+        "again after damage, a restored backup or journal files moved by hand (an older "
+        "state would serve pages rewritten since). Stop the server first",
     )
     check.set_defaults(func=_cmd_check)
     return parser

@@ -13,6 +13,8 @@ A directory that does not exist, or holds none of the files a server keeps in it
 directory, is a problem, not an empty state: "ok" for a mistyped path (or ``/etc``) would tell
 the operator their state is sound when nothing of it was looked at. A server creates ``LOCK``
 and ``EPOCH`` on its first start, so a directory one has used passes even with no pools.
+
+Every problem names the way to start again, ``kvmeta check --repair`` (``store.repair``).
 """
 
 from __future__ import annotations
@@ -25,7 +27,8 @@ from pathlib import Path
 from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
 from kvmeta.store.epoch import EPOCH_FILE
-from kvmeta.store.recovery import DataDirListing, list_data_dir, recover
+from kvmeta.store.history import HEAD_FILE, moved
+from kvmeta.store.recovery import DataDirListing, corrupt, list_data_dir, recover
 
 __all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
 
@@ -115,7 +118,8 @@ def check_data_dir(directory: Path) -> CheckReport:
             f"NOTE: {directory} is in use by a running kvmeta server (its LOCK is held): the "
             "files change while they are read, so this result may be stale or inconsistent "
             "(e.g. a torn tail that is a write in progress). Stop the server, or check a copy, "
-            "for a definitive answer."
+            "for a definitive answer (a copy is reported as one: a server refuses to start on "
+            "it; its other findings still hold)."
         )
     report.lines.append(
         f"{directory}: {len(listing.snapshots)} snapshot(s), {len(listing.segments)} journal "
@@ -129,6 +133,12 @@ def check_data_dir(directory: Path) -> CheckReport:
     except OSError as exc:  # a file compacted away by the running server while we read
         report.problems.append(f"cannot read {directory}: {exc}")
         return report
+    try:
+        why = moved(directory)
+    except (ValueError, OSError):
+        why = None  # recover() reported an unreadable HEAD already
+    if why is not None:
+        report.problems.append(str(corrupt(directory, directory / HEAD_FILE, why, in_check=True)))
     report.lines.append(
         f"snapshot {state.snapshot}, {state.records} journal records replayed, "
         f"{state.torn_bytes} torn bytes at the tail (cut at next start) in {state.seconds:.3f} s"
@@ -138,7 +148,10 @@ def check_data_dir(directory: Path) -> CheckReport:
             pool = Pool.load(num_pages, list(entries.items()))
             check_pool(pool)
         except (InvalidRequest, InvariantViolation) as exc:
-            report.problems.append(f"{pid}: {exc}")
+            report.problems.append(
+                f"{pid}: {exc}. To start again, run `kvmeta check --repair --data-dir "
+                f"{directory}`: it keeps every pool and drops every key"
+            )
             continue
         report.lines.append(f"{pid}: {num_pages} pages, {len(entries)} stored keys: ok")
     if state.vworld is not None:

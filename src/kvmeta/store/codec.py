@@ -2,8 +2,8 @@
 
 A journal segment file is a 8-byte header followed by framed records::
 
-    header  = b"KVMJ" + u8 version (2, or 3 once the segment holds a tenant's record) + 3 zero
-              bytes
+    header  = b"KVMJ" + u8 version (2, or 3 once the segment holds a tenant's record)
+              + u24 little-endian distance back to the segment before it (0: not said)
     frame   = u32 little-endian payload length + u32 crc32(payload) + payload
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
                                                    or [dialect, rank, namespace, tenant] (format 3)
@@ -39,6 +39,15 @@ The first tenant record written into a segment makes its header say 3 (``HEADER_
 an older kvmeta refuses such a data directory at start-up with "journal format 3 is newer than
 this kvmeta's (2)" instead of serving a wrong page; should the header byte not have reached
 the disk before a crash, the record itself is still refused by that reader's decoder.
+
+The chain (bytes 5-7 of the header): a segment says how far back the segment written before it
+in this directory is: segment N with distance d follows segment N - d (N itself: nothing was
+written before it). Recovery uses it to find a segment that went missing between a snapshot and
+the last segment (``store.history``). Older kvmeta wrote those bytes as zeros ("not said"), and
+reads a segment that says it without looking at them: the bytes were reserved, so no version
+bump was needed, and a directory without tenants stays readable by an older kvmeta. A distance
+that does not fit 24 bits (16 million rotations without a record: never in practice) is
+written as 0.
 
 Torn tail or corruption? A crash can only tear the end of the last segment, past its last
 fsync (earlier segments are fsynced when they are closed). That offset is not on disk, so the
@@ -80,6 +89,9 @@ __all__ = [
     "encode_record",
     "encode_records",
     "has_tenant",
+    "predecessor",
+    "salvage_records",
+    "segment_header",
 ]
 
 VERSION = 3  # 2: the drop record; 3: tenants' records
@@ -88,6 +100,7 @@ VERSION = 3  # 2: the drop record; 3: tenants' records
 HEADER = b"KVMJ" + bytes([2, 0, 0, 0])
 HEADER_TENANTS = b"KVMJ" + bytes([VERSION, 0, 0, 0])
 _FRAME = struct.Struct("<II")
+_MAX_DISTANCE = (1 << 24) - 1
 # The largest payload the reader accepts; anything larger is garbage (a damaged length). The
 # writer splits records to stay within it (``encode_records``).
 MAX_PAYLOAD = 64 * 1024 * 1024
@@ -264,6 +277,21 @@ def check_header(data: bytes) -> None:
         raise FrameError(0, f"journal format {data[4]} is newer than this kvmeta's ({VERSION})")
 
 
+def segment_header(segment: int, previous: int, *, tenants: bool = False) -> bytes:
+    """The header of segment ``segment``, written after segment ``previous`` (0: none)."""
+    distance = segment - previous
+    if not 0 < distance <= _MAX_DISTANCE:
+        distance = 0
+    return (HEADER_TENANTS if tenants else HEADER)[:5] + distance.to_bytes(3, "little")
+
+
+def predecessor(header: bytes, segment: int) -> int | None:
+    """The segment written before ``segment`` as its header says (0: none), or None when the
+    header does not say (written by an older kvmeta)."""
+    distance = int.from_bytes(header[5:8], "little")
+    return segment - distance if distance else None
+
+
 _BAD_CRC = "checksum mismatch"
 
 
@@ -342,3 +370,30 @@ def _valid_frame_after(data: bytes, offset: int) -> int | None:
             if _crc32(view[body : body + length]) == crc:
                 return pos
     return None
+
+
+def salvage_records(data: bytes) -> tuple[list[Record], int]:
+    """Every record still readable in a damaged segment, and how many damaged stretches were
+    stepped over: each bad frame (or payload that is no record) is skipped up to the next
+    valid frame. Only ``kvmeta check --repair`` reads a journal this way, and it keeps no key
+    from it: a record read past damage may follow changes that were lost.
+
+    Raises:
+        FrameError: the header is not one this version reads.
+    """
+    check_header(data)
+    records: list[Record] = []
+    skipped = 0
+    pos: int | None = len(HEADER)
+    while pos is not None:
+        start, pos = pos, None
+        for offset, payload, _ in _frames(data, start):
+            if payload is None:
+                skipped += 1
+                pos = _valid_frame_after(data, offset)
+                break
+            try:
+                records.append(_decode(payload))
+            except (msgspec.ValidationError, msgspec.DecodeError):
+                skipped += 1
+    return records, skipped

@@ -1,8 +1,9 @@
 """The embedded durable backend: ``MemoryBackend`` + journal + snapshots + legacy file.
 
 Start-up recovers the data directory (snapshot + journal replay), or imports an SGLang
-persistence file into an empty one. While serving, every durable change goes to the journal and
-replies wait as the write-ahead rule needs (docs/durability.md):
+persistence file into an empty one (as one snapshot, before any journal record: all or
+nothing). While serving, every durable change goes to the journal and replies wait as the
+write-ahead rule needs (docs/durability.md):
 
 - initialize (pool creation, vLLM rank registration) waits until it is durable
   (``--fsync always|batch``): engines must never see "not initialized" after a restart;
@@ -58,8 +59,8 @@ from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
-from kvmeta.store.codec import Commit
 from kvmeta.store.epoch import data_dir_epoch
+from kvmeta.store.history import read_head, write_head
 from kvmeta.store.journal import (
     DEFAULT_FSYNC_INTERVAL,
     DEFAULT_FSYNC_TIMEOUT,
@@ -75,7 +76,6 @@ __all__ = ["DurabilityOptions", "DurableBackend"]
 
 logger = logging.getLogger(__name__)
 
-_IMPORT_CHUNK = 4096
 # After a journal failure: first retry after this many seconds, doubling up to _RETRY_MAX.
 _RETRY_FIRST = 1.0
 _RETRY_MAX = 8.0
@@ -168,6 +168,9 @@ class DurableBackend(MemoryBackend):
             self._epoch = data_dir_epoch(directory, has_state=not listing.empty)
             state = recover(directory)
             install(self.store, state, directory)
+            previous = max(list_data_dir(directory).segments, default=0)
+            if read_head(directory) is None:  # a directory an older kvmeta wrote
+                write_head(directory, previous)
             logger.info(
                 "recovered %d pools, %d keys from %s (snapshot %s, %d journal records, %d torn "
                 "bytes cut) in %.3f s",
@@ -179,6 +182,8 @@ class DurableBackend(MemoryBackend):
                 state.torn_bytes,
                 state.seconds,
             )
+            if listing.empty and opts.persistence_path is not None:
+                await self._import_into(directory, opts.persistence_path, state.next_segment)
             self.journal = Journal(
                 directory,
                 state.next_segment,
@@ -186,7 +191,9 @@ class DurableBackend(MemoryBackend):
                 interval=opts.fsync_interval,
                 stall_timeout=opts.fsync_timeout,
                 loop=loop,
+                previous=previous,
             )
+            self.journal.on_new_segment = functools.partial(write_head, directory)
             self.journal.on_fail = self._retry_wake.set
             self.journal.start()
             self.store.sink = self.journal
@@ -194,9 +201,6 @@ class DurableBackend(MemoryBackend):
                 self.set_change_listener(self._listener)
             if self.journal.waits:
                 self.store.set_withhold(self.journal)
-            if listing.empty and opts.persistence_path is not None:
-                self._import_legacy(opts.persistence_path)
-                await self.snapshot()
         elif opts.persistence_path is not None:
             self._import_legacy(opts.persistence_path)
         if self.journal is not None:
@@ -225,26 +229,48 @@ class DurableBackend(MemoryBackend):
             ) from None
         self._lock_fd = fd
 
-    def _import_legacy(self, path: Path) -> None:
+    def _import_legacy(self, path: Path) -> bool:
+        """Load the SGLang file's pools into the store, unjournaled; False: there is no file."""
         if not path.exists():
             logger.info("no SGLang persistence file at %s yet: nothing to import", path)
-            return
+            return False
         pools = read_legacy(path)
         for pid, num_pages, entries in pools:
             if pid not in self.store.pools:
-                self.store.initialize(pid, num_pages)
-                if entries:
-                    # Journal the import as commits so replay rebuilds it exactly; chunks keep
-                    # every record far below the codec's size limit.
-                    self.store.load_pool(pid, num_pages, entries)
-                    for i in range(0, len(entries), _IMPORT_CHUNK):
-                        self.store._record(Commit(pid, entries[i : i + _IMPORT_CHUNK]))
+                self.store.load_pool(pid, num_pages, entries)
         logger.info(
             "imported %d pools, %d keys from SGLang persistence file %s",
             len(pools),
             sum(len(e) for _, _, e in pools),
             path,
         )
+        return True
+
+    async def _import_into(self, directory: Path, path: Path, segment: int) -> None:
+        """The first start on an empty data directory imports the SGLang file as snapshot
+        ``segment``, before the journal starts: the snapshot is written whole (temporary file,
+        fsync, rename, directory fsync) or not at all, so a crash or a full disk half-way
+        leaves the directory empty and the next start imports again. (Journaled as commits
+        instead, the part written before a crash would be taken for the whole: the next start
+        would find a journal and skip the import.)
+
+        Raises:
+            StorageError: the snapshot could not be written; nothing of the import was kept.
+        """
+        if not self._import_legacy(path):
+            return
+        image = self._capture()
+        try:
+            written = await self._write_image(directory, segment, image)
+        except OSError as exc:
+            raise StorageError(
+                f"cannot write the state imported from SGLang persistence file {path} into "
+                f"{directory}: {exc}. Nothing of the import was kept, and the import runs "
+                f"again at the next start: free space on the file system of {directory} (the "
+                "import needs about as much as the file) or fix its permissions, then start "
+                "kvmeta again"
+            ) from None
+        logger.info("the import is durable in %s", written)
 
     async def close(self) -> None:
         if self._closed:

@@ -13,7 +13,8 @@ rewritten while the state lives. The rules (``data_dir_epoch``):
   replace the state, so they never change the epoch;
 - a directory with state but no ``EPOCH`` (written before epochs existed) gets a new id once;
 - an ``EPOCH`` file that cannot be parsed is replaced by a new id, with a warning: a new epoch
-  costs clients one idempotent re-initialise, a wrong "same" epoch could hide a lost state.
+  costs clients one idempotent re-initialise, a wrong "same" epoch could hide a lost state;
+- ``kvmeta check --repair``, which drops every key, writes a new id (``renew_epoch``).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from pathlib import Path
 from kvmeta.errors import StorageError
 from kvmeta.store.journal import fsync_dir
 
-__all__ = ["EPOCH_FILE", "data_dir_epoch", "new_epoch"]
+__all__ = ["EPOCH_FILE", "data_dir_epoch", "new_epoch", "renew_epoch"]
 
 logger = logging.getLogger(__name__)
 
@@ -68,6 +69,18 @@ def data_dir_epoch(directory: Path, has_state: bool) -> str:
             )
     epoch = new_epoch()
     _write(path, epoch)
+    return epoch
+
+
+def renew_epoch(directory: Path) -> str:
+    """A new epoch for ``directory`` whose state was replaced by ``kvmeta check --repair``
+    (every key dropped): clients and subscribers must not take it for the state they knew.
+
+    Raises:
+        StorageError: the file cannot be written.
+    """
+    epoch = new_epoch()
+    _write(directory / EPOCH_FILE, epoch)
     return epoch
 
 

@@ -32,7 +32,11 @@ cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless
 
 Segments: ``journal-<N>.log`` (N zero-padded), created on their first write. ``rotate`` starts
 a new segment at a point the loop chooses, so a snapshot taken at that instant covers exactly
-the segments before it and recovery replays only the segments from N on.
+the segments before it and recovery replays only the segments from N on. Each segment's header
+names the segment created before it (``codec.segment_header``), and ``on_new_segment`` is told
+of each new segment once its header and directory entry are durable, before anything in it is
+written or acknowledged (the owner records it in ``HEAD``, ``store.history``): the third place
+the loop waits for the disk, once per segment.
 
 fsync modes:
 - ``always``: a group closes at the end of the current loop iteration;
@@ -59,7 +63,6 @@ from pathlib import Path
 
 from kvmeta.errors import JournalFailed, JournalStalled
 from kvmeta.store.codec import (
-    HEADER,
     HEADER_TENANTS,
     Clear,
     Record,
@@ -67,6 +70,7 @@ from kvmeta.store.codec import (
     Remove,
     encode_records,
     has_tenant,
+    segment_header,
 )
 from kvmeta.store.mounts import describe_disk
 
@@ -126,7 +130,10 @@ class Journal:
         interval: float = DEFAULT_FSYNC_INTERVAL,
         stall_timeout: float = DEFAULT_FSYNC_TIMEOUT,
         loop: asyncio.AbstractEventLoop,
+        previous: int = 0,
     ) -> None:
+        """``previous``: the last segment created in ``directory`` before ``segment`` (0:
+        none), which the next segment's header names."""
         if mode not in FSYNC_MODES:
             raise ValueError(f"fsync mode must be one of {FSYNC_MODES}, got {mode!r}")
         self.directory = directory
@@ -142,6 +149,9 @@ class Journal:
         self.written_seq = 0
         self.durable_seq = 0
         self.segment = segment
+        self.previous = previous
+        # Told of each new segment (its number) once its header is durable; may raise OSError.
+        self.on_new_segment: Callable[[int], None] | None = None
         self._buf = bytearray()
         self._timer: asyncio.Handle | None = None
         self._waiters: list[tuple[int, int, asyncio.Future[None]]] = []
@@ -370,16 +380,28 @@ class Journal:
 
     def _write(self, data: bytearray) -> None:
         if self._fd_segment != self.segment or self._fd < 0:
-            path = segment_path(self.directory, self.segment)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
-            self._fd, self._fd_segment = fd, self.segment
-            if os.fstat(fd).st_size == 0:
-                data[:0] = HEADER_TENANTS if self._tenants else HEADER
+            self._open_segment()
         view = memoryview(data)
         while view:
             written = os.write(self._fd, view)
             view = view[written:]
         self.bytes_written += len(data)
+
+    def _open_segment(self) -> None:
+        """Open the current segment, creating it with its header when new."""
+        path = segment_path(self.directory, self.segment)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+        self._fd, self._fd_segment = fd, self.segment
+        if os.fstat(fd).st_size:
+            return
+        header = segment_header(self.segment, self.previous, tenants=self._tenants)
+        os.write(fd, header)
+        self.bytes_written += len(header)
+        self.previous = self.segment
+        if self.on_new_segment is not None:
+            _sync(fd)
+            fsync_dir(self.directory)
+            self.on_new_segment(self.segment)
 
     def _on_durable(self, seq: int) -> None:
         if seq > self.durable_seq:

@@ -7,9 +7,9 @@ twice. Reservations and leases are not durable: every page not STORED comes back
 (``Pool.hold_after_restart``), because a writer or reader of the old process may still use them.
 
 A torn last record (the process died mid-append) is cut off with a WARNING. Every other kind of
-damage raises ``JournalCorrupt`` naming the file, the offset and the options: kvmeta never starts
-empty over a data directory it could not read, because its next snapshot would destroy the
-evidence.
+damage, a missing segment included (``store.history``), raises ``JournalCorrupt`` naming the
+file, the offset and the options: kvmeta never starts empty over a data directory it could not
+read, because its next snapshot would destroy the evidence.
 """
 
 from __future__ import annotations
@@ -22,6 +22,7 @@ import re
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from functools import partial
 from pathlib import Path
 
 from kvmeta._types import PoolId
@@ -40,6 +41,7 @@ from kvmeta.store.codec import (
     WorldSize,
     decode_frames,
 )
+from kvmeta.store.history import check_history
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.snapshot import SnapshotError, read_snapshot
 
@@ -98,15 +100,23 @@ def list_data_dir(directory: Path) -> DataDirListing:
 
 
 def corrupt(directory: Path, file: Path, reason: str, *, in_check: bool = False) -> JournalCorrupt:
-    """The start-up refusal, with every way forward (``in_check``: said by ``kvmeta check``,
-    which must not advise running itself)."""
-    check = "" if in_check else f"run `kvmeta check --data-dir {directory}` for details; "
+    """The start-up refusal, with the way forward (``in_check``: said by ``kvmeta check``,
+    which must not advise running itself for details).
+
+    The way forward is never an older state: a restored backup, or the journal cut before the
+    damage, undoes every eviction and delete after that point while their pages were handed to
+    other keys and rewritten since. ``kvmeta check --repair`` keeps the pools and drops the
+    keys (``store.repair``)."""
+    details = "" if in_check else f"Run `kvmeta check --data-dir {directory}` for details. "
     return JournalCorrupt(
-        f"{file}: {reason}. kvmeta will not start on a data directory it cannot read (it would "
-        f"overwrite the evidence). Options: {check}restore {directory} from a backup; move "
-        f"{file.name} (and any later journal-*.log) out of {directory} to start from the state "
-        "before it, losing the changes it holds; or start with another --data-dir (or "
-        "--in-memory) and keep this one for inspection."
+        f"{file}: {reason}. kvmeta will not start on a data directory it cannot read to its "
+        f"end (it would overwrite the evidence, and an older state serves wrong pages). "
+        f"{details}To start again, run `kvmeta check --repair --data-dir {directory}`: it "
+        "keeps every pool and drops every key (the cache starts empty, never a wrong page) "
+        f"and moves the journal and snapshot files into {directory}/retired-<time>/. Do not "
+        "move journal files away or restore an older copy of the directory instead: its keys "
+        "point at pages that were handed to other keys since. Or start with another "
+        "--data-dir (or --in-memory) and keep this one for inspection."
     )
 
 
@@ -140,6 +150,7 @@ def _recover(directory: Path, repair: bool) -> Recovered:
     started = time.perf_counter()
     listing = list_data_dir(directory)
     out = Recovered()
+    keeps_head = False  # the snapshot was written by a kvmeta that keeps HEAD
     if listing.snapshots:
         out.snapshot = listing.snapshots[-1]
         path = directory / f"snapshot-{out.snapshot:012d}.snap"
@@ -149,11 +160,18 @@ def _recover(directory: Path, repair: bool) -> Recovered:
             raise corrupt(directory, path, str(exc), in_check=not repair) from None
         out.vworld = snap.vworld
         out.tworld = dict(snap.tworld)
+        keeps_head = snap.head
         for pid, num_pages, keys, pages in snap.pools:
             out.pools[pid] = (num_pages, dict(zip(keys, pages, strict=True)))
         out.frontiers.update(snap.frontiers)
     first = out.snapshot if out.snapshot is not None else 0
     segments = [s for s in listing.segments if s >= first]
+    refuse = partial(corrupt, directory, in_check=not repair)
+    # Whether the files are a copy: start-up refuses one; ``kvmeta check`` reports it apart,
+    # and still checks what the files hold.
+    check_history(
+        directory, segments, out.snapshot, refuse, snapshot_keeps_head=keeps_head, identity=repair
+    )
     last_nonempty = _last_nonempty(directory, segments)
     for segment in segments:
         path = directory / f"journal-{segment:012d}.log"

@@ -9,7 +9,7 @@ segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
     meta    = msgpack map {"segment": N, "vworld": int|nil,
                            "pools": [[dialect, rank, namespace, num_pages, [chunk_len...],
                                       pages_len(, tenant)]],
-                           ("tworld": {tenant: int}), ("frontiers": [int, ...])}
+                           ("tworld": {tenant: int}), ("frontiers": [int, ...]), ("head": 1)}
     blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
               then its pages (little-endian int32, parallel to the keys, coldest first)
 
@@ -22,6 +22,9 @@ tenant's pool as the default tenant's. A version 1 snapshot loads as tenant ``""
 ``frontiers`` holds each pool's frontier (``core.pool``), in the order of ``pools``; an older
 kvmeta ignores it, and a snapshot without it (an older kvmeta's) leaves every pool's frontier
 unrecorded, so recovery holds all its free pages after the restart.
+``"head": 1`` says the kvmeta that wrote it keeps a ``HEAD`` file in the data directory
+(``store.history``): a directory holding such a snapshot without HEAD had its files restored
+or copied without it. An older kvmeta ignores the key.
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
 pool's page->key table and LRU links (at memcpy speed); ``write_snapshot`` walks the copies,
@@ -60,6 +63,7 @@ __all__ = [
     "StoreImage",
     "capture",
     "read_snapshot",
+    "read_snapshot_pools",
     "snapshot_path",
     "write_snapshot",
 ]
@@ -117,6 +121,7 @@ class SnapshotData:
     pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
     tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
     frontiers: dict[PoolId, int] = field(default_factory=dict)  # recorded frontiers only
+    head: bool = False  # written by a kvmeta that keeps HEAD (``store.history``)
 
 
 class SnapshotError(Exception):
@@ -163,6 +168,7 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     if image.tworld:
         body["tworld"] = image.tworld
     body["frontiers"] = [img.frontier for img in image.pools]
+    body["head"] = 1
     meta = _encode(body)
     pieces = [_U32.pack(len(meta)), meta, *blobs]
     crc = 0
@@ -217,6 +223,7 @@ def read_snapshot(path: Path) -> SnapshotData:
         pos = _U32.size + meta_len
         body = msgspec.msgpack.decode(payload[_U32.size : pos])
         out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        out.head = bool(body.get("head"))
         for tenant, size in body.get("tworld", {}).items():
             out.tworld[str(tenant)] = int(size)
         frontiers = body.get("frontiers") or [-1] * len(body["pools"])
@@ -240,4 +247,46 @@ def read_snapshot(path: Path) -> SnapshotData:
                 out.frontiers[pid] = int(frontier)
     except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
         raise SnapshotError(f"malformed content ({exc})") from None
+    return out
+
+
+def read_snapshot_pools(path: Path) -> SnapshotData:
+    """The pools of a snapshot whose checksum fails, without their keys, for ``kvmeta check
+    --repair`` (which keeps pools and drops keys): read only when the header is intact and the
+    lengths the meta names add up to the file exactly, so that a damaged meta is not taken
+    for pool sizes.
+
+    Raises:
+        SnapshotError: the header, the meta or its lengths are damaged.
+    """
+    data = path.read_bytes()
+    if len(data) < _HEAD.size:
+        raise SnapshotError("file shorter than its header")
+    magic, version, length, _ = _HEAD.unpack_from(data)
+    if magic != _MAGIC:
+        raise SnapshotError("not a kvmeta snapshot (bad magic)")
+    if version > VERSION:
+        raise SnapshotError(f"snapshot format {version} is newer than this kvmeta ({VERSION})")
+    payload = memoryview(data)[_HEAD.size :]
+    if len(payload) != length:
+        raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    try:
+        (meta_len,) = _U32.unpack_from(payload)
+        body = msgspec.msgpack.decode(payload[_U32.size : _U32.size + meta_len])
+        out = SnapshotData(segment=int(body["segment"]), vworld=body["vworld"])
+        for tenant, size in body.get("tworld", {}).items():
+            out.tworld[str(tenant)] = int(size)
+        total = _U32.size + meta_len
+        for entry in body["pools"]:
+            dialect, rank, namespace, num_pages, chunk_lengths, pages_len = entry[:6]
+            tenant = str(entry[6]) if len(entry) > 6 else ""
+            if dialect not in ("s", "v") or type(num_pages) is not int or num_pages <= 0:
+                raise SnapshotError(f"pool entry {entry[:4]!r} is not a pool")
+            total += sum(int(n) for n in chunk_lengths) + int(pages_len)
+            pid = PoolId(dialect, int(rank), str(namespace), tenant)
+            out.pools.append((pid, num_pages, [], array("i")))
+    except (msgspec.DecodeError, KeyError, TypeError, ValueError, struct.error) as exc:
+        raise SnapshotError(f"malformed content ({exc})") from None
+    if total != length:
+        raise SnapshotError(f"the meta's lengths add up to {total} bytes, the payload is {length}")
     return out

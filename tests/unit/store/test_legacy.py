@@ -13,7 +13,8 @@ import pytest
 from kvmeta._types import PoolId, normalize_namespace
 from kvmeta.errors import StorageError
 from kvmeta.store.legacy import read_legacy, write_legacy
-from tests.unit.store.durable_support import S0, cycle, open_backend, state
+from kvmeta.store.recovery import list_data_dir, recover
+from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 LEGACY = {
     "0": {"num_pages": 4, "free_pages": [2, 3], "key_to_index": [["old", 1], ["new", 0]]},
@@ -114,6 +115,27 @@ def test_imported_on_first_start_only_and_rewritten_at_shutdown(tmp_path: Path) 
             assert state(b)[S0] == (4, [("old", 1), ("new", 0), ("x", 2)])
         finally:
             await b.close()
+
+    asyncio.run(main())
+
+
+def test_the_import_is_one_snapshot_written_before_any_journal_record(tmp_path: Path) -> None:
+    """All or nothing: the snapshot is renamed into place whole, and the journal starts after
+    it (tests/crash/test_legacy_import.py fills the disk and kills the server half-way)."""
+    legacy = tmp_path / "state.json"
+    legacy.write_text(json.dumps(LEGACY))
+    data = tmp_path / "data"
+
+    async def main() -> None:
+        b = await open_backend(data, persistence_path=legacy)
+        try:
+            listing = list_data_dir(data)
+            assert listing.snapshots == [1] and listing.segments == []
+            assert b.journal is not None and b.journal.records == 0
+        finally:
+            await crash(b)
+        state = recover(data, repair=False)
+        assert state.pools[S0] == (4, {"old": 1, "new": 0}) and state.records == 0
 
     asyncio.run(main())
 

@@ -92,7 +92,9 @@ def test_start_up_refuses_keeps_the_file_and_check_exits_1(tmp_path: Path) -> No
         assert path.read_bytes() == bytes(data)  # untouched
         report = check_data_dir(tmp_path)
         assert not report.ok and f"byte {at}" in report.problems[0]
-        assert "kvmeta check" not in report.problems[0]  # no advice to run what is running
+        assert "for details" not in report.problems[0]  # no advice to run what is running
+        assert f"kvmeta check --repair --data-dir {tmp_path}" in report.problems[0]
+        assert "backup" not in message and "--repair" in message
 
     asyncio.run(main())
 

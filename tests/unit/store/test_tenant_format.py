@@ -5,6 +5,7 @@ pool as the default tenant's (it refuses the file instead)."""
 from __future__ import annotations
 
 import asyncio
+import functools
 import struct
 from pathlib import Path
 from typing import NamedTuple
@@ -26,6 +27,7 @@ from kvmeta.store.codec import (
     decode_frames,
     encode_record,
 )
+from kvmeta.store.history import write_head
 from kvmeta.store.journal import Journal, segment_path
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.recovery import install, recover
@@ -122,6 +124,7 @@ def _journal(directory: Path, records: list[list[Record]]) -> bytes:
 
     async def run() -> None:
         journal = Journal(directory, 1, mode="never", loop=asyncio.get_running_loop())
+        journal.on_new_segment = functools.partial(write_head, directory)  # as the server does
         for group in records:
             for record in group:
                 journal.append(record)
@@ -134,7 +137,8 @@ def _journal(directory: Path, records: list[list[Record]]) -> bytes:
 
 def test_a_journal_without_tenants_says_format_2(tmp_path: Path) -> None:
     data = _journal(tmp_path, [[NewPool(S0, 8), Commit(S0, [("a", 0)])], [WorldSize(1)]])
-    assert data[:8] == HEADER and data[4] == 2
+    assert data[:5] == HEADER[:5] and data[4] == 2
+    assert data[5:8] == bytes([1, 0, 0])  # the chain (store.history): segment 0 before it, none
 
 
 def test_the_first_tenant_record_makes_the_segment_say_format_3(tmp_path: Path) -> None:
@@ -207,21 +211,20 @@ def test_a_snapshot_before_tenants_loads_as_the_default_tenant(tmp_path: Path) -
     ]
 
 
-def _meta_and_blobs(snapshot: bytes) -> tuple[int, dict[str, object], bytes]:
-    """A snapshot's format version, its meta map and the key and page blobs after it."""
-    (meta_len,) = struct.unpack_from("<I", snapshot, 20)
-    meta = msgspec.msgpack.decode(snapshot[24 : 24 + meta_len])
-    return snapshot[4], meta, snapshot[24 + meta_len :]
+def _snapshot_parts(data: bytes) -> tuple[int, dict[str, object], bytes]:
+    """Version, meta and blobs of a snapshot file (head: 20 bytes, then the meta's length)."""
+    (meta_len,) = struct.unpack_from("<I", data, 20)
+    return data[4], msgspec.msgpack.decode(data[24 : 24 + meta_len]), data[24 + meta_len :]
 
 
-def test_a_snapshot_without_tenants_is_what_an_older_kvmeta_reads() -> None:
-    """Version 1 as before, the same keys and pages, and one map entry more (the pools'
-    frontiers), which an older reader skips: it reads only the entries it knows."""
-    version, meta, blobs = _meta_and_blobs(b"".join(encode_image(capture(_old_state()), 5)))
-    old_version, old_meta, old_blobs = _meta_and_blobs(_SNAPSHOT_BEFORE)
+def test_a_snapshot_without_tenants_is_what_an_older_kvmeta_wrote_and_reads() -> None:
+    """The same version, pools and blobs; the meta only adds ``frontiers`` and ``head`` (an
+    older reader looks keys up by name and ignores them)."""
+    version, meta, blobs = _snapshot_parts(b"".join(encode_image(capture(_old_state()), 5)))
+    old_version, old_meta, old_blobs = _snapshot_parts(_SNAPSHOT_BEFORE)
     assert version == old_version == 1 and blobs == old_blobs
     assert meta.pop("frontiers") == [4, 2]  # a step past the first page, capped at the size
-    assert meta == old_meta
+    assert meta == {**old_meta, "head": 1}
 
 
 def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> None:
@@ -231,6 +234,7 @@ def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> Non
     store.confirm(T0, [("a", out[0][1])], [])
     store.v_register(0, 3, 1, "team-a")
     path = write_snapshot(tmp_path, 7, capture(store))
+    write_head(tmp_path, 6)  # as in a server's data directory
     data = path.read_bytes()
     assert data[4] == 2  # an older kvmeta refuses it: "snapshot format 2 is newer"
     snap = read_snapshot(path)
