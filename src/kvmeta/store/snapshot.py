@@ -199,11 +199,11 @@ def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
     return final
 
 
-def read_snapshot(path: Path) -> SnapshotData:
-    """Load a snapshot file.
+def _payload(path: Path) -> tuple[memoryview, int]:
+    """The payload of a snapshot file whose header is sound, and the checksum it gives.
 
     Raises:
-        SnapshotError: truncated, checksum mismatch, unknown version or malformed content.
+        SnapshotError: the file is too short, of a newer format, or not a snapshot.
     """
     data = path.read_bytes()
     if len(data) < _HEAD.size:
@@ -216,6 +216,16 @@ def read_snapshot(path: Path) -> SnapshotData:
     payload = memoryview(data)[_HEAD.size :]
     if len(payload) != length:
         raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    return payload, crc
+
+
+def read_snapshot(path: Path) -> SnapshotData:
+    """Load a snapshot file.
+
+    Raises:
+        SnapshotError: truncated, checksum mismatch, unknown version or malformed content.
+    """
+    payload, crc = _payload(path)
     if zlib.crc32(payload) != crc:
         raise SnapshotError("checksum mismatch")
     try:
@@ -259,17 +269,8 @@ def read_snapshot_pools(path: Path) -> SnapshotData:
     Raises:
         SnapshotError: the header, the meta or its lengths are damaged.
     """
-    data = path.read_bytes()
-    if len(data) < _HEAD.size:
-        raise SnapshotError("file shorter than its header")
-    magic, version, length, _ = _HEAD.unpack_from(data)
-    if magic != _MAGIC:
-        raise SnapshotError("not a kvmeta snapshot (bad magic)")
-    if version > VERSION:
-        raise SnapshotError(f"snapshot format {version} is newer than this kvmeta ({VERSION})")
-    payload = memoryview(data)[_HEAD.size :]
-    if len(payload) != length:
-        raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
+    payload, _ = _payload(path)
+    length = len(payload)
     try:
         (meta_len,) = _U32.unpack_from(payload)
         body = msgspec.msgpack.decode(payload[_U32.size : _U32.size + meta_len])
