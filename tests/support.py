@@ -140,6 +140,18 @@ class ServerProcess:
         return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def until_released(server: ServerProcess, timeout: float = 60.0) -> None:
+    """Until no pool of a restarted server holds pages for the previous run's leases any
+    more (``held_after_restart``: the pages it kept from new writers after the restart)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pools = requests.get(server.url + "/v1/pools", timeout=30).json()["pools"]
+        if not any(p.get("held_after_restart") for p in pools):
+            return
+        assert time.monotonic() < deadline, f"pages still held after {timeout} s: {pools}"
+        time.sleep(0.1)
+
+
 def unused_port() -> int:
     """A loopback port nothing listens on (connections are refused)."""
     with socket.socket() as s:

@@ -14,15 +14,21 @@ import requests
 
 from kvmeta.store.codec import HEADER
 from kvmeta.store.recovery import list_data_dir
-from tests.support import ServerProcess, child_env, kvmeta_check
+from tests.support import ServerProcess, child_env, kvmeta_check, until_released
 
 SMALL = 8  # pages of the pool that evicts
 
 
 def serve(data: Path, cwd: Path) -> ServerProcess:
-    return ServerProcess(
-        "--data-dir", str(data), "--fsync", "always", "--read-lease", "0", cwd=cwd
+    """A server on ``data`` with short leases, once the pages it holds after the restart
+    (the previous run's leases) are free again."""
+    server = ServerProcess(
+        *("--data-dir", str(data), "--fsync", "always", "--read-lease", "0"),
+        *("--reservation-ttl", "1"),
+        cwd=cwd,
     ).start()
+    until_released(server)
+    return server
 
 
 def write(server: ServerProcess, keys: list[str], namespace: str = "kv") -> dict[str, int]:
