@@ -10,6 +10,7 @@ to its own directory; a start-up failure names the log file.
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import signal
@@ -154,6 +155,59 @@ class RedisServer:
     def close(self) -> None:
         self.stop()
         self._dir.cleanup()
+
+
+def _libfaketime() -> str:
+    """The ``libfaketime.so.1`` the ``libfaketime`` wheel ships (a test dependency), found
+    without importing the package (its import sets up Python-side faking this needs not)."""
+    spec = importlib.util.find_spec("libfaketime")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("libfaketime is not installed: run ./scripts/test (the test extra)")
+    root = Path(next(iter(spec.submodule_search_locations)))
+    return str(root / "vendor" / "libfaketime" / "src" / "libfaketime.so.1")
+
+
+class SteppedRedis(RedisServer):
+    """A ``RedisServer`` whose wall clock the test steps at run time, as NTP stepping a drifted
+    clock or a VM resumed would: libfaketime preloaded, its offset read from a file on every
+    clock read (``FAKETIME_NO_CACHE``). The monotonic clock is left alone, as a real step
+    leaves it. ``step(seconds)`` moves the clock and returns once the server's ``TIME`` shows
+    it."""
+
+    def __init__(self, *extra: str) -> None:
+        self._clock_dir = tempfile.TemporaryDirectory(prefix="kvmeta-clock-")
+        self.clock_file = Path(self._clock_dir.name) / "faketime"
+        self.offset = 0.0
+        self.clock_file.write_text("+0\n")
+        env = dict(os.environ)
+        env.update(
+            LD_PRELOAD=_libfaketime(),
+            FAKETIME_TIMESTAMP_FILE=str(self.clock_file),
+            FAKETIME_NO_CACHE="1",
+            FAKETIME_DONT_FAKE_MONOTONIC="1",
+        )
+        env.pop("FAKETIME", None)
+        super().__init__(*extra, env=env)
+
+    def server_time(self) -> float:
+        with self.client() as client:
+            seconds, micros = client.time()
+        return float(seconds) + micros / 1e6
+
+    def step(self, seconds: float, timeout: float = 10.0) -> None:
+        """Step the server's wall clock by ``seconds`` (either way) from where it is."""
+        self.offset += seconds
+        tmp = self.clock_file.with_suffix(".tmp")
+        tmp.write_text(f"{self.offset:+.6f}\n")
+        tmp.replace(self.clock_file)  # never a half-written file for the server to read
+        deadline = time.monotonic() + timeout
+        while abs(self.server_time() - time.time() - self.offset) > 1.0:
+            assert time.monotonic() < deadline, "the server's clock did not follow the step"
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        super().close()
+        self._clock_dir.cleanup()
 
 
 @pytest.fixture(scope="session")

@@ -119,14 +119,17 @@ def test_pool_keys_are_the_parts_lua_expects_in_order() -> None:
 
 
 def test_every_script_that_reads_time_takes_the_test_clock() -> None:
-    """A script reading the time does so through ``now_s(ARGV[i])``, i one past its own
-    arguments as ``store.redis._TIMED`` says, so a backend with a test clock (the differential
-    test) reaches every one; a script not listed there never reads the time."""
+    """A script reading the time does so through ``pool_now(k, ARGV[i], ARGV[i + 1], ...)``
+    (the pool's lease clock: the clock-step bound, then the test clock), i one past its own
+    arguments as ``store.redis._TIMED`` says, so every server's bound and a backend's test clock
+    (the differential test) reach every one; a script not listed there never reads the time."""
     for name in _SCRIPTS:
         source = _source(name)
-        assert "'TIME'" not in source, f"{name}.lua reads TIME directly; use now_s"
-        calls = re.findall(r"\bnow_s\(([^)]*)\)", source)
+        assert "'TIME'" not in source, f"{name}.lua reads TIME directly; use pool_now"
+        assert "valkey_time(" not in source, f"{name}.lua reads TIME directly; use pool_now"
+        calls = re.findall(r"\bpool_now\(k, ([^,)]*, [^,)]*)", source)
         if name in _TIMED:
-            assert calls == [f"ARGV[{_TIMED[name]}]"], f"{name}.lua: {calls}"
+            i = _TIMED[name]
+            assert calls == [f"ARGV[{i}], ARGV[{i + 1}]"], f"{name}.lua: {calls}"
         else:
             assert not calls, f"{name}.lua reads the time but is not in store.redis._TIMED"

@@ -24,11 +24,12 @@ stats, check and the pool list see every tenant's pools (an older kvmeta reads n
 sees only the default tenant's pools, never a tenant's pool as its own).
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
-skewed clocks still agree (tests that compare this backend with the memory one step by step give
-both one clock instead: ``RedisBackend(clock=...)``, see ``_TIMED``). A request's keys travel as
-ONE JSON argument and the reply is one JSON array ``[code, ...]`` (``_ERRORS`` maps codes to
-errors): packing and parsing one value per key in Python costs more than the whole script takes
-to run in Redis.
+skewed clocks still agree, through each pool's lease clock, which a step of Valkey's clock
+cannot move (``_lib.lua`` ``pool_now``; tests that compare this backend with the memory one step
+by step give both one clock instead: ``RedisBackend(clock=...)``, see ``_TIMED``). A request's
+keys travel as ONE JSON argument and the reply is one JSON array ``[code, ...]`` (``_ERRORS``
+maps codes to errors): packing and parsing one value per key in Python costs more than the whole
+script takes to run in Redis.
 
 The change feed (``set_change_listener``): the scripts that change stored keys take a last
 argument of their own, '1' when a listener is set, and only then collect the keys they changed
@@ -179,10 +180,16 @@ BUILD_CHUNK = 500
 # or that a lookup finds waiting for the build, takes it over: far above one step's time (a
 # few ms of Redis, a round trip, a failover's retries within --failover-timeout).
 WALK_STALE = 30.0
+# The most one call may advance a pool's lease clock (seconds), and what every lease is written
+# longer than asked: a step of Valkey's wall clock, of any size, then ends no lease early
+# (``_lib.lua`` ``pool_now``, docs/guarantees.md "Leases when Valkey's clock steps"). Above the
+# time between two calls of a pool in use, so its lease clock keeps real time.
+STEP_BOUND = 2.0
 _CHECK_PARTS = ("pk", "stored", "reserved", "free", "cool", "lru", "resq", "hidx", "totals")
-# Scripts that read the time, and the ARGV index of the time they take instead of Redis TIME when
-# the backend has a test clock (one past their own arguments; absent in production, see _lib.lua
-# ``now_s``). A static test checks each script reads exactly this ARGV.
+# Scripts that read the time, and the ARGV index of the clock-step bound every call passes (one
+# past their own arguments); the time they take instead of Redis TIME when the backend has a test
+# clock comes one after it (absent in production). See _lib.lua ``pool_now``; a static test
+# checks each script reads exactly these ARGVs.
 _TIMED = {
     "reserve": 3,
     "confirm": 3,
@@ -326,6 +333,7 @@ class RedisBackend:
         reservation_ttl: float = 300.0,
         read_lease: float = 5.0,
         clock: Callable[[], float] | None = None,
+        step_bound: float = STEP_BOUND,
         failover_timeout: float = 5.0,
         min_replicas_ack: int = 0,
         replica_ack_timeout: float = 1.0,
@@ -338,6 +346,12 @@ class RedisBackend:
         ``MemoryStore`` from one clock and step time past leases. It is a constructor argument
         and nothing else (no flag, URL parameter or request field sets it): several servers on
         one Redis must share Redis's clock. None (production) adds nothing to a call.
+
+        ``step_bound``: the most one call may advance a pool's lease clock, and how much longer
+        than asked every lease is written, so a step of Valkey's wall clock ends no lease early
+        (``_lib.lua`` ``pool_now``, docs/guarantees.md). 0 turns the guard off (leases measured
+        with Valkey's ``TIME`` directly): for tests only, whose sleeps across leases shorter
+        than the bound would otherwise count as steps. Servers sharing a Redis must agree on it.
 
         ``failover_timeout``: how long one call retries across a failover, a slot move or a
         lost connection before it answers 503. ``min_replicas_ack``: replicas that must
@@ -367,6 +381,7 @@ class RedisBackend:
         self.target: RedisTarget = parse_target(url)
         self.url = url
         self._clock = clock
+        self._step_bound = repr(float(step_bound))
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self.failover_timeout = failover_timeout
@@ -820,9 +835,11 @@ class RedisBackend:
         ``keys`` is every key the script touches (all in one hash slot). A state-changing
         script gets the WAIT of ``--min-replicas-ack`` in the same send.
         """
-        if self._clock is not None and script in _TIMED:
-            assert len(args) + 1 == _TIMED[script], f"{script}: the time goes after its arguments"
-            args = [*args, repr(float(self._clock()))]
+        if script in _TIMED:
+            assert len(args) + 1 == _TIMED[script], f"{script}: the bound goes after its arguments"
+            args = [*args, self._step_bound]
+            if self._clock is not None:
+                args.append(repr(float(self._clock())))
         command = self._scripts.command(script, keys, args)
         wait = self._ack if self._ack is not None and self._scripts.writes(script) else None
         reply: list[Any] = _decode(await self._call(keys[0], command, script, wait))

@@ -53,8 +53,11 @@ LIBRARY_NAME = "kvmeta"
 # reply [5, ...] refuses a rank whose pages are in use (a format-5 server would pass its feed
 # flag as force, and not know the refusal); initialize and v_register answer [4, part, ...] when
 # a pool's keys are left without its meta (a format-5 server cannot read that reply, and its
-# library would create the pool over them)
-LIBRARY_FORMAT = 6
+# library would create the pool over them); 7: leases are measured with each pool's lease clock
+# (meta lt and lo, _lib.lua pool_now), which a step of Valkey's wall clock cannot move, and
+# written STEP_BOUND longer (a format-6 script would compare lease ends with Valkey's TIME and
+# end them early by the clock's lag, or late)
+LIBRARY_FORMAT = 7
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

@@ -10,7 +10,9 @@
 --                     hx = 1 when the pool keeps the hash index (P.hidx), hb = 1 while
 --                     the index of a pool that had none is being built (hidx_fill); hbw:
 --                     the server walking that build, hbt: the Redis time of its latest step
---                     (hidx_claim; neither while no server holds the walk: hidx_release)
+--                     (hidx_claim; neither while no server holds the walk: hidx_release),
+--                     lt: the Valkey time the pool's latest timed call read, lo: how far
+--                     its lease clock is behind Valkey's (see pool_now)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -20,7 +22,8 @@
 --   P.free      list  freed pages (a stack: the last freed is handed out first); pages
 --                     next..n-1 are free too and never used, so creating a pool is O(1)
 --   P.lru       zset  STORED page -> tick of its last use (lowest = coldest)
---   P.resq      zset  RESERVED page -> lease deadline (Redis time, seconds) (and KEEP -> +inf)
+--   P.resq      zset  RESERVED page -> lease deadline (the pool's lease clock, seconds: see
+--                     pool_now) (and KEEP -> +inf)
 --   P.reads     zset  page -> read lease end
 --   P.cool      zset  FREE page still read-leased -> lease end; handed out after it
 --   P.hidx      hash  only in a pool whose meta has hx = 1 (an SGLang pool initialised by a
@@ -31,8 +34,9 @@
 --                     the STORED keys with that head, comma-separated: one page, but for keys
 --                     sharing a head. Pages, not a count, so check can verify each entry
 --                     against pk and stored by itself, chunk by chunk.
--- Times come from Redis TIME, so every kvmeta server agrees on them (a test may pass its own
--- clock instead: see now_s). Requests and replies are one JSON document each (ARGV[1] / the
+-- Times come from Redis TIME, so every kvmeta server agrees on them, through each pool's lease
+-- clock, which a step of Valkey's clock cannot move (a test may pass its own clock instead:
+-- see pool_now). Requests and replies are one JSON document each (ARGV[1] / the
 -- return value): one argument to pack and one string to parse instead of one per key, which
 -- is most of a request's client-side cost.
 
@@ -51,13 +55,8 @@ local function fmt(x)
   return string.format('%.6f', x)
 end
 
--- The time in seconds. ``at`` is the ARGV one past a script's own arguments, which only a
--- RedisBackend built with a test clock sends (store.redis._TIMED names the index per script);
--- in production it is absent and Redis TIME is the clock every server shares.
-local function now_s(at)
-  if at then
-    return tonumber(at)
-  end
+-- Valkey's wall clock, in seconds.
+local function valkey_time()
   local t = redis.call('TIME')
   return tonumber(t[1]) + tonumber(t[2]) / 1000000
 end
@@ -96,14 +95,70 @@ local NEVER = 9007199254740992
 -- nil: no pool.
 -- hx: the index is maintained (meta hx or hb); built: it is complete (hx); hb: being built.
 local function load_state(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx', 'hb')
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx', 'hb', 'lt', 'lo')
   if not v[1] then
     return nil
   end
   return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
            next0 = tonumber(v[2]), tick0 = tonumber(v[3]), exp = tonumber(v[4]),
            exp0 = tonumber(v[4]), hx = v[5] == '1' or v[6] == '1', built = v[5] == '1',
-           hb = v[6] == '1' }
+           hb = v[6] == '1', lt = tonumber(v[7]), lo = tonumber(v[8]) }
+end
+
+-- A pool's lease clock. Every lease (reservation, read lease, cooling) is measured with it,
+-- never with Valkey's TIME directly: a step of Valkey's wall clock (NTP stepping a drifted
+-- clock, a VM resumed, a failover to a primary whose clock differs) would end every lease
+-- shorter than a forward step, and hold every lease for the length of a backward one. Each
+-- timed call of the pool advances the lease clock by the Valkey time since the pool's
+-- previous timed call (meta lt), but by at most the step bound B (store.redis STEP_BOUND, sent
+-- by every server with each timed call) and never backwards; meta lo is how far it is behind
+-- Valkey's time. A forward step thus moves it by at most B more than the real time, and every
+-- lease is written B longer than asked (the second value returned), so no single step, of any
+-- size, ends a lease before its time. The cost: a pool whose calls are more than B apart
+-- (idle) runs its lease clock slower than real time, so its leases last longer: a lease of d
+-- seconds ends by the pool's ((d + B) / B)-th timed call after it at the latest, at once under
+-- load. docs/guarantees.md states the rule.
+--
+-- Returns the lease clock now (seconds) and how much longer than asked a lease is written.
+-- bound: the ARGV one past a script's own arguments (store.redis._TIMED names it per script);
+-- '0' (tests only) turns the guard off: Valkey's TIME, unpadded. at: the ARGV after it, which
+-- only a RedisBackend built with a test clock sends: that clock is the lease clock, as in
+-- core.pool, unguarded and unpadded. st: the caller's load_state (save_state writes lt and
+-- lo), or nil (written here).
+local function pool_now(k, bound, at, st)
+  if at then
+    return tonumber(at), 0
+  end
+  local t = valkey_time()
+  local b = tonumber(bound) or 0
+  if b <= 0 then
+    return t, 0
+  end
+  local lt, lo
+  if st then
+    lt, lo = st.lt, st.lo
+  else
+    local v = redis.call('HMGET', k.meta, 'lt', 'lo')
+    lt, lo = tonumber(v[1]), tonumber(v[2])
+  end
+  if lt == nil or lo == nil then
+    -- The pool's first timed call (or the first since a library without lease clocks, whose
+    -- lease ends are Valkey times): the lease clock starts at Valkey's time.
+    lo = 0
+  else
+    local d = t - lt
+    if d > b then
+      lo = lo + (d - b)
+    elseif d < 0 then
+      lo = lo + d
+    end
+  end
+  if st then
+    st.lt, st.lo, st.clocked = t, lo, true
+  else
+    redis.call('HSET', k.meta, 'lt', fmt(t), 'lo', fmt(lo))
+  end
+  return t - lo, b
 end
 
 -- Whether the pool exists and whether its hash index is maintained (meta hx, or hb while it
@@ -145,6 +200,12 @@ local function save_state(k, st)
   if st.exp ~= st.exp0 and st.exp ~= nil then
     w[#w + 1] = 'exp'
     w[#w + 1] = string.format('%d', st.exp)
+  end
+  if st.clocked then -- (pool_now read Valkey's TIME: the lease clock moved with it)
+    w[#w + 1] = 'lt'
+    w[#w + 1] = fmt(st.lt)
+    w[#w + 1] = 'lo'
+    w[#w + 1] = fmt(st.lo)
   end
   if #w > 0 then
     redis.call('HSET', k.meta, unpack(w))
@@ -463,7 +524,7 @@ end
 -- the walk now (and has stamped it).
 local function hidx_claim(k, walker, stale)
   local v = redis.call('HMGET', k.meta, 'hbw', 'hbt')
-  local now = now_s(nil)
+  local now = valkey_time()
   if v[1] ~= walker and v[2] and now - tonumber(v[2]) < stale then
     return false
   end

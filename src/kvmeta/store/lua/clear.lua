@@ -4,8 +4,8 @@
 -- Every key STORED from the first chunk to the last is cleared; one confirmed while the
 -- clear runs may be cleared too (HSCAN: visited or not). ARGV[1] '0' starts a clear.
 -- KEYS the pool's keys; ARGV[1] HSCAN cursor, ARGV[2] keys per chunk; ARGV[3] '1': the last
--- chunk reports the clear (the change feed, see _lib.lua feed); ARGV[4] (tests only, absent in
--- production) the time in seconds: see now_s.
+-- chunk reports the clear (the change feed, see _lib.lua feed); ARGV[4] the clock-step bound
+-- and ARGV[5] (tests only, absent in production) the time in seconds: see pool_now.
 -- Returns [0, next cursor, keys cleared by this chunk(, [change counter] from the last chunk
 -- when ARGV[3] is '1')] or [1] (no pool).
 local k = pool_keys_from(KEYS)
@@ -13,7 +13,7 @@ local hx = pool_hx(k)
 if hx == nil then
   return cjson.encode({ 1 })
 end
-local now = now_s(ARGV[4])
+local now = pool_now(k, ARGV[4], ARGV[5])
 local c = {}
 expire(k, now, c)
 if ARGV[1] == '0' then

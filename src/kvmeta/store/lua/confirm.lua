@@ -2,8 +2,8 @@
 -- it: idempotent success; anything else: refused, nothing changes), then release pages whose
 -- write failed (FREE only when RESERVED by a single writer; STORED: ignored); as Pool.confirm.
 -- KEYS the pool's keys; ARGV[1] [[[key, page], ...], [page to release, ...]].
--- ARGV[2] '1': report the keys committed (the change feed, see _lib.lua feed); ARGV[3] (tests
--- only, absent in production) the time in seconds: see now_s.
+-- ARGV[2] '1': report the keys committed (the change feed, see _lib.lua feed); ARGV[3] the
+-- clock-step bound and ARGV[4] (tests only, absent in production) the time: see pool_now.
 -- Returns [0, refused, first refused key, first refused page(, [change counter, committed
 -- key, ...] when ARGV[2] is '1' and it committed any)], [1] (no pool) or
 -- [2, field (1 pairs, 2 release), index, n] when a page is outside 0..n-1 (nothing changed).
@@ -27,7 +27,7 @@ for i, page in ipairs(release) do
     return cjson.encode({ 2, 2, i - 1, st.n })
   end
 end
-local now = now_s(ARGV[3])
+local now, pad = pool_now(k, ARGV[3], ARGV[4], st)
 local c = {}
 expire(k, now, c, st)
 -- A pair commits when reserved says its key is RESERVED at its page; stored is read (once) only
@@ -112,7 +112,7 @@ for _, p in ipairs(release) do
     redis.call('HDEL', k.holders, page)
     redis.call('ZREM', k.resq, page)
     redis.call('HDEL', k.pk, page)
-    local until_ = now + RELEASE_GRACE
+    local until_ = now + RELEASE_GRACE + pad
     local reading = tonumber(redis.call('ZSCORE', k.reads, page) or '0')
     if reading > until_ then
       until_ = reading

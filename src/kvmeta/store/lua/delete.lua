@@ -1,6 +1,7 @@
 -- delete: STORED keys become FREE (after any live read lease).
 -- KEYS the pool's keys; ARGV[1] [key, ...]; ARGV[2] '1': report the keys removed (the change
--- feed, see _lib.lua feed); ARGV[3] (tests only, absent in production) the time in seconds.
+-- feed, see _lib.lua feed); ARGV[3] the clock-step bound and ARGV[4] (tests only, absent in
+-- production) the time in seconds: see pool_now.
 -- Returns [0, removed(, [change counter, removed key, ...] when ARGV[2] is '1' and it
 -- removed any)] or [1] (no pool).
 local k = pool_keys_from(KEYS)
@@ -9,7 +10,7 @@ if hx == nil then
   return cjson.encode({ 1 })
 end
 local keys = cjson.decode(ARGV[1])
-local now = now_s(ARGV[3])
+local now = pool_now(k, ARGV[3], ARGV[4])
 local c = {}
 expire(k, now, c)
 local pages = hmget(k.stored, keys)

@@ -1,6 +1,7 @@
 -- get: page of each STORED key (-1 if none); a use for LRU and a read lease on the page.
 -- KEYS the pool's keys; ARGV[1] [read lease seconds (0: none), [key, ...]].
--- ARGV[2] (tests only, absent in production) the time in seconds: see now_s.
+-- ARGV[2] the clock-step bound and ARGV[3] (tests only, absent in production) the time in
+-- seconds: see pool_now.
 -- Returns [0, page|-1 ...] or [1] (no pool).
 local k = pool_keys_from(KEYS)
 local st = load_state(k)
@@ -9,10 +10,10 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local lease, keys = req[1], req[2]
-local now = now_s(ARGV[2])
+local now, pad = pool_now(k, ARGV[2], ARGV[3], st)
 local c = {}
 expire(k, now, c, st)
-local until_ = fmt(now + lease)
+local until_ = fmt(now + lease + pad)
 local pages = hmget(k.stored, keys)
 local out = {}
 local lru, reads = {}, {}

@@ -2,8 +2,8 @@
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
 -- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
--- ARGV[2] '1': report evictions (the change feed, see _lib.lua feed); ARGV[3] (tests only,
--- absent in production) the time in seconds: see now_s.
+-- ARGV[2] '1': report evictions (the change feed, see _lib.lua feed); ARGV[3] the clock-step
+-- bound and ARGV[4] (tests only, absent in production) the time in seconds: see pool_now.
 -- Returns [0, hit, page, hit, page, ..., [change counter, evicted key, ...] when ARGV[2] is
 -- '1' and it evicted] or [1] (no pool).
 --
@@ -27,11 +27,11 @@ if not st then
 end
 local req = cjson.decode(ARGV[1])
 local keys = req[2]
-local now = now_s(ARGV[3])
+local now, pad = pool_now(k, ARGV[3], ARGV[4], st)
 local scan_left = SCAN_ALLOWANCE + 2 * #keys
 local c = {}
 expire(k, now, c, st)
-local deadline = fmt(now + req[1])
+local deadline = fmt(now + req[1] + pad)
 local stored_p = hmget(k.stored, keys)
 -- Nothing is RESERVED in a pool no writer is filling right now: skip the read. KEEP is
 -- written with the first reservation and never removed, so more than one entry means some.

@@ -2,7 +2,8 @@
 -- and it leaves the registry. Idempotent. UNLINK frees a big pool's memory off Redis's main
 -- thread. KEYS[1] the rank registry, KEYS[2..] the rank's pool keys (store.redis.pool_keys);
 -- ARGV[1] rank; ARGV[2] '1': force; ARGV[3] '1': report the drop (the change feed, see
--- _lib.lua feed); ARGV[4] (tests only, absent in production) the time in seconds: see now_s.
+-- _lib.lua feed); ARGV[4] the clock-step bound and ARGV[5] (tests only, absent in production) the time in
+-- seconds: see pool_now.
 -- Returns [0, keys dropped(, [change counter] when ARGV[3] is '1')], [0, -1] (was not
 -- registered) or, changing nothing, [5, pages reserved, seconds until the last lease on its
 -- pages ends] when one is live and ARGV[2] is not '1' (as core.pool in_use_until: registered
@@ -12,7 +13,7 @@
 -- from it and a server ordering this pool's changes never sees the counter go back.
 local k = pool_keys_from(KEYS, 2)
 if ARGV[2] ~= '1' and redis.call('HEXISTS', k.meta, 'n') == 1 then
-  local now = now_s(ARGV[4])
+  local now = pool_now(k, ARGV[4], ARGV[5])
   local c = {}
   expire(k, now, c)
   flush(k, c)
