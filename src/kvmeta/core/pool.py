@@ -356,9 +356,10 @@ class Pool:
 
     def in_use_until(self, now: float) -> float:
         """When the last lease on this pool's pages ends: a reservation, a read lease, a
-        released page's grace or a hold after a restart (``now`` or earlier: none is live). The read leases cost one
-        pass over a C array of ``num_pages`` doubles (about 17 ms per million pages): for rare
-        operator actions such as removing a vLLM rank, never for requests."""
+        released page's grace or a hold after a restart (``now`` or earlier: none is live).
+        The read leases cost one pass over a C array of ``num_pages`` doubles (about 17 ms per
+        million pages): for rare operator actions such as removing a vLLM rank, never for
+        requests."""
         self._expire(now)
         until = max(self._res_deadline.values(), default=now)
         if self._cooling:
