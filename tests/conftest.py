@@ -8,6 +8,7 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.redis_support import (  # noqa: F401  (shared fixtures)
+    own_redis,
     redis_cluster,
     redis_cluster_url,
     redis_sentinel,

@@ -220,6 +220,16 @@ def redis_server() -> Iterator[RedisServer]:
 
 
 @pytest.fixture
+def own_redis() -> Iterator[RedisServer]:
+    """A Valkey (no persistence) of this test's own, which it may restart or reconfigure."""
+    server = RedisServer().start()
+    try:
+        yield server
+    finally:
+        server.close()
+
+
+@pytest.fixture
 def redis_url(redis_server: RedisServer) -> str:
     """An empty Redis for this test."""
     redis_server.flush()

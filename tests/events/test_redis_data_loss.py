@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import random
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import msgspec
@@ -28,16 +27,6 @@ pytestmark = pytest.mark.slow
 
 EVENTS = ("--events", "tcp://127.0.0.1:0", "--events-replay", "tcp://127.0.0.1:0")
 HEADER = "X-Kvmeta-Epoch"
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Valkey without persistence of this test's own (the test restarts it)."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def _holds(redis: RedisServer) -> dict[str, set[str]]:

@@ -6,7 +6,7 @@ FLUSHALL that keeps every connection and the functions library."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import requests
@@ -19,16 +19,6 @@ pytestmark = pytest.mark.slow
 
 HEADER = "X-Kvmeta-Epoch"
 Make = Callable[..., ServerProcess]
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Valkey without persistence of this test's own (the tests restart it)."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def _lose_data(redis: RedisServer, how: str) -> None:

@@ -5,7 +5,7 @@ key gone, the others left) is never initialised again over the pages its stored 
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,16 +22,6 @@ pytestmark = pytest.mark.slow
 
 TOKEN = "eviction-token"
 Make = Callable[..., ServerProcess]
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Valkey of this test's own: the tests change its memory settings."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def _config(server: RedisServer, **settings: str) -> None:
