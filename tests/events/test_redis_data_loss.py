@@ -46,6 +46,21 @@ def _holds(redis: RedisServer) -> dict[str, set[str]]:
     return out
 
 
+def _until_the_hold_ends(redis: RedisServer, timeout: float = 30.0) -> None:
+    """Wait until Valkey's clock passes the hold the server set when it noticed the loss, so
+    the pools the next workload creates hand out pages."""
+    deadline = time.monotonic() + timeout
+    with redis.client() as client:
+        until = client.get("kvmeta:2:hold_until")
+        assert until is not None, "no hold after the data loss"
+        while True:
+            secs, usecs = client.time()
+            if secs + usecs / 1e6 > float(until):
+                return
+            assert time.monotonic() < deadline, "the hold did not end"
+            time.sleep(0.05)
+
+
 def _resynced(server: ServerProcess, count: int, timeout: float = 30.0) -> float:
     """Whole-server resyncs published, once there are ``count`` (or ``timeout`` passed)."""
     deadline = time.monotonic() + timeout
@@ -69,7 +84,10 @@ def _reasons_after(messages: list[tuple[bytes, int, bytes]], seq: int) -> list[t
 
 @pytest.mark.parametrize("how", ["restart", "flushall"])
 def test_subscribers_converge_after_valkey_loses_its_data(own_redis: RedisServer, how: str) -> None:
-    server = ServerProcess("--backend", own_redis.url, "--read-lease", "0", *EVENTS)
+    # --reservation-ttl 1: the hold after the loss (new pools hand out no page) lasts 3 s.
+    server = ServerProcess(
+        "--backend", own_redis.url, "--read-lease", "0", "--reservation-ttl", "1", *EVENTS
+    )
     server.start(timeout=60)
     sub: Subscriber | None = None
     try:
@@ -99,6 +117,7 @@ def test_subscribers_converge_after_valkey_loses_its_data(own_redis: RedisServer
         assert resyncs == 2
         assert _reasons_after(messages, last)[0] == ("", "data-lost")
 
+        _until_the_hold_ends(own_redis)
         sglang_workload(server.url, random.Random(5), 20)
         sub.wait_for(server)
         messages = complete(sub.messages, ends.replay)

@@ -127,6 +127,8 @@ _PREFIX = "kvmeta:2"
 _OLD_LAYOUTS = {"kvmeta": "kvmeta:pools"}
 _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
+# The end of the hold after a data loss (``_lib.lua`` ``hold_after_loss``).
+_HOLD_KEY = f"{_PREFIX}:hold_until"
 # Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
@@ -148,6 +150,7 @@ _SCRIPTS = (
     "v_index",
     "hidx_fill",
     "hidx_release",
+    "hold",
 )
 # One pool's Redis keys, in the order a pool script receives them in KEYS (see _lib.lua).
 POOL_PARTS = (
@@ -414,10 +417,26 @@ class RedisBackend:
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
         # The epoch, read again whenever Redis may have lost its data (``store.redis_epoch``);
         # a new one is reported to the change feed's listener, which states every pool again.
-        self._epochs = RedisEpoch(_EPOCH_KEY, self._command, self._feed.lost)
+        # With a test clock there is no hold after a data loss: its end is Valkey's time,
+        # which such a backend's scripts never compare with.
+        hold = self._set_hold if clock is None else None
+        self._epochs = RedisEpoch(_EPOCH_KEY, self._command, self._feed.lost, _HOLD_KEY, hold)
         # Whether a primary may evict kvmeta's keys (``store.redis_policy``).
         self._eviction = EvictionWatch(self._primaries)
         self._started = False  # start-up's own checks done: new links are watched from now
+
+    async def _set_hold(self) -> float:
+        """Redis lost its data: pools created for the longest lease (plus the clock-step bound)
+        from now hand out no never-used page (``_lib.lua`` ``hold_after_loss``). Returns the
+        hold's end (Valkey's time)."""
+        seconds = max(self.reservation_ttl, self.read_lease) + float(self._step_bound)
+        reply = await self._run("hold", (_HOLD_KEY,), [repr(seconds)])
+        return float(reply[1])
+
+    def _hold_arg(self) -> str:
+        """The hold's end as initialize and v_register take it ('' for none)."""
+        until = self._epochs.hold_until
+        return repr(until) if until and self._clock is None else ""
 
     @property
     def describe(self) -> str:
@@ -1035,8 +1054,7 @@ class RedisBackend:
             return await self.v_register(pool.rank, num_pages, None, pool.tenant)
         await self._sadd_pool(pool)
         args: list[Any] = [num_pages, "1" if self.hash_index else "0", self.build_chunk]
-        if self.hash_index:
-            args += [self.walk_stale, self._walker]
+        args += [self.walk_stale, self._walker, self._hold_arg()]
         reply = await self._run("initialize", pool_keys(pool), args)
         _checked(pool, reply, None)
         if len(reply) > 3 and reply[3]:
@@ -1239,7 +1257,7 @@ class RedisBackend:
         pool = PoolId("v", rank, "", tenant)
         await self._list_tenant(tenant)
         keys = (*self._v_keys(tenant), *pool_keys(pool))
-        args = [rank, num_pages, "" if world_size is None else world_size]
+        args = [rank, num_pages, "" if world_size is None else world_size, self._hold_arg()]
         reply = _checked(pool, await self._run("v_register", keys, args), None)
         self._v_known.pop(tenant, None)  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)

@@ -24,8 +24,9 @@ __all__ = ["EPOCH_COMMANDS", "RedisEpoch"]
 
 logger = logging.getLogger("kvmeta.store.redis")
 
-# The commands a read sends: a call of these settles no doubt (it is the read).
-EPOCH_COMMANDS = ("SET", "GET")
+# The commands a read sends (``hold``: the script that sets the hold after a loss): a call of
+# these settles no doubt (it is the read).
+EPOCH_COMMANDS = ("SET", "GET", "hold")
 
 
 def _text(value: Any) -> str:
@@ -47,13 +48,28 @@ class RedisEpoch:
     """
 
     def __init__(
-        self, key: str, command: Callable[..., Awaitable[Any]], lost: Callable[[], None]
+        self,
+        key: str,
+        command: Callable[..., Awaitable[Any]],
+        lost: Callable[[], None],
+        hold_key: str = "",
+        hold: Callable[[], Awaitable[float]] | None = None,
     ) -> None:
         """``command(key, *args)`` sends one command routed by ``key`` (the backend's retrying
-        call); ``lost()`` is told when a read finds another epoch than the last one."""
+        call); ``lost()`` is told when a read finds another epoch than the last one.
+
+        ``hold_key``: the key holding the end of the hold after a data loss (``_lib.lua``
+        ``hold_after_loss``), read with every read of the epoch into ``hold_until``. ``hold()``
+        sets it when a read finds the data lost, before the new epoch is created or reported:
+        writers and readers of the lost pools may still use their pages, and new pools start
+        at page 0. None: no hold is set (a backend whose test clock is not Valkey's)."""
         self.key = key
         self._command = command
         self._lost = lost
+        self._hold_key = hold_key
+        self._hold = hold
+        # The hold's end (seconds of Valkey's time) as last read; 0: none.
+        self.hold_until = 0.0
         self.value = ""
         self.doubts = 0
         self.read_for = 0
@@ -100,11 +116,20 @@ class RedisEpoch:
         """
         key = self.key
         value = await self._command(key, "GET", key)
+        held = False
         if value is None:
+            if self.value:  # known before: the data is lost (hold before a new epoch exists)
+                held = await self._set_hold()
             await self._command(key, "SET", key, new_epoch(), "NX")
             value = await self._command(key, "GET", key)
         epoch = _text(value)
-        old, self.value = self.value, epoch
+        old = self.value
+        if old and epoch != old and not held:
+            await self._set_hold()
+        if self._hold_key:
+            until = await self._command(self._hold_key, "GET", self._hold_key)
+            self.hold_until = float(_text(until)) if until is not None else 0.0
+        self.value = epoch
         if old and epoch != old:
             logger.warning(
                 "Redis epoch changed from %s to %s: Redis lost its data (restart without "
@@ -114,3 +139,16 @@ class RedisEpoch:
                 epoch,
             )
             self._lost()
+
+    async def _set_hold(self) -> bool:
+        """Set the hold after a data loss (``hold``), and log it; False if there is none."""
+        if self._hold is None:
+            return False
+        until = await self._hold()
+        logger.warning(
+            "Redis lost its data: pools created until Valkey time %.3f hand out no page "
+            "(engines may still use pages of the lost pools); reserves of new keys get -1 "
+            "until then",
+            until,
+        )
+        return True

@@ -56,7 +56,10 @@ LIBRARY_NAME = "kvmeta"
 # library would create the pool over them); 7: leases are measured with each pool's lease clock
 # (meta lt and lo, _lib.lua pool_now), which a step of Valkey's wall clock cannot move, and
 # written STEP_BOUND longer (a format-6 script would compare lease ends with Valkey's TIME and
-# end them early by the clock's lag, or late)
+# end them early by the clock's lag, or late); initialize's ARGV[6] and v_register's ARGV[4],
+# the end of the hold after a data loss (meta hold, which reserve honours), and hold (a
+# format-6 script would create a pool handing out page 0 while a writer of the lost data may
+# still write it)
 LIBRARY_FORMAT = 7
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"

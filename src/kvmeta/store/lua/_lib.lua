@@ -12,7 +12,8 @@
 --                     the server walking that build, hbt: the Redis time of its latest step
 --                     (hidx_claim; neither while no server holds the walk: hidx_release),
 --                     lt: the Valkey time the pool's latest timed call read, lo: how far
---                     its lease clock is behind Valkey's (see pool_now)
+--                     its lease clock is behind Valkey's (see pool_now), hold: until when
+--                     (the pool's lease clock) it hands out no never-used page (init_pool)
 --   P.stored    hash  key -> page of a STORED key
 --   P.reserved  hash  key -> page of a RESERVED key (and KEEP -> '', below)
 --   P.pk        hash  page -> key of every non-FREE page; its state is where the key points
@@ -95,14 +96,15 @@ local NEVER = 9007199254740992
 -- nil: no pool.
 -- hx: the index is maintained (meta hx or hb); built: it is complete (hx); hb: being built.
 local function load_state(k)
-  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx', 'hb', 'lt', 'lo')
+  local v = redis.call('HMGET', k.meta, 'n', 'next', 'tick', 'exp', 'hx', 'hb', 'lt', 'lo',
+                       'hold')
   if not v[1] then
     return nil
   end
   return { n = tonumber(v[1]), next = tonumber(v[2]), tick = tonumber(v[3]),
            next0 = tonumber(v[2]), tick0 = tonumber(v[3]), exp = tonumber(v[4]),
            exp0 = tonumber(v[4]), hx = v[5] == '1' or v[6] == '1', built = v[5] == '1',
-           hb = v[6] == '1', lt = tonumber(v[7]), lo = tonumber(v[8]) }
+           hb = v[6] == '1', lt = tonumber(v[7]), lo = tonumber(v[8]), hold = tonumber(v[9]) }
 end
 
 -- A pool's lease clock. Every lease (reservation, read lease, cooling) is measured with it,
@@ -354,8 +356,29 @@ local function reserved_count(k)
   return redis.call('HLEN', k.reserved) - redis.call('HEXISTS', k.reserved, KEEP)
 end
 
+-- The hold after Redis lost its data (a restart without persistence, a flush): writers and
+-- readers of the lost pools may still use the pages they were given, and a pool created anew
+-- starts its allocator at page 0. The first kvmeta server to notice the loss (store.redis_epoch)
+-- sets key (kvmeta:2:hold_until) to Valkey's time + seconds (the longest lease plus the clock-step
+-- bound), keeping a later end already there; every server reads it with the epoch and passes it
+-- to init_pool. Valkey's time, not a pool's lease clock: no pool exists yet. Returns the end.
+local function hold_after_loss(key, seconds)
+  local t = valkey_time() + seconds
+  local old = tonumber(redis.call('GET', key))
+  if old and old >= t then
+    return fmt(old)
+  end
+  redis.call('SET', key, fmt(t))
+  return fmt(t)
+end
+
 -- Create the pool or keep the existing one. Returns {0, created, n} or {3, requested}.
-local function init_pool(k, requested)
+-- hold: the end of the hold after a data loss (hold_after_loss, seconds of Valkey's time) as
+-- the server last read it, or '' / nil: a pool created before it stores it (meta hold) and
+-- hands out no never-used page until its lease clock reaches it (reserve.lua take_page). A new
+-- pool's lease clock starts at Valkey's time and never runs faster than it by more than the
+-- clock-step bound per call (pool_now), so the hold lasts at least its length of real time.
+local function init_pool(k, requested, hold)
   local n = redis.call('HGET', k.meta, 'n')
   if n then
     if tonumber(n) ~= requested then
@@ -385,6 +408,10 @@ local function init_pool(k, requested)
     return { 4, unpack(left) }
   end
   redis.call('HSET', k.meta, 'n', string.format('%d', requested), 'next', '0', 'tick', '0')
+  local h = tonumber(hold)
+  if h and h > valkey_time() then
+    redis.call('HSET', k.meta, 'hold', fmt(h))
+  end
   return { 0, 1, requested }
 end
 

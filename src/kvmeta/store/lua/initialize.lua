@@ -2,7 +2,8 @@
 -- KEYS the pool's keys; ARGV[1] num_pages; ARGV[2] '1': the pool keeps the hash index (an
 -- SGLang pool on a server with --hash-index); with it, ARGV[3] keys per build chunk, ARGV[4]
 -- the seconds after which a walk without a step counts as stopped, ARGV[5] the server's id
--- (see _lib.lua hidx_claim).
+-- (see _lib.lua hidx_claim); ARGV[6] the end of the hold after a data loss, or '' (see
+-- _lib.lua init_pool).
 -- A new pool is marked as keeping it (meta hx). An existing one without it: with at most
 -- ARGV[3] stored keys its index is built here (one chunk's work); with more, it is marked as
 -- being built (meta hb, see _lib.lua hidx_fill_chunk), and the reply asks the caller to walk
@@ -14,7 +15,7 @@
 -- Returns [0, created, num_pages(, 1: walk the stored keys to build the index)] or
 -- [3, num_pages].
 local k = pool_keys_from(KEYS)
-local out = init_pool(k, tonumber(ARGV[1]))
+local out = init_pool(k, tonumber(ARGV[1]), ARGV[6])
 if out[1] == 0 and ARGV[2] == '1' then
   local flags = redis.call('HMGET', k.meta, 'hx', 'hb')
   if out[2] == 1 then

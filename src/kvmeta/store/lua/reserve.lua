@@ -159,7 +159,9 @@ local function take_page()
     free_i = free_i + 1
     return free[free_i - 1]
   end
-  if st.next < st.n then
+  -- (Not while the pool holds its never-used pages after a data loss: _lib.lua init_pool.
+  -- Nothing is stored or freed in it then, so the rest finds nothing either.)
+  if st.next < st.n and not (st.hold and now < st.hold) then
     local page = string.format('%d', st.next)
     st.next = st.next + 1
     return page
