@@ -8,7 +8,7 @@ at its next readiness probe (a FLUSHALL breaks no connection: see test_redis_epo
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 import requests
@@ -20,16 +20,6 @@ from tests.support import ServerProcess
 pytestmark = pytest.mark.slow
 
 Make = Callable[..., ServerProcess]
-
-
-@pytest.fixture
-def own_redis() -> Iterator[RedisServer]:
-    """A Valkey without persistence of this test's own (the tests restart it)."""
-    server = RedisServer().start()
-    try:
-        yield server
-    finally:
-        server.close()
 
 
 def _lose_data(redis: RedisServer, how: str) -> None:
