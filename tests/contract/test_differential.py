@@ -161,6 +161,7 @@ class Differential(RuleBasedStateMachine):
         store = self.memory.store
         store.reservation_ttl = self.red.reservation_ttl = ttl
         store.read_lease = self.red.read_lease = lease
+        self.ttl = ttl
         for pool in POOLS:
             self.both("initialize", pool, SMALL)
         self.both("initialize", BIG_POOL, BIG)
@@ -257,6 +258,13 @@ class Differential(RuleBasedStateMachine):
     def tick(self, dt: float) -> None:
         """Time passes: reservations, read leases and released pages' grace run out."""
         self.clock.now += dt
+        self.ticked = True
+
+    @rule()
+    def leases_run_out(self) -> None:
+        """Time passes beyond every reservation lease at once (ticks of ``STEP`` reach the
+        longest only in long sequences): the reservations left unconfirmed expire."""
+        self.clock.now += self.ttl + 1.0
         self.ticked = True
 
     # ------------------------------------------------------------------ the big pool
