@@ -143,6 +143,14 @@ class RedisServer:
         with self.client() as client:
             client.flushall()
 
+    def lose_data(self, how: str) -> None:
+        """Lose every key, as Valkey without persistence does: ``restart`` it, or ``flush``."""
+        if how == "restart":
+            self.stop()
+            self.start(port=self.port)
+        else:
+            self.flush()
+
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.terminate()

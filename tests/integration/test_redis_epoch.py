@@ -21,14 +21,6 @@ HEADER = "X-Kvmeta-Epoch"
 Make = Callable[..., ServerProcess]
 
 
-def _lose_data(redis: RedisServer, how: str) -> None:
-    if how == "restart":
-        redis.stop()
-        redis.start(port=redis.port)
-    else:
-        redis.flush()
-
-
 def _epoch(server: ServerProcess) -> str:
     health = requests.get(server.url + "/health", timeout=30)
     return str(health.json()["epoch"])
@@ -42,7 +34,7 @@ def test_the_next_request_carries_the_new_epoch(
     assert server.post("/0/initialize", {"num_pages": 8}).ok
     before = server.post("/0/exists", {"keys": ["a"]}).headers[HEADER]
     assert before == _epoch(server)
-    _lose_data(own_redis, how)
+    own_redis.lose_data(how)
     resp = server.post("/0/exists", {"keys": ["a"]})
     assert resp.status_code == 404, resp.text  # the pool went with the data
     after = resp.headers[HEADER]
@@ -69,7 +61,7 @@ def test_clients_re_create_their_pools_after_valkey_lost_its_data(
         [(_, page)] = s_client.reserve_and_allocate_page_indices(0, [("a", None)], "kv")
         s_client.confirm_write(0, [("a", page)], [], "kv")
         old = s_client.epoch
-        _lose_data(own_redis, how)
+        own_redis.lose_data(how)
         # vLLM's exists answers [False] whether its rank is registered or not: only the epoch
         # of that reply tells the client its registration is gone.
         assert v_client.batch_key_exists(["a"]) == [False]

@@ -22,14 +22,6 @@ pytestmark = pytest.mark.slow
 Make = Callable[..., ServerProcess]
 
 
-def _lose_data(redis: RedisServer, how: str) -> None:
-    if how == "restart":
-        redis.stop()
-        redis.start(port=redis.port)
-    else:
-        redis.flush()
-
-
 def _init(server: ServerProcess) -> None:
     resp = server.post("/0/initialize", {"num_pages": 4})
     assert resp.status_code == 204, resp.text
@@ -59,7 +51,7 @@ def test_a_pool_created_after_a_data_loss_hands_out_no_page(
     server = make_server("--backend", own_redis.url)
     _init(server)
     assert _reserve(server, "K") == [False, 0]  # K's writer may write page 0 for 300 s
-    _lose_data(own_redis, how)
+    own_redis.lose_data(how)
     _notice(server)
     _init(server)  # the engine re-initialises its pool: a new allocator, from page 0
     assert _reserve(server, "L") == [False, -1]

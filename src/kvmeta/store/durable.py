@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import fcntl
 import functools
 import logging
 import os
@@ -69,7 +68,7 @@ from kvmeta.store.journal import (
 )
 from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
 from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.recovery import gc_paused, install, list_data_dir, recover
+from kvmeta.store.recovery import gc_paused, install, list_data_dir, lock_data_dir, recover
 from kvmeta.store.snapshot import StoreImage, capture, snapshot_path, write_snapshot
 
 __all__ = ["DurabilityOptions", "DurableBackend"]
@@ -213,20 +212,18 @@ class DurableBackend(MemoryBackend):
     def _open_dir(self, directory: Path) -> None:
         try:
             directory.mkdir(parents=True, exist_ok=True)
-            fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
         except OSError as exc:
             raise StorageError(
                 f"cannot use data directory {directory}: {exc}; pass a writable --data-dir "
                 "(or --in-memory)"
             ) from None
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            os.close(fd)
-            raise StorageError(
-                f"data directory {directory} is in use by another kvmeta process; stop it or "
-                "pass another --data-dir"
-            ) from None
+        fd = lock_data_dir(
+            directory,
+            f"cannot use data directory {directory}",
+            "pass a writable --data-dir (or --in-memory)",
+            f"data directory {directory} is in use by another kvmeta process; stop it or pass "
+            "another --data-dir",
+        )
         self._lock_fd = fd
 
     def _import_legacy(self, path: Path) -> bool:

@@ -15,6 +15,7 @@ read, because its next snapshot would destroy the evidence.
 from __future__ import annotations
 
 import contextlib
+import fcntl
 import gc
 import logging
 import os
@@ -27,7 +28,7 @@ from pathlib import Path
 
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
-from kvmeta.errors import InvalidRequest, JournalCorrupt
+from kvmeta.errors import InvalidRequest, JournalCorrupt, StorageError
 from kvmeta.store.codec import (
     HEADER,
     Clear,
@@ -45,7 +46,15 @@ from kvmeta.store.history import check_history
 from kvmeta.store.memory import MemoryStore
 from kvmeta.store.snapshot import SnapshotError, read_snapshot
 
-__all__ = ["DataDirListing", "Recovered", "corrupt", "install", "list_data_dir", "recover"]
+__all__ = [
+    "DataDirListing",
+    "Recovered",
+    "corrupt",
+    "install",
+    "list_data_dir",
+    "lock_data_dir",
+    "recover",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -97,6 +106,25 @@ def list_data_dir(directory: Path) -> DataDirListing:
         elif entry.name.endswith(".tmp"):
             temporaries.append(Path(entry.path))
     return DataDirListing(sorted(segments), sorted(snapshots), temporaries)
+
+
+def lock_data_dir(directory: Path, cannot: str, fix: str, busy: str) -> int:
+    """The descriptor holding ``directory``'s LOCK exclusively: one server (or repair) at a
+    time. The refusals say ``cannot: <error>; fix`` and ``busy``.
+
+    Raises:
+        StorageError: LOCK cannot be opened, or another process holds it.
+    """
+    try:
+        fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
+    except OSError as exc:
+        raise StorageError(f"{cannot}: {exc}; {fix}") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(fd)
+        raise StorageError(busy) from None
+    return fd
 
 
 def corrupt(directory: Path, file: Path, reason: str, *, in_check: bool = False) -> JournalCorrupt:

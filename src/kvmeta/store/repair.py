@@ -21,7 +21,6 @@ the repair again finishes it.
 
 from __future__ import annotations
 
-import fcntl
 import os
 import time
 from dataclasses import dataclass, field
@@ -43,7 +42,7 @@ from kvmeta.store.epoch import renew_epoch
 from kvmeta.store.history import read_head, write_head
 from kvmeta.store.journal import fsync_dir, segment_path
 from kvmeta.store.memory import MemoryStore
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.recovery import list_data_dir, lock_data_dir
 from kvmeta.store.snapshot import (
     SnapshotData,
     SnapshotError,
@@ -97,21 +96,13 @@ def repair_data_dir(directory: Path) -> RepairReport:
 
 
 def _lock(directory: Path) -> int:
-    try:
-        fd = os.open(directory / "LOCK", os.O_RDWR | os.O_CREAT, 0o644)
-    except OSError as exc:
-        raise StorageError(
-            f"cannot repair {directory}: {exc}; run the repair as the user kvmeta runs as"
-        ) from None
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-    except OSError:
-        os.close(fd)
-        raise StorageError(
-            f"data directory {directory} is in use by a running kvmeta server; stop it, then "
-            "run the repair again"
-        ) from None
-    return fd
+    return lock_data_dir(
+        directory,
+        f"cannot repair {directory}",
+        "run the repair as the user kvmeta runs as",
+        f"data directory {directory} is in use by a running kvmeta server; stop it, then run "
+        "the repair again",
+    )
 
 
 def _repair(directory: Path) -> RepairReport:
