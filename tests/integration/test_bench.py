@@ -188,7 +188,6 @@ def test_bench_reports_journal_bytes_per_request_of_a_durable_server() -> None:
 def test_bench_sends_the_auth_token(make_server: Callable[..., ServerProcess]) -> None:
     server = make_server("--in-memory", "--read-lease", "0", "--auth-token", "s3cret")
     common = ("--url", server.url, "--server-pid", str(server.pid), "--clients", "1")
-    # Enough requests for the server's CPU to pass a 10 ms clock tick.
     report = _bench(*common, "--auth-token", "s3cret", "--requests", "300", "--warmup", "0.1")
     _check_sane(report, 64)
     assert report["config"]["auth_token"] == "(set)"  # the token itself is not in the report
