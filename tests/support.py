@@ -9,8 +9,10 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
+import weakref
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -30,7 +32,12 @@ def child_env() -> dict[str, str]:
 
 
 class ServerProcess:
-    """``kvmeta serve`` in a child process; ``url`` is set once it listens."""
+    """``kvmeta serve`` in a child process; ``url`` is set once it listens.
+
+    Its stderr goes to an unnamed file, not a pipe: whatever the server logged before it
+    answered a request is in ``log`` when the answer arrives (a thread draining a pipe could
+    still be behind on a loaded machine).
+    """
 
     def __init__(
         self, *args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None
@@ -39,10 +46,9 @@ class ServerProcess:
         self.env = env
         self.cwd = cwd
         self.proc: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
         self.url = ""
         self.port = 0
-        self._reader: threading.Thread | None = None
+        self._stderr = -1  # a file descriptor
 
     @property
     def pid(self) -> int:
@@ -51,7 +57,13 @@ class ServerProcess:
 
     @property
     def log(self) -> str:
-        return "".join(self.lines)
+        if self._stderr < 0:
+            return ""
+        return os.pread(self._stderr, 1 << 30, 0).decode(errors="replace")
+
+    @property
+    def lines(self) -> list[str]:
+        return self.log.splitlines(keepends=True)
 
     def start(self, timeout: float = 20.0) -> ServerProcess:
         args = list(self.args)
@@ -59,39 +71,35 @@ class ServerProcess:
             args += ["--port", "0"]
         env = child_env()
         env.update(self.env or {})
+        if self._stderr < 0:
+            self._stderr, path = tempfile.mkstemp(prefix="kvmeta-serve-", suffix=".log")
+            os.unlink(path)
+            weakref.finalize(self, os.close, self._stderr)
+        else:
+            os.ftruncate(self._stderr, 0)
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "kvmeta", "serve", *args],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
-            stderr=subprocess.PIPE,
+            stderr=self._stderr,
             text=True,
             env=env,
             cwd=self.cwd,
         )
-        self.lines = []
         self.url = ""
-        self._reader = threading.Thread(target=self._read, daemon=True)
-        self._reader.start()
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            if self.url:
+            match = _LISTEN_RE.search(self.log)
+            if match:
+                host = match.group(2)
+                self.port = int(match.group(3))
+                self.url = f"{match.group(1)}://{host}:{self.port}"
                 return self
             if self.proc.poll() is not None:
-                self._reader.join(2)
                 raise RuntimeError(f"kvmeta serve exited with {self.proc.returncode}:\n{self.log}")
             time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"kvmeta serve did not start within {timeout}s:\n{self.log}")
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        for line in self.proc.stderr:
-            self.lines.append(line)
-            match = _LISTEN_RE.search(line)
-            if match and not self.url:
-                host = match.group(2)
-                self.port = int(match.group(3))
-                self.url = f"{match.group(1)}://{host}:{self.port}"
 
     def wait_for_log(self, needle: str, timeout: float = 10.0) -> None:
         deadline = time.monotonic() + timeout
@@ -118,20 +126,12 @@ class ServerProcess:
                 self.proc.kill()
                 self.proc.wait(5)
                 raise AssertionError(f"server ignored {sig} for {timeout}s:\n{self.log}") from None
-        self._close_pipes()
         return self.proc.returncode
 
     def kill(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
             self.proc.kill()
             self.proc.wait(10)
-        self._close_pipes()
-
-    def _close_pipes(self) -> None:
-        if self._reader is not None:
-            self._reader.join(5)
-        if self.proc is not None and self.proc.stderr is not None:
-            self.proc.stderr.close()
 
     def cpu_seconds(self) -> float:
         """User + system CPU time of the server process so far, from /proc."""
