@@ -17,7 +17,9 @@ import pytest
 import requests
 import zmq
 
+from kvmeta.errors import ServerUnavailable
 from kvmeta.events.replay import BUSY, END_MARKER, ReplayBuffer, ReplayServer
+from kvmeta.events.tail import fetch_replay
 from tests.events.events_support import Busy, endpoints, metric, published, replay
 from tests.support import ServerProcess
 
@@ -255,3 +257,20 @@ def test_a_second_request_while_the_answer_is_under_way_is_ignored() -> None:
         sock.close(0)
 
     _run(test, clients=2, queue_bytes=128 << 10)
+
+
+def test_kvmeta_events_asks_again_while_the_replay_socket_is_busy() -> None:
+    async def test(server: ReplayServer, ctx: zmq.Context[Any]) -> None:
+        stalled = _stalled(ctx, server.endpoint)
+        await _until("an answer under way", lambda: server.in_flight == 1)
+        loop = asyncio.get_running_loop()
+        with pytest.raises(ServerUnavailable, match="busy"):
+            await loop.run_in_executor(None, fetch_replay, ctx, server.endpoint, 295, 1.0)
+        assert server.refused >= 2  # it asked again before giving up
+        fetching = loop.run_in_executor(None, fetch_replay, ctx, server.endpoint, 295, 10.0)
+        await asyncio.sleep(0.3)
+        stalled.close(0)  # the slot frees: the next try is answered
+        got = await fetching
+        assert [seq for _, seq, _ in got] == [295, 296, 297, 298, 299]
+
+    _run(test, clients=1, queue_bytes=64 << 10)
