@@ -83,6 +83,9 @@ class Settings:
     events_buffer: int = 10_000
     events_buffer_mb: int = 256
     events_queue: int = 1_000
+    events_replay_clients: int = 8
+    events_replay_queue_mb: int = 64
+    events_replay_timeout: float = 30.0
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
     # router reads: prefix_match by block hashes (see core/hash_index.py)
@@ -295,6 +298,25 @@ OPTIONS: tuple[Option, ...] = (
         "misses batches (it sees a gap in sequence numbers and replays) rather than the "
         "server holding them all in memory",
         _positive_int,
+    ),
+    Option(
+        "events_replay_clients",
+        "replay answers under way at once, at most (with --events-replay); a request beyond "
+        "them is answered busy at once (the end marker with a 'busy' text) and asks again",
+        _positive_int,
+    ),
+    Option(
+        "events_replay_queue_mb",
+        "MiB of replay answers handed to ZeroMQ and not yet written to their connections, all "
+        "answers together (with --events-replay; each answer gets its share, and waits while "
+        "its requester has not read it)",
+        _positive_int,
+    ),
+    Option(
+        "events_replay_timeout",
+        "seconds a replay requester may read nothing while its answer waits, before the "
+        "kernel drops its connection and frees its answer's slot (TCP only: TCP_USER_TIMEOUT)",
+        _seconds,
     ),
     Option(
         "events_format",

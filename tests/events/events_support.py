@@ -133,8 +133,13 @@ class Subscriber:
         self.ctx.term()
 
 
+class Busy(Exception):
+    """The replay socket refused the request: too many answers under way."""
+
+
 def replay(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[tuple[bytes, int, bytes]]:
-    """Ask the replay socket for every batch from ``start`` (a REQ-style request on DEALER)."""
+    """Ask the replay socket for every batch from ``start`` (a REQ-style request on DEALER);
+    ``Busy`` when it refuses."""
     sock = ctx.socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.connect(endpoint)
@@ -146,7 +151,11 @@ def replay(ctx: zmq.Context[Any], endpoint: str, start: int) -> list[tuple[bytes
             empty, topic, seq, payload = sock.recv_multipart()
             assert empty == b""
             if seq == END:
-                assert topic == b"" and payload == b""
+                assert topic == b""
+                if payload.startswith(b"busy"):
+                    assert not out
+                    raise Busy(payload.decode())
+                assert payload == b""
                 return out
             out.append((topic, int.from_bytes(seq, "big"), payload))
     finally:

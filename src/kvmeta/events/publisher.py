@@ -152,6 +152,17 @@ class EventStats:
         return 0 if self.replay is None else self.replay.requests
 
     @property
+    def replay_refused(self) -> int:
+        return 0 if self.replay is None else self.replay.refused
+
+    @property
+    def replay_answers(self) -> tuple[int, int]:
+        """(answers under way, bytes they have not yet written to their connections)."""
+        if self.replay is None:
+            return 0, 0
+        return self.replay.in_flight, self.replay.queued
+
+    @property
     def replay_buffer(self) -> tuple[int, int]:
         """(batches, bytes) kept for replay now (none without a replay socket)."""
         if self.replay is None:
@@ -187,6 +198,9 @@ class Publisher:
         buffer: int = 10_000,
         buffer_bytes: int = 256 << 20,
         queue: int = 1_000,
+        replay_clients: int = 8,
+        replay_queue_bytes: int = 64 << 20,
+        replay_timeout: float = 30.0,
         encoding: str = "map",
         medium: str = "EXTERNAL",
         epoch: str = "",
@@ -211,7 +225,14 @@ class Publisher:
             self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
             if replay_endpoint:
                 self.buffer = ReplayBuffer(buffer, buffer_bytes)
-                self.replay = ReplayServer(self._ctx, bindable(replay_endpoint), self.buffer)
+                self.replay = ReplayServer(
+                    self._ctx,
+                    bindable(replay_endpoint),
+                    self.buffer,
+                    clients=replay_clients,
+                    queue_bytes=replay_queue_bytes,
+                    timeout=replay_timeout,
+                )
                 self.stats.replay = self.replay
         except zmq.ZMQError:
             self.close()

@@ -38,7 +38,7 @@ from kvmeta.events.feed import (
     run_notice,
     split_topic,
 )
-from kvmeta.events.replay import END_MARKER
+from kvmeta.events.replay import BUSY_PREFIX, END_MARKER
 
 __all__ = [
     "EXIT_OK",
@@ -57,6 +57,8 @@ EXIT_USAGE = 2
 # Seconds the replay socket has to send each frame of its answer. It answers from the server's
 # event loop at once; only a server that is not there (or not a replay socket) takes longer.
 REPLAY_WAIT = 10.0
+# Seconds between asks while the replay socket answers busy, doubling up to the second.
+_BUSY_PAUSE = (0.05, 1.0)
 # A replay request for no batch at all: the answer is the end marker alone, so asking it
 # checks at start that ``--replay`` names a replay socket without showing anything.
 _NOTHING = (1 << 63) - 1
@@ -120,7 +122,8 @@ def fetch_replay(
     ctx: zmq.Context[Any], endpoint: str, start: int, wait: float = REPLAY_WAIT
 ) -> list[Message]:
     """Every batch the replay socket at ``endpoint`` still holds from ``start`` on, up to its
-    end marker (the request as a REQ socket sends it, from a DEALER). ``ServerUnavailable``,
+    end marker (the request as a REQ socket sends it, from a DEALER; asked again while the
+    socket answers busy, for ``wait`` seconds at most). ``ServerUnavailable``,
     naming ``--replay`` and the fix, when nothing listens there (refused at once), something
     else does (its answer is not the protocol's, or it drops the connection), or no answer
     comes within ``wait`` seconds (a host that never answers: no connection at all)."""
@@ -138,6 +141,8 @@ def fetch_replay(
         connected = False
         out: list[Message] = []
         deadline = time.monotonic() + wait
+        busy_until = deadline
+        pause = _BUSY_PAUSE[0]
         while True:
             left = deadline - time.monotonic()
             ready = dict(poller.poll(max(0, int(left * 1000)))) if left > 0 else {}
@@ -174,6 +179,21 @@ def fetch_replay(
                     )
                 deadline = time.monotonic() + wait
                 _, topic, seq, payload = frames
+                if seq == END_MARKER and payload.startswith(BUSY_PREFIX) and not out:
+                    # Answering as many requests as it takes: ask again, for ``wait`` at most.
+                    left = busy_until - time.monotonic()
+                    if left <= 0:
+                        raise ServerUnavailable(
+                            f"--replay {endpoint}: the replay socket stayed busy for {wait:g} s "
+                            "(it answers --events-replay-clients requests at once, and "
+                            "requesters that do not read hold theirs until dropped): try again "
+                            "later, or raise the server's --events-replay-clients"
+                        )
+                    time.sleep(min(pause, left))
+                    pause = min(2 * pause, _BUSY_PAUSE[1])
+                    sock.send_multipart([b"", start.to_bytes(8, "big", signed=True)])
+                    deadline = time.monotonic() + wait
+                    continue
                 if seq == END_MARKER:
                     return out
                 out.append((topic, int.from_bytes(seq, "big"), payload))

@@ -549,6 +549,11 @@ class _EventMetrics:
             ("kvmeta_events_batches", "event batches (ZeroMQ messages) published", st.batches),
             ("kvmeta_events_replay_requests", "replay requests answered", st.replay_requests),
             (
+                "kvmeta_events_replay_refused",
+                "replay requests answered busy (--events-replay-clients answers under way)",
+                st.replay_refused,
+            ),
+            (
                 "kvmeta_events_resyncs",
                 "whole-server resyncs published (at a start, and after the backend lost its data)",
                 st.resyncs,
@@ -591,4 +596,16 @@ class _EventMetrics:
             "kvmeta_events_replay_buffer_bytes",
             "bytes of event batches kept for replay (--events-buffer-mb)",
             value=size,
+        )
+        answers, queued = st.replay_answers
+        yield GaugeMetricFamily(
+            "kvmeta_events_replay_answers",
+            "replay answers under way (--events-replay-clients at most)",
+            value=answers,
+        )
+        yield GaugeMetricFamily(
+            "kvmeta_events_replay_queued_bytes",
+            "bytes of replay answers not yet written to their connections "
+            "(--events-replay-queue-mb)",
+            value=queued,
         )
