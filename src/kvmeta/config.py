@@ -16,6 +16,7 @@ from typing import Any
 
 from kvmeta.errors import ConfigError
 from kvmeta.store.durable import DurabilityOptions
+from kvmeta.store.redis_url import redact_url
 
 __all__ = [
     "OPTIONS",
@@ -94,6 +95,8 @@ class Settings:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         if shown["auth_token"]:
             shown["auth_token"] = "***"
+        if shown["backend"]:
+            shown["backend"] = redact_url(shown["backend"])
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
