@@ -185,7 +185,7 @@ async def pools(state: OpsState, req: Request, rank: int) -> Response:
     stats = await visible_stats(state, scope)
     return json_response(
         {
-            "server": settings_view(state.settings, state.backend),
+            "server": settings_view(state.settings, state.backend, scope.all_access),
             "pools": [pool_view(st) for st in stats],
             "vllm": (await state.service.v_index(scope.tenant)).view(),
         }
