@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
+from kvmeta.lograte import LIMITER
 from tests.redis_support import (  # noqa: F401  (shared fixtures)
     own_redis,
     redis_cluster,
@@ -25,6 +26,13 @@ def _clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("KVMETA_"):
             monkeypatch.delenv(name)
+
+
+@pytest.fixture(autouse=True)
+def _fresh_log_limiter() -> None:
+    """Each test's first warning of a kind is logged in full, whatever earlier tests in this
+    process logged (``kvmeta.lograte`` counts repeats per kind for 10 s)."""
+    LIMITER.reset()
 
 
 @pytest.fixture

@@ -287,10 +287,20 @@ class TopologyError(RuntimeError):
 class Node:
     """One ``valkey-server`` process (data node or Sentinel) with its own directory and log."""
 
-    def __init__(self, root: Path, name: str, args: list[str], *, conf: str | None = None) -> None:
+    def __init__(
+        self,
+        root: Path,
+        name: str,
+        args: list[str],
+        *,
+        conf: str | None = None,
+        password: str | None = None,
+    ) -> None:
+        """``password``: what the node's ``requirepass`` (in ``args`` or ``conf``) asks for."""
         self.name = name
         self.args = args
         self.conf = conf
+        self.password = password
         self.port = 0
         self.dir = root / name
         self.proc: subprocess.Popen[bytes] | None = None
@@ -344,7 +354,9 @@ class Node:
         raise TopologyError(f"{self.name} did not start; see {self.logfile}{_tail(self)}")
 
     def client(self, timeout: float = 5.0) -> redis.Redis:
-        return redis.Redis(port=self.port, socket_timeout=timeout, decode_responses=True)
+        return redis.Redis(
+            port=self.port, password=self.password, socket_timeout=timeout, decode_responses=True
+        )
 
     def call(self, *args: Any) -> Any:
         with self.client() as client:

@@ -16,6 +16,7 @@ from typing import Any
 
 from kvmeta.errors import ConfigError
 from kvmeta.store.durable import DurabilityOptions
+from kvmeta.store.redis_url import redact_url
 
 __all__ = [
     "OPTIONS",
@@ -97,6 +98,8 @@ class Settings:
         shown = {f.name: getattr(self, f.name) for f in fields(self)}
         if shown["auth_token"]:
             shown["auth_token"] = "***"
+        if shown["backend"]:
+            shown["backend"] = redact_url(shown["backend"])
         return "Settings(" + ", ".join(f"{k}={v!r}" for k, v in shown.items()) + ")"
 
 
@@ -109,6 +112,18 @@ class Option:
     flag_only: bool = False  # boolean switch
 
 
+# Sane ranges of the numeric flags. A duration is at least a millisecond (below the timers'
+# resolution, and no lease or timeout that short makes sense) and at most a year: Redis's WAIT
+# takes milliseconds as a 64-bit integer (--replica-ack-timeout 1e300 failed every
+# acknowledged write), and a lease of 1e300 s would hold a pool's pages after a Redis data
+# loss forever. A count is at most 2**53: exact as a double, as Redis scripts and JSON readers
+# see numbers.
+MIN_SECONDS = 0.001
+MAX_SECONDS = 365 * 24 * 3600.0
+MAX_COUNT = 1 << 53
+MAX_WORKERS = 1024
+
+
 def _finite(text: str) -> float:
     value = float(text)
     if value != value or value in (float("inf"), float("-inf")):
@@ -116,12 +131,20 @@ def _finite(text: str) -> float:
     return value
 
 
+def _in_seconds_range(value: float, what: str) -> float:
+    if not MIN_SECONDS <= value <= MAX_SECONDS:
+        raise ValueError(
+            f"must be {what}from {MIN_SECONDS:g} to {MAX_SECONDS:.0f} seconds (365 days)"
+        )
+    return value
+
+
 def _positive_float(text: str) -> float:
-    """Seconds where 0 means off (or 'only at shutdown'): >= 0."""
+    """Seconds where 0 means off (or 'only at shutdown'): 0, or a duration in range."""
     value = _finite(text)
     if value < 0:
         raise ValueError("must be >= 0")
-    return value
+    return value if value == 0 else _in_seconds_range(value, "0 (off) or ")
 
 
 def _seconds(text: str) -> float:
@@ -129,21 +152,28 @@ def _seconds(text: str) -> float:
     value = _finite(text)
     if value <= 0:
         raise ValueError("must be > 0 seconds")
+    return _in_seconds_range(value, "")
+
+
+def _count(text: str, low: int, high: int) -> int:
+    value = int(text)
+    if value < low:
+        raise ValueError("must be > 0" if low == 1 else f"must be >= {low}")
+    if value > high:
+        raise ValueError(f"must be at most {high:,}")
     return value
 
 
 def _positive_int(text: str) -> int:
-    value = int(text)
-    if value <= 0:
-        raise ValueError("must be > 0")
-    return value
+    return _count(text, 1, MAX_COUNT)
 
 
 def _non_negative_int(text: str) -> int:
-    value = int(text)
-    if value < 0:
-        raise ValueError("must be >= 0")
-    return value
+    return _count(text, 0, MAX_COUNT)
+
+
+def _workers(text: str) -> int:
+    return _count(text, 1, MAX_WORKERS)
 
 
 def _port(text: str) -> int:
@@ -212,7 +242,11 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option("save_interval", "seconds between writes of --persistence-path", _positive_float),
     Option("backend", "shared state URL, e.g. redis://host:6379/0; unset: state in this process"),
-    Option("workers", "server processes on one port (needs a shared --backend)", _positive_int),
+    Option(
+        "workers",
+        f"server processes on one port, 1..{MAX_WORKERS} (needs a shared --backend)",
+        _workers,
+    ),
     Option("auth_token", "require this token (Bearer, or as the password in the URL)"),
     Option("ssl_certfile", "TLS certificate (PEM) to serve https"),
     Option("ssl_keyfile", "TLS private key (PEM)"),

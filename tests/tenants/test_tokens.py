@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from kvmeta.errors import ConfigError
-from kvmeta.server.access import TokenBucket
+from kvmeta.server.access import MAX_RETRY_AFTER, TokenBucket, retry_after
 from kvmeta.server.tokens import digest, parse_tokens
 from tests.support import SRC, ServerProcess
 from tests.tenants.conftest import OPERATOR, TOKENS, Client, token, tokens_toml, write_tokens
@@ -51,7 +51,7 @@ def _serve_fails(*args: str) -> str:
         (f"[[tokens]]\ntoken = '{'x' * 20}'\ntenant = 'a'\nranks = '7-3'", ["backwards"]),
         (f"[[tokens]]\ntoken = '{'x' * 20}'\ntenant = 'a'\nrights = ['root']", ["rights"]),
         ("[[tokens]]\ntoken_sha256 = 'abc'\ntenant = 'a'", ["token_sha256", "64 hex"]),
-        ("[tenants.a]\nrequests_per_second = 0", ["tenants.a.requests_per_second", "> 0"]),
+        ("[tenants.a]\nrequests_per_second = 0", ["tenants.a.requests_per_second", "0.001 to"]),
         ("[tenants.a]\nburst = 3", ["tenants.a.burst", "requests_per_second"]),
         ("[tenants.a]\nmax_page = 3", ["tenants.a.max_page", "known"]),
         ("[[tokens]]\ntoken = abc\n", ["not valid TOML", "line 2"]),
@@ -63,6 +63,56 @@ def test_bad_files_name_the_field_and_fix(text: str, names: list[str]) -> None:
     for name in names:
         assert name in str(exc.value)
     assert "x" * 20 not in str(exc.value)
+
+
+@pytest.mark.parametrize(
+    ("quota", "key", "allowed"),
+    [
+        ("requests_per_second = 1e-310", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = nan", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = inf", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = -inf", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = -2", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = 1e300", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = '5'", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = true", "requests_per_second", "0.001 to 10,000,000"),
+        ("requests_per_second = 5\nburst = 0.5", "burst", "1 to 1,000,000,000"),
+        ("requests_per_second = 5\nburst = nan", "burst", "1 to 1,000,000,000"),
+        ("requests_per_second = 5\nburst = 1e300", "burst", "1 to 1,000,000,000"),
+        ("max_pages = -1", "max_pages", "0 to 9,007,199,254,740,992"),
+        ("max_pages = 9223372036854775807", "max_pages", "0 to 9,007,199,254,740,992"),
+        ("max_pages = 1.5", "max_pages", "0 to 9,007,199,254,740,992"),
+    ],
+)
+def test_an_absurd_quota_names_the_tenant_the_key_and_the_range(
+    quota: str, key: str, allowed: str
+) -> None:
+    with pytest.raises(ConfigError) as exc:
+        parse_tokens(f"[tenants.teamA]\n{quota}\n", "t.toml")
+    text = str(exc.value)
+    assert f"`tenants.teamA.{key}`" in text and allowed in text, text
+    assert exc.value.field == "auth_file"
+
+
+def test_the_edges_of_the_quota_ranges_are_accepted() -> None:
+    table = parse_tokens(
+        "[tenants.slow]\nrequests_per_second = 0.001\n"
+        "[tenants.fast]\nrequests_per_second = 1e7\nburst = 1e9\nmax_pages = 0\n"
+    )
+    assert table.tenants["slow"].burst == 1.0  # one second of requests, at least one
+    assert table.tenants["fast"].requests_per_second == 1e7
+    assert table.tenants["fast"].max_pages == 0
+
+
+def test_retry_after_never_overflows() -> None:
+    assert retry_after(0.2) == 1 and retry_after(2.5) == 3
+    assert retry_after(1000.0) == 1000
+    for wait in (1e300, float("inf"), float("nan")):
+        assert retry_after(wait) == MAX_RETRY_AFTER
+    # The slowest rate a tokens file may set: its wait is well inside the cap.
+    bucket = TokenBucket(rate=0.001, burst=1.0, now=0.0)
+    assert bucket.take(0.0) == 0.0
+    assert retry_after(bucket.take(0.0)) == 1000
 
 
 def test_a_digest_entry_works_and_no_secret_is_kept() -> None:
@@ -105,7 +155,45 @@ def test_a_bad_file_is_refused_at_start_up(tmp_path: Path) -> None:
     assert "nope.toml" in missing and "--auth-file" in missing
 
 
+def test_an_absurd_rate_is_refused_at_start_up_in_one_line(tmp_path: Path) -> None:
+    quota = "[tenants.teamA]\nrequests_per_second = 1e-310\n"
+    path = write_tokens(tmp_path / "tokens.toml", tokens_toml(quota))
+    proc = subprocess.run(
+        [sys.executable, "-m", "kvmeta", "serve", "--in-memory", "--port", "0"]
+        + ["--auth-file", str(path)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env={"PYTHONPATH": str(SRC), "PATH": "/usr/bin:/bin"},
+    )
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.count("\n") == 1, proc.stderr
+    assert "`tenants.teamA.requests_per_second`" in proc.stderr
+    assert "0.001 to 10,000,000, got 1e-310" in proc.stderr
+
+
 # ---------------------------------------------------------------- serving
+
+
+@pytest.mark.slow
+def test_an_absurd_rate_at_reload_keeps_the_old_table(
+    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+) -> None:
+    path = write_tokens(
+        tmp_path / "tokens.toml",
+        tokens_toml("[tenants.teamA]\nburst = 2\nrequests_per_second = 0.01\n"),
+    )
+    server = tenant_server("--in-memory", auth_file=path)
+    a = Client(server.url, A)
+    write_tokens(path, tokens_toml("[tenants.teamA]\nrequests_per_second = 1e-310\n"))
+    server.proc.send_signal(signal.SIGHUP)  # type: ignore[union-attr]
+    server.wait_for_log("not reloaded", timeout=30)
+    assert "`tenants.teamA.requests_per_second` must be a number from 0.001" in server.log
+    # The old quota (0.01/s, burst 2) is in force: a 429 with a finite Retry-After, no 500.
+    statuses = [a.get("/openapi.json") for _ in range(3)]
+    assert [r.status_code for r in statuses] == [200, 200, 429]
+    assert statuses[2].headers["Retry-After"] == "100"
+    assert server.proc.poll() is None  # type: ignore[union-attr]
 
 
 @pytest.mark.slow

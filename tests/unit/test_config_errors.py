@@ -39,6 +39,14 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
         (["--in-memory"], {"KVMETA_DATA_DIR": "d"}, "data_dir", "(set by env KVMETA_DATA_DIR)"),
         (["--data-dir", "d"], {"KVMETA_IN_MEMORY": "1"}, "data_dir", "`--data-dir`"),
         (["--ssl-certfile", "c.pem"], {}, "ssl_certfile", "go together"),
+        # absurd numbers: outside a sane range, named with the range
+        (["--replica-ack-timeout", "1e300"], {}, "replica_ack_timeout", "0.001 to 31536000"),
+        (["--header-timeout", "1e-300"], {}, "header_timeout", "from 0.001 to"),
+        ([], {"KVMETA_READ_LEASE": "1e-5"}, "read_lease", "0 (off) or from 0.001"),
+        (["--snapshot-interval", "1e12"], {}, "snapshot_interval", "(365 days)"),
+        (["--max-keys", "1" + "0" * 20], {}, "max_keys", "at most 9,007,199,254,740,992"),
+        (["--workers", "5000"], {}, "workers", "at most 1,024"),
+        (["--min-replicas-ack", "-1"], {}, "min_replicas_ack", ">= 0"),
     ],
 )
 def test_a_bad_setting_is_a_config_error_naming_it(
@@ -48,6 +56,13 @@ def test_a_bad_setting_is_a_config_error_naming_it(
         _settings(argv, env)
     assert info.value.field == field
     assert isinstance(info.value, InvalidRequest)  # callers catching the old class still do
+
+
+def test_the_edges_of_the_ranges_are_accepted() -> None:
+    edges = ["--reservation-ttl", "0.001", "--read-lease", "0", "--idle-timeout", "31536000"]
+    settings = _settings([*edges, "--max-keys", str(1 << 53), "--min-replicas-ack", "0"])
+    assert (settings.reservation_ttl, settings.read_lease) == (0.001, 0.0)
+    assert settings.idle_timeout == 31536000 and settings.max_keys == 1 << 53
 
 
 def test_in_memory_keeps_its_sglang_persistence_file_and_the_default_data_dir() -> None:

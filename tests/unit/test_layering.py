@@ -21,6 +21,7 @@ SRC = Path(kvmeta.__file__).parent
 LAYERS = {
     "_types": 0,
     "errors": 0,
+    "lograte": 0,
     "core": 1,
     "store": 2,
     "service": 3,

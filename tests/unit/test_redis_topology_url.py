@@ -70,7 +70,7 @@ def test_passwords_are_redacted_in_every_form() -> None:
     url = "redis+sentinel://u:pw@s1:1,s2:2/m?sentinel_password=sp&db=1"
     shown = redact_url(url)
     assert "pw" not in shown and "sp" not in shown.replace("sentinel_password", "")
-    assert shown.startswith("redis+sentinel://u:***@s1:1,s2:2/m?")
+    assert shown.startswith("redis+sentinel://***:***@s1:1,s2:2/m?")
     assert redact_url("redis+cluster://:pw@h:1,h:2") == "redis+cluster://:***@h:1,h:2"
     with pytest.raises(ConfigError) as info:
         check_url("redis+cluster://:secret@h:1/3")

@@ -39,10 +39,43 @@ def test_other_schemes_are_refused_naming_the_flag() -> None:
 
 def test_passwords_never_reach_logs() -> None:
     assert redact_url("redis://:pw@h:1/0") == "redis://:***@h:1/0"
-    assert redact_url("rediss://user:pw@h:1/0") == "rediss://user:***@h:1/0"
+    assert redact_url("rediss://user:pw@h:1/0") == "rediss://***:***@h:1/0"
     assert redact_url("redis://h:1/0") == "redis://h:1/0"
     backend = RedisBackend("redis://:pw@h:1/0")
     assert "pw" not in backend.describe
+
+
+@pytest.mark.parametrize(
+    ("url", "shown"),
+    [
+        ("redis://h:1/0?password=SECRET", "redis://h:1/0?password=***"),
+        ("redis://h:1/0?db=2&username=SECRET&password=SECRET", None),
+        ("unix:///run/r.sock?password=SECRET&db=1", "unix:///run/r.sock?password=***&db=1"),
+        ("unix://:SECRET@/run/r.sock", "unix://:***@/run/r.sock"),
+        ("redis://SECRET@h:1/0", "redis://***@h:1/0"),  # a user name alone
+        ("redis://:p@SECRET@h:1/0", "redis://:***@h:1/0"),  # an unencoded @ in the password
+        ("redis://h:1/0?PASS%77ORD=SECRET", "redis://h:1/0?PASS%77ORD=***"),  # encoded name
+        ("redis://h:1/0?ssl_password=SECRET&ssl_keyfile=/k.pem", None),
+        ("redis://h:1/0?auth_token=SECRET&client_secret=SECRET", None),
+        ("redis+sentinel://s:1/m?sentinel_password=SECRET&password=SECRET", None),
+        ("redis://h:1/0#password=SECRET", "redis://h:1/0#password=***"),
+        ("redis://[::1:1/0?password=SECRET", "redis://***"),  # too malformed to split
+    ],
+)
+def test_every_credential_form_is_redacted(url: str, shown: str | None) -> None:
+    redacted = redact_url(url)
+    assert "SECRET" not in redacted
+    if shown is not None:
+        assert redacted == shown
+    assert "/k.pem" in redact_url("redis://h:1/0?ssl_keyfile=/k.pem")  # a path, not a secret
+    assert redact_url("unix:///run/r.sock?db=1") == "unix:///run/r.sock?db=1"
+
+
+def test_messages_about_a_url_hide_its_query_password(tmp_path: Path) -> None:
+    with pytest.raises(InvalidRequest) as info:
+        check_url(f"redis://h:1/x?password=SECRET&ssl_ca_certs={tmp_path}/none.pem")
+    assert "SECRET" not in str(info.value) and "password=***" in str(info.value)
+    assert "SECRET" not in RedisBackend("unix:///r.sock?password=SECRET").describe
 
 
 def test_each_pool_has_its_own_hash_tag_and_vllm_shares_one() -> None:
@@ -114,3 +147,14 @@ def test_a_url_asking_for_resp3_is_refused_naming_the_parameter(url: str) -> Non
     with pytest.raises(InvalidRequest, match=r"protocol=3: kvmeta speaks RESP2"):
         check_url(url)
     check_url(url.replace("protocol=3", "protocol=2"))
+
+
+def test_settings_and_bench_reports_hide_backend_credentials() -> None:
+    from kvmeta.bench.launch import redact_args
+    from kvmeta.config import Settings
+
+    url = "redis://u:SECRET@h:1/0?password=SECRET"
+    assert "SECRET" not in repr(Settings(backend=url))
+    shown = redact_args(["--backend", url, f"--backend={url}", "--auth-token", "SECRET"])
+    assert "SECRET" not in " ".join(shown)
+    assert shown[1] == "redis://***:***@h:1/0?password=***"

@@ -118,9 +118,11 @@ def test_status_with_1000_pools_answers_every_pool_and_a_full_history() -> None:
     answer costs is measured in benchmarks/bench_status.py, not asserted here."""
     service = Service(MemoryBackend(MemoryStore()))
     app = build_app(Settings(in_memory=True), service)
-    (job,) = app.background
-    state = job.__self__  # type: ignore[attr-defined]
-    assert isinstance(state, StatusState)
+    (state,) = [
+        job.__self__  # type: ignore[attr-defined]
+        for job in app.background
+        if isinstance(getattr(job, "__self__", None), StatusState)
+    ]
 
     async def answer() -> dict[str, Any]:
         for rank in range(1000):

@@ -25,6 +25,7 @@ from typing import Any
 from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.client.urls import REDACTED
 from kvmeta.errors import KvmetaError
+from kvmeta.store.redis_url import redact_url
 
 __all__ = ["LAUNCH_MODES", "Launch", "LaunchedServer", "redact_args", "run_on", "with_launch"]
 
@@ -268,13 +269,18 @@ class LaunchedServer:
 
 
 def redact_args(args: list[str]) -> list[str]:
-    """``kvmeta serve`` flags as reports and errors show them: the token as ``***``."""
+    """``kvmeta serve`` flags as reports and errors show them: the token as ``***``, and the
+    credentials of a ``--backend`` URL as ``redact_url`` shows them."""
     out: list[str] = []
     for arg in args:
         if out and out[-1] == "--auth-token":
             arg = REDACTED
         elif arg.startswith("--auth-token="):
             arg = "--auth-token=" + REDACTED
+        elif out and out[-1] == "--backend":
+            arg = redact_url(arg)
+        elif arg.startswith("--backend="):
+            arg = "--backend=" + redact_url(arg.removeprefix("--backend="))
         out.append(arg)
     return out
 

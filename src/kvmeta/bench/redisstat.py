@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 from kvmeta.errors import InvalidRequest, KvmetaError, MissingExtra
-from kvmeta.store.redis_url import RESP
+from kvmeta.store.redis_url import RESP, redact_url
 
 if TYPE_CHECKING:
     import redis
@@ -58,8 +58,9 @@ def _parse(url: str) -> _Target:
     scheme, sep, rest = url.partition("://")
     if not sep or scheme not in _SCHEMES:
         raise InvalidRequest(
-            f"--backend-url {url!r} is not a Redis URL: give redis://[:PASSWORD@]HOST:PORT, "
-            "rediss://..., unix:///PATH, redis+cluster://HOST:PORT[,HOST:PORT...] or "
+            f"--backend-url {redact_url(url)!r} is not a Redis URL: give "
+            "redis://[:PASSWORD@]HOST:PORT, rediss://..., unix:///PATH, "
+            "redis+cluster://HOST:PORT[,HOST:PORT...] or "
             "redis+sentinel://HOST:PORT[,...]/MASTERNAME",
             "backend_url",
         )
@@ -80,14 +81,17 @@ def _parse(url: str) -> _Target:
         if not colon:
             host, port = item, "26379" if scheme == "redis+sentinel" else "6379"
         if not port.isdecimal() or not host:
-            raise InvalidRequest(f"--backend-url {url!r}: {item!r} is not HOST:PORT", "backend_url")
+            raise InvalidRequest(
+                f"--backend-url {redact_url(url)!r}: {item!r} is not HOST:PORT", "backend_url"
+            )
         hosts.append((host.strip("[]"), int(port)))
     if not hosts:
-        raise InvalidRequest(f"--backend-url {url!r} names no host", "backend_url")
+        raise InvalidRequest(f"--backend-url {redact_url(url)!r} names no host", "backend_url")
     master = unquote(path.split("/", 1)[0]) if scheme == "redis+sentinel" else ""
     if scheme == "redis+sentinel" and not master:
         raise InvalidRequest(
-            f"--backend-url {url!r}: a Sentinel URL ends with /MASTERNAME", "backend_url"
+            f"--backend-url {redact_url(url)!r}: a Sentinel URL ends with /MASTERNAME",
+            "backend_url",
         )
     return _Target(scheme, tuple(hosts), username, password, scheme.startswith("rediss"), master)
 

@@ -14,6 +14,7 @@ import logging
 import threading
 from typing import TypeVar
 
+from kvmeta.lograte import warn_limited
 from kvmeta.service.core import Op, Operations, Outcome, run_sync
 from kvmeta.service.limits import RequestLimits
 from kvmeta.store.epoch import new_epoch
@@ -58,5 +59,5 @@ class LocalState:
         """Run ``op`` and log its caller warnings as the server's header would carry them."""
         outcome = self._run(op)
         for kind, text in outcome.warnings:
-            logger.warning("%s: %s", kind, text)
+            warn_limited(logger, f"client {kind}", "%s: %s", kind, text)
         return outcome.value

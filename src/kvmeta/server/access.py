@@ -39,10 +39,12 @@ from kvmeta.server.tokens import ALL_ACCESS, Scope, TenantQuota, digest, load_to
 
 __all__ = [
     "ANY",
+    "MAX_RETRY_AFTER",
     "ROUTE_RULES",
     "Access",
     "Rule",
     "TokenBucket",
+    "retry_after",
     "scope_of",
     "sglang_pool",
     "vllm_pool",
@@ -160,6 +162,20 @@ class TokenBucket:
             return 0.0
         self.tokens = tokens
         return (1.0 - tokens) / self.rate
+
+
+# The longest Retry-After a 429 of the request rate says (the tokens file's slowest rate, one
+# request per 1000 s, waits at most 1000 s).
+MAX_RETRY_AFTER = 3600
+
+
+def retry_after(wait: float) -> int:
+    """Whole seconds to wait (rounded up, 1 to ``MAX_RETRY_AFTER``) for a wait of ``wait``
+    seconds, whatever ``wait`` is: an infinite or NaN one (a rate near 0) answers the
+    longest, never an OverflowError (a 500)."""
+    if not wait <= MAX_RETRY_AFTER:  # also NaN
+        return MAX_RETRY_AFTER
+    return max(1, math.ceil(wait))
 
 
 _MISSING = (
@@ -292,7 +308,7 @@ class Access:
         wait = bucket.take(now)
         if wait:
             self.limited[tenant] = self.limited.get(tenant, 0) + 1
-            seconds = max(1, math.ceil(wait))
+            seconds = retry_after(wait)
             raise QuotaExceeded(
                 f"Too many requests: tenant '{tenant}' is over its request rate "
                 f"({bucket.rate:g} requests/s, burst {bucket.burst:g}); retry after {seconds} s "

@@ -1,5 +1,6 @@
 """What the server tells its operator in the log: one line per start-up fact, a warning when a
-second engine seems to share a pool, and the opt-in access log (one line per request).
+second engine seems to share a pool (at a bounded rate: ``kvmeta.lograte``), and the opt-in
+access log (one line per request).
 
 No per-request logging happens unless ``--access-log`` is given: at tens of thousands of
 requests per second a log line costs more than the request.
@@ -7,6 +8,7 @@ requests per second a log line costs more than the request.
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Callable, Coroutine
 from time import perf_counter
@@ -16,11 +18,12 @@ import msgspec
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId
 from kvmeta.config import Settings
+from kvmeta.lograte import LIMITER, warn_limited
 from kvmeta.server.access import sglang_pool, vllm_pool
 from kvmeta.server.app import RouteHandler
 from kvmeta.server.http import Request, Response
 
-__all__ = ["InitWatcher", "access_logged", "log_startup"]
+__all__ = ["InitWatcher", "access_logged", "flush_log_summaries", "log_startup"]
 
 logger = logging.getLogger("kvmeta.server")
 access_logger = logging.getLogger("kvmeta.access")
@@ -74,7 +77,10 @@ class InitWatcher:
         host = str(request.peer[0]) if request.peer else "unknown"
         first = self.first_host.setdefault(pool, host)
         if first != host:
-            logger.warning(
+            # Per pool: each pool shared by two engines is its own problem to fix.
+            warn_limited(
+                logger,
+                f"initialised again: {pool}",
                 "%s initialised again from %s (first from %s): if two engines use this pool they "
                 "overwrite each other's pages; give each engine its own rank/namespace or server",
                 pool,
@@ -134,6 +140,18 @@ def log_startup(settings: Settings, backend_description: str) -> None:
         logger.info("tls: off (plain http; engines' stock clients speak only http)")
     if settings.access_log:
         logger.info("access log: on (one line per request, logger kvmeta.access)")
+
+
+async def flush_log_summaries(every: float = 1.0) -> None:
+    """Write the summary lines of rate-limited warnings (``kvmeta.lograte``) as their
+    intervals end, not only when the next such warning comes; at shutdown, every count still
+    pending, so none is lost (a background task of the server)."""
+    try:
+        while True:
+            await asyncio.sleep(every)
+            LIMITER.flush()
+    finally:
+        LIMITER.flush(final=True)
 
 
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]

@@ -34,7 +34,7 @@ from kvmeta.server.metrics import (
     render_metrics_async,
 )
 from kvmeta.server.openapi import build_document
-from kvmeta.server.oplog import InitWatcher
+from kvmeta.server.oplog import InitWatcher, flush_log_summaries
 from kvmeta.server.tokens import Scope
 from kvmeta.server.views import pool_view, settings_view
 from kvmeta.service.ops import Service
@@ -185,7 +185,7 @@ async def pools(state: OpsState, req: Request, rank: int) -> Response:
     stats = await visible_stats(state, scope)
     return json_response(
         {
-            "server": settings_view(state.settings, state.backend),
+            "server": settings_view(state.settings, state.backend, scope.all_access),
             "pools": [pool_view(st) for st in stats],
             "vllm": (await state.service.v_index(scope.tenant)).view(),
         }
@@ -227,6 +227,7 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
     status = status_page.StatusState(state)
     add_table(app, status_page.ROUTES, status)
     app.background.append(status.run)
+    app.background.append(flush_log_summaries)
     app.authorize = state.auth
     if state.access is not None:
         # Innermost: the scope is on the request and checked before any handler runs; the

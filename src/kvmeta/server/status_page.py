@@ -366,9 +366,22 @@ class StatusState:
             # Keep to the grid so that samples are SAMPLE_SECONDS apart on average.
             await asyncio.sleep(SAMPLE_SECONDS - loop.time() % SAMPLE_SECONDS)
 
-    def backend_view(self, ready: bool, reason: str) -> dict[str, Any]:
-        settings = self.ops.settings
+    def backend_view(self, ready: bool, reason: str, server_wide: bool = True) -> dict[str, Any]:
+        """The backend box of the page. A tenant's token (``server_wide`` False) gets what
+        ``/metrics`` gives it: the backend's kind and readiness, none of the server-wide
+        journal, fsync, snapshot and replication numbers, nor the data directory."""
         backend = self.ops.backend
+        if not server_wide:
+            return {
+                "name": backend.name,
+                "describe": backend.name,
+                "epoch": backend.epoch,
+                "ready": ready,
+                "reason": reason or None,
+                **dict.fromkeys(_SERVER_WIDE),
+                "durability": {},
+            }
+        settings = self.ops.settings
         now = time.monotonic()
         durability = backend.durability_stats()
         mtime = self.disk.snapshot_mtime
@@ -391,6 +404,19 @@ class StatusState:
             "role": _role(durability),
             "replicas": durability.get("redis_replicas_min"),
         }
+
+
+# What only the operator's token sees of the backend (None for a tenant's token).
+_SERVER_WIDE = (
+    "fsync",
+    "data_dir",
+    "journal_failed",
+    "last_fsync_seconds_ago",
+    "journal_segment_bytes",
+    "snapshot_age_seconds",
+    "role",
+    "replicas",
+)
 
 
 def _role(durability: dict[str, float]) -> str | None:
@@ -423,8 +449,8 @@ async def status(state: StatusState, req: Request, rank: int) -> Response:
     scope = scope_of(req)
     return json_response(
         {
-            "server": settings_view(ops.settings, ops.backend),
-            "backend": state.backend_view(ok, reason),
+            "server": settings_view(ops.settings, ops.backend, scope.all_access),
+            "backend": state.backend_view(ok, reason, scope.all_access),
             "uptime_seconds": round(now - ops.started, 3),
             "time": round(time.time(), 3),
             "pools_at": state.pools_at[1] if state.pools_at else None,

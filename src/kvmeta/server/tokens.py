@@ -28,6 +28,7 @@ from __future__ import annotations
 import fnmatch
 import hashlib
 import hmac
+import math
 import os
 import re
 import stat
@@ -46,6 +47,9 @@ else:  # pragma: no cover - Python 3.10
 
 __all__ = [
     "ALL_ACCESS",
+    "BURST_RANGE",
+    "MAX_TENANT_PAGES",
+    "RATE_RANGE",
     "RIGHTS",
     "Scope",
     "TenantQuota",
@@ -65,6 +69,12 @@ _TOKEN_KEYS = frozenset(
 )
 _TENANT_KEYS = frozenset(("max_pages", "requests_per_second", "burst"))
 _INT64_MAX = (1 << 63) - 1
+# Sane ranges of the tenants' quotas: one request per 1000 s at the slowest (a Retry-After of
+# 1000 s), 10 million per second at the most (far beyond what one server answers); a bucket
+# holds 1 to a billion requests; pages up to 2**53 (exact as a double, as Redis scripts count).
+RATE_RANGE = (0.001, 10_000_000.0)
+BURST_RANGE = (1.0, 1_000_000_000.0)
+MAX_TENANT_PAGES = 1 << 53
 
 
 def digest(token: bytes) -> bytes:
@@ -289,6 +299,36 @@ def _parse_token_entry(
     return d, scope
 
 
+def _number(
+    path: str | None,
+    where: str,
+    table: dict[str, Any],
+    key: str,
+    allowed: tuple[float, float],
+    fix: str,
+) -> float | None:
+    """``table[key]`` as a float in the ``allowed`` range, None when absent. The range keeps
+    every number derived from it finite: a rate of 1e-310 requests/s would make the wait
+    before the next request (Retry-After) overflow."""
+    value = table.get(key)
+    if value is None:
+        return None
+    low, high = allowed
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, (int, float))
+        or not math.isfinite(value)
+        or not low <= value <= high
+    ):
+        raise _err(
+            path,
+            f"{where}.{key}",
+            f"must be a number from {low:g} to {high:,.0f}, got {value!r}",
+            fix,
+        )
+    return float(value)
+
+
 def _parse_tenant(path: str | None, name: str, table: Any) -> TenantQuota:
     where = f"tenants.{name}"
     _check_tenant(path, where, name)
@@ -304,43 +344,23 @@ def _parse_tenant(path: str | None, name: str, table: Any) -> TenantQuota:
         )
     max_pages = table.get("max_pages")
     if max_pages is not None and (
-        not isinstance(max_pages, int) or isinstance(max_pages, bool) or max_pages < 0
+        not isinstance(max_pages, int)
+        or isinstance(max_pages, bool)
+        or not 0 <= max_pages <= MAX_TENANT_PAGES
     ):
         raise _err(
             path,
             f"{where}.max_pages",
-            f"must be an integer >= 0, got {max_pages!r}",
+            f"must be an integer from 0 to {MAX_TENANT_PAGES:,}, got {max_pages!r}",
             "omit it for no cap",
         )
-    rate = table.get("requests_per_second")
-    burst = table.get("burst")
-    for key, value in (("requests_per_second", rate), ("burst", burst)):
-        if value is not None and (
-            isinstance(value, bool)
-            or not isinstance(value, (int, float))
-            or not value > 0
-            or value != value
-            or value == float("inf")
-        ):
-            raise _err(
-                path,
-                f"{where}.{key}",
-                f"must be a number > 0, got {value!r}",
-                "omit it for no limit",
-            )
+    rate = _number(path, where, table, "requests_per_second", RATE_RANGE, "omit it for no limit")
+    burst = _number(path, where, table, "burst", BURST_RANGE, "omit it for one second of requests")
     if burst is not None and rate is None:
         raise _err(path, f"{where}.burst", "needs requests_per_second", "set both, or neither")
-    if rate is not None:
-        burst = float(burst) if burst is not None else max(1.0, float(rate))
-        if burst < 1:
-            raise _err(
-                path, f"{where}.burst", "must be >= 1", "a bucket holds at least one request"
-            )
-    return TenantQuota(
-        max_pages=max_pages,
-        requests_per_second=float(rate) if rate is not None else None,
-        burst=burst,
-    )
+    if rate is not None and burst is None:
+        burst = min(max(1.0, rate), BURST_RANGE[1])  # one second of requests
+    return TenantQuota(max_pages=max_pages, requests_per_second=rate, burst=burst)
 
 
 def parse_tokens(text: str, path: str | None = None) -> TokenTable:

@@ -41,16 +41,23 @@ def pool_view(st: PoolStats) -> dict[str, Any]:
     }
 
 
-def settings_view(settings: Settings, backend: Backend) -> dict[str, Any]:
-    """Settings an operator wants next to the pools (never the token)."""
+def settings_view(settings: Settings, backend: Backend, server_wide: bool = True) -> dict[str, Any]:
+    """Settings an operator wants next to the pools (never the token).
+
+    ``server_wide`` False is a tenant's token: like ``/metrics``, it sees the backend's kind,
+    not where it is (the Redis address, the data directory), since those are the operator's
+    business and the same for every tenant."""
+    if not server_wide:
+        durability = backend.name
+    elif settings.backend:  # a shared backend keeps all state itself: no data directory
+        durability = backend.name
+    else:
+        durability = "in-memory" if settings.in_memory else settings.data_dir
     return {
         "version": __version__,
-        "backend": backend.describe,
+        "backend": backend.describe if server_wide else backend.name,
         "epoch": backend.epoch,  # changes when the backend's state may have been lost
-        # A shared backend keeps all state itself: no local data directory or fsync applies.
-        "durability": backend.name
-        if settings.backend
-        else ("in-memory" if settings.in_memory else settings.data_dir),
+        "durability": durability,
         "fsync": None if settings.backend else settings.fsync,
         "reservation_ttl": settings.reservation_ttl,
         "read_lease": settings.read_lease,

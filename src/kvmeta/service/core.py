@@ -31,6 +31,7 @@ from typing import Any, Generic, TypeVar
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, NotInitialized, QuotaExceeded
+from kvmeta.lograte import warn_limited
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.vllm import (
     INIT_ERROR,
@@ -296,7 +297,7 @@ class Operations:
         index: VIndex = yield ("v_index", (tenant,))
         warning = ignored_rank_warning(rank, index)
         if warning:
-            logger.warning("%s", warning)
+            warn_limited(logger, "ignored_rank", "%s", warning)
         return Outcome(result, [size_conflict(pool, result)] if result.conflict else [])
 
     def v_exists(self, keys: list[str], tenant: str = "") -> Op[list[bool]]:

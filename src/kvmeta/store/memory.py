@@ -35,6 +35,7 @@ from kvmeta.core.invariants import (
 )
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
+from kvmeta.lograte import warn_limited
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
@@ -150,7 +151,9 @@ class MemoryStore:
             result = InitResult(created=False, num_pages=pool.num_pages, requested=num_pages)
             if result.conflict:
                 self.size_conflicts[pid] = self.size_conflicts.get(pid, 0) + 1
-                logger.warning(
+                warn_limited(
+                    logger,
+                    "size_conflict",
                     "%s re-initialised with num_pages=%d but has %d pages; keeping %d. Two "
                     "engines with different file sizes on one pool would overwrite each "
                     "other's pages: give each its own rank or namespace.",
@@ -262,7 +265,9 @@ class MemoryStore:
             if self.on_change is not None:
                 self._changed(pid, STORED, outcome.committed, "")
         if outcome.refused:
-            logger.warning(
+            warn_limited(
+                logger,
+                "confirm_refused",
                 "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
                 "or page re-used), e.g. %r; the writer's data is not mapped",
                 pid,

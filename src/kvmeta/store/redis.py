@@ -79,6 +79,7 @@ from kvmeta.errors import (
     PoolDamaged,
     RankInUse,
 )
+from kvmeta.lograte import warn_limited
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
@@ -1179,7 +1180,9 @@ class RedisBackend:
     def _init_result(self, pool: PoolId, reply: list[Any], requested: int) -> InitResult:
         result = InitResult(created=bool(reply[1]), num_pages=int(reply[2]), requested=requested)
         if result.conflict:
-            logger.warning(
+            warn_limited(
+                logger,
+                "size_conflict",
                 "%s re-initialised with num_pages=%d but has %d pages; keeping %d. Two engines "
                 "with different file sizes on one pool would overwrite each other's pages: "
                 "give each its own rank or namespace.",
@@ -1204,7 +1207,9 @@ class RedisBackend:
         reply = await self._changing_op("confirm", pool, (pairs, release), STORED, "")
         refused = int(reply[1])
         if refused:
-            logger.warning(
+            warn_limited(
+                logger,
+                "confirm_refused",
                 "%s: refused %d confirm(s) for pages not reserved for their key (lease expired "
                 "or page re-used), e.g. %r; the writer's data is not mapped",
                 pool,

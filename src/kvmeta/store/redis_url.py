@@ -1,6 +1,6 @@
 """``--backend`` URLs for Redis/Valkey: one endpoint, a Cluster, or a Sentinel group.
 
-Forms (passwords never leave this module unredacted: ``redact_url``)::
+Forms (no credential leaves this module unredacted: ``redact_url``)::
 
     redis://[[user]:pass@]host:port[/db]        one endpoint (a Cluster node is detected)
     rediss://...                                 the same over TLS
@@ -17,11 +17,11 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from pathlib import Path
-from urllib.parse import parse_qs, unquote, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qs, unquote, unquote_plus, urlencode, urlsplit, urlunsplit
 
 from kvmeta.errors import ConfigError
 
-__all__ = ["RESP", "RedisTarget", "check_url", "parse_target", "redact_url"]
+__all__ = ["REDACTED", "RESP", "RedisTarget", "check_url", "parse_target", "redact_url"]
 
 # The protocol version every connection kvmeta opens asks for. kvmeta reads replies itself
 # (``store.redis_link``) and its scripts' replies are shaped for RESP2; redis-py 8 and later
@@ -47,17 +47,56 @@ _FORMS = (
 )
 
 
+# Words in a query parameter's name that mark its value as a credential (redis-py passes any
+# parameter on to the connection: ``password``, ``username``, ``sentinel_password``,
+# ``ssl_password``, and whatever a later version adds with such a name).
+_SECRET_WORDS = ("password", "passwd", "pass", "token", "secret", "user", "auth", "key")
+# Parameters whose name contains one of the words above but that name a file, not a secret.
+_NOT_SECRET = frozenset(_TLS_FILES) | {"ssl_certfile"}
+REDACTED = "***"
+
+
+def _secret_param(name: str) -> bool:
+    low = unquote_plus(name).lower()
+    return low not in _NOT_SECRET and any(word in low for word in _SECRET_WORDS)
+
+
+def _redact_pairs(text: str) -> str:
+    """``a=1&password=x`` with each credential's value as ``***``; every other byte kept."""
+    out = []
+    for pair in text.split("&"):
+        name = pair.partition("=")[0]
+        out.append(f"{name}={REDACTED}" if _secret_param(name) else pair)
+    return "&".join(out)
+
+
 def redact_url(url: str) -> str:
-    """``url`` with any password (and ``sentinel_password``) replaced by ``***``."""
-    parts = urlsplit(url)
-    if parts.password is not None:
-        hosts = parts.netloc.rsplit("@", 1)[1]
-        parts = parts._replace(netloc=f"{parts.username or ''}:***@{hosts}")
-    if "sentinel_password" in parts.query:
-        query = parse_qs(parts.query, keep_blank_values=True)
-        query["sentinel_password"] = ["***"]
-        parts = parts._replace(query=urlencode(query, doseq=True, safe="*"))
-    return urlunsplit(parts)
+    """``url`` as every view, reply, exception message and log line shows it: the user name and
+    password of the userinfo (``user:pass@``) and the value of every query (or fragment)
+    parameter that names a credential (``password=``, ``username=``,
+    ``sentinel_password=``, ...) replaced by ``***``. The one place a ``--backend`` URL is
+    made safe to show, so a new form of credential is hidden everywhere at once. A URL too
+    malformed to split keeps only its scheme."""
+    try:
+        parts = urlsplit(url)
+    except ValueError:
+        scheme = url.partition("://")[0] if "://" in url else ""
+        return f"{scheme}://{REDACTED}" if scheme.isalnum() else REDACTED
+    netloc = parts.netloc
+    if "@" in netloc:
+        userinfo, _, hosts = netloc.rpartition("@")
+        user, colon, _password = userinfo.partition(":")
+        netloc = (REDACTED if user else "") + (f":{REDACTED}" if colon else "") + "@" + hosts
+    # Put together by hand: urlunsplit would drop the empty host of unix:///path.
+    shown = f"{parts.scheme}:" if parts.scheme else ""
+    if url[len(shown) :].startswith("//"):
+        shown += "//" + netloc
+    shown += parts.path
+    if parts.query or "?" in url.partition("#")[0]:
+        shown += "?" + _redact_pairs(parts.query)
+    if parts.fragment:
+        shown += "#" + _redact_pairs(parts.fragment)
+    return shown
 
 
 @dataclass(frozen=True)
