@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import ipaddress
 import os
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, fields
@@ -56,6 +57,8 @@ class Settings:
     workers: int = 1
     # operations
     auth_token: str | None = None
+    # Host names a server not bound to loopback answers (None: any; see server/guard.py)
+    allowed_hosts: tuple[str, ...] | None = None
     ssl_certfile: str | None = None
     ssl_keyfile: str | None = None
     max_body_bytes: int = 16 * 1024 * 1024
@@ -198,6 +201,50 @@ def _zmq_endpoint(text: str) -> str:
     return text
 
 
+def _valid_name(name: str) -> bool:
+    labels = name.split(".")
+    return all(
+        label
+        and len(label) <= 63
+        and all(c.isascii() and (c.isalnum() or c in "-_") for c in label)
+        for label in labels
+    )
+
+
+def _allowed_hosts(text: str) -> tuple[str, ...]:
+    """``--allowed-hosts``: comma-separated host names (``kvmeta.internal``), ``*.suffix`` for
+    every name under a domain, IP addresses, or ``*`` for any Host; no ports (any port is
+    accepted). Lowercased, trailing dots dropped (``server.guard`` matches Host against them).
+
+    Raises:
+        ValueError: an entry that is none of these (the message names it).
+    """
+    entries: list[str] = []
+    for raw in text.split(","):
+        entry = raw.strip().lower()
+        if not entry:
+            continue
+        if entry == "*":
+            entries.append(entry)
+            continue
+        try:
+            entries.append(str(ipaddress.ip_address(entry.strip("[]"))))
+            continue
+        except ValueError:
+            pass
+        name = entry.rstrip(".")
+        bare = name[2:] if name.startswith("*.") else name
+        if not bare or not _valid_name(bare):
+            raise ValueError(
+                f"{raw.strip()!r} is not a host name, *.domain or IP address (no scheme, port "
+                "or path), e.g. kvmeta.internal,*.svc.cluster.local"
+            )
+        entries.append(name)
+    if not entries:
+        raise ValueError("give at least one host name, e.g. kvmeta.internal (or * for any)")
+    return tuple(entries)
+
+
 def _medium(text: str) -> str:
     if not text or len(text) > 64:
         raise ValueError("a tier name of 1-64 characters, e.g. EXTERNAL")
@@ -248,6 +295,13 @@ OPTIONS: tuple[Option, ...] = (
         _workers,
     ),
     Option("auth_token", "require this token (Bearer, or as the password in the URL)"),
+    Option(
+        "allowed_hosts",
+        "comma-separated host names the Host header may carry (*.domain for a whole domain, "
+        "* for any), besides localhost and, unless bound to loopback, IP addresses; unset: "
+        "loopback names only when bound to loopback, else any (DNS-rebinding defence)",
+        _allowed_hosts,
+    ),
     Option("ssl_certfile", "TLS certificate (PEM) to serve https"),
     Option("ssl_keyfile", "TLS private key (PEM)"),
     Option("max_body_bytes", "largest request body accepted", _positive_int),

@@ -6,11 +6,13 @@
     |   +-- InvalidPathParameter           a path rank that is not an integer: 422
     |   +-- ConfigError                    a flag, KVMETA_* variable or --backend URL is wrong
     |   +-- NoHashIndex                    prefix_match by hashes on a pool not indexed by them
+    |   +-- UnsupportedMediaType           a change sent with a Content-Type other than JSON: 415
     +-- NotInitialized (LookupError)       the pool/rank does not exist yet: 404
     +-- NotFound (LookupError)             unknown route: 404
     +-- MethodNotAllowed                   405
     +-- Unauthorized                       missing or wrong auth token: 401
-    +-- Forbidden                          the token's scope does not cover the request: 403
+    +-- Forbidden                          the token's scope does not cover the request, or
+    |                                      its Host or Origin is not accepted: 403
     +-- QuotaExceeded                      a tenant's page or request-rate quota: 429
     +-- RankInUse                          removing a vLLM rank whose pages are in use: 409
     +-- ServerUnavailable                  client side: the server could not be reached
@@ -59,6 +61,7 @@ __all__ = [
     "ServerUnavailable",
     "StorageError",
     "Unauthorized",
+    "UnsupportedMediaType",
     "error_for_status",
 ]
 
@@ -90,6 +93,14 @@ class PayloadTooLarge(InvalidRequest):
     """Raised when a request exceeds a configured size limit."""
 
     status = 413
+
+
+class UnsupportedMediaType(InvalidRequest):
+    """Raised when a request that may change state declares a body that is not JSON: a form
+    or ``text/plain`` body is what a cross-site page can send without the server's consent,
+    never what an engine sends. Nothing was changed."""
+
+    status = 415
 
 
 class NotInitialized(KvmetaError, LookupError):
@@ -264,7 +275,10 @@ class NoHashIndex(InvalidRequest):
 
 class Forbidden(KvmetaError):
     """Raised when a valid token's scope (tenant, pools, rights) does not cover the request.
-    The message names the scope, never whether the target exists (no existence oracle)."""
+    The message names the scope, never whether the target exists (no existence oracle).
+
+    Also raised when a request's ``Host`` or ``Origin`` header says a browser was led to send
+    it (DNS rebinding, a cross-site page; ``server.guard``): the message names the header."""
 
     status = 403
 
@@ -331,6 +345,7 @@ _BY_STATUS: dict[int, type[KvmetaError]] = {
     405: MethodNotAllowed,
     409: RankInUse,
     413: PayloadTooLarge,
+    415: UnsupportedMediaType,
     422: InvalidRequest,
     429: QuotaExceeded,
 }

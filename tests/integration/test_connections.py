@@ -57,7 +57,7 @@ def test_a_96_mb_header_value_is_431_without_buffering_it(make_server: Make) -> 
     def send() -> None:
         chunk = b"a" * (1 << 20)
         with contextlib.suppress(OSError):
-            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: ")
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\nX-Big: ")
             for _ in range(96):
                 sock.sendall(chunk)
                 sent[0] += len(chunk)
@@ -83,7 +83,7 @@ def test_no_token_no_100_continue_and_no_body_read(make_server: Make) -> None:
     before = _rss_kib(server.pid)
     sock = _connect(server)
     sock.sendall(
-        b"POST /0/initialize HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n"
+        b"POST /0/initialize HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n"
         b"Expect: 100-continue\r\n\r\n"
     )
     reply = _read_reply(sock)  # the server closes after its answer: nothing else comes
@@ -97,7 +97,9 @@ def test_no_token_no_100_continue_and_no_body_read(make_server: Make) -> None:
     reader = threading.Thread(target=lambda: got.append(_read_reply(sock)), daemon=True)
     reader.start()
     with contextlib.suppress(OSError):
-        sock.sendall(b"POST /0/initialize HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n\r\n")
+        sock.sendall(
+            b"POST /0/initialize HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n\r\n"
+        )
         sock.sendall(b"x" * 16777216)
     reader.join(30)
     sock.close()
@@ -115,10 +117,10 @@ def test_no_token_no_100_continue_and_no_body_read(make_server: Make) -> None:
 def test_header_and_idle_timeouts(make_server: Make) -> None:
     server = make_server("--in-memory", "--header-timeout", "1", "--idle-timeout", "2")
     slow = _connect(server)
-    slow.sendall(b"POST /0/exists HTTP/1.1\r\nHost: x\r\n")  # ...and never the rest
+    slow.sendall(b"POST /0/exists HTTP/1.1\r\nHost: localhost\r\n")  # ...and never the rest
     silent = _connect(server)  # connects, sends nothing
     idle = _connect(server)
-    idle.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+    idle.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert idle.recv(65536).startswith(b"HTTP/1.1 200 ")
     started = time.monotonic()
     reply = _read_reply(slow)
@@ -137,12 +139,12 @@ def test_connections_beyond_the_cap_are_closed_at_once_with_a_warning(make_serve
     held = []
     for _ in range(4):
         sock = _connect(server)
-        sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        sock.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
         assert sock.recv(65536).startswith(b"HTTP/1.1 200 ")
         held.append(sock)
     extra = _connect(server)
     with contextlib.suppress(OSError):
-        extra.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        extra.sendall(b"GET /health HTTP/1.1\r\nHost: localhost\r\n\r\n")
     assert _read_reply(extra, 10) == b""
     extra.close()
     server.wait_for_log("--max-connections")
@@ -188,7 +190,7 @@ def test_a_flood_of_half_sent_requests_cannot_starve_the_journal(
         for _ in range(1100):
             try:
                 sock = socket.create_connection(("127.0.0.1", server.port), timeout=30)
-                sock.sendall(b"POST /0/exists HTTP/1.1\r\nHost: x\r\nContent-Le")
+                sock.sendall(b"POST /0/exists HTTP/1.1\r\nHost: localhost\r\nContent-Le")
             except OSError:
                 continue
             flood.append(sock)
@@ -240,10 +242,10 @@ def test_a_pipelined_request_without_token_is_refused_behind_a_waiting_one(
     )
     body = b'{"num_pages": 4}'
     first = (
-        b"POST /0/initialize HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n"
+        b"POST /0/initialize HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret\r\n"
         b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
     )
-    second = b"POST /1/initialize HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (
+    second = b"POST /1/initialize HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (
         len(body),
         body,
     )

@@ -189,8 +189,8 @@ def _raw_post(url: str, path: str, body: bytes, source: str) -> int:
     host, port = url.split("://", 1)[1].rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=10, source_address=(source, 0)) as s:
         s.sendall(
-            b"POST %s HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\nConnection: close\r\n\r\n%s"
-            % (path.encode(), len(body), body)
+            b"POST %s HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n"
+            b"Connection: close\r\n\r\n%s" % (path.encode(), len(body), body)
         )
         reply = b""
         while chunk := s.recv(65536):

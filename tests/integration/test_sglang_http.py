@@ -103,15 +103,22 @@ def test_reinitialise_with_other_size_keeps_pool_and_warns(server: ServerProcess
     server.wait_for_log("re-initialised with num_pages=5 but has 2 pages")
 
 
-def test_content_type_is_ignored(server: ServerProcess) -> None:
+def test_only_json_bodies_are_read(server: ServerProcess) -> None:
     init(server, 0, 2)
-    r = requests.post(
-        server.url + "/0/exists",
-        data=b'{"keys": ["a"]}',
-        headers={"Content-Type": "text/plain"},
-        timeout=10,
-    )
-    assert r.json() == {"exists": [False]}
+    r = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
+    server.post("/0/confirm_write", {"written_keys_to_confirm": [["a", r.json()["indices"][0][1]]]})
+    body = b'{"keys": ["a"]}'
+    for ctype in ("text/plain", "application/x-www-form-urlencoded", "multipart/form-data"):
+        r = requests.post(
+            server.url + "/0/delete_keys", data=body, headers={"Content-Type": ctype}, timeout=10
+        )
+        assert r.status_code == 415, r.text
+        assert f"Content-Type '{ctype}' is not accepted" in r.json()["detail"]
+        assert "application/json" in r.json()["detail"]
+    assert server.post("/0/exists", {"keys": ["a"]}).json() == {"exists": [True]}
+    for headers in ({"Content-Type": "Application/JSON; charset=utf-8"}, {}):
+        r = requests.post(server.url + "/0/exists", data=body, headers=headers, timeout=10)
+        assert r.status_code == 200 and r.json() == {"exists": [True]}, (headers, r.text)
 
 
 BAD_BODIES = [
@@ -194,9 +201,12 @@ def _raw(server: ServerProcess, payload: bytes) -> bytes:
 def test_http_pipelining_chunked_and_garbage(server: ServerProcess) -> None:
     init(server, 0, 4)
     body = b'{"keys": ["a"]}'
-    one = b"POST /0/exists HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body)
+    one = b"POST /0/exists HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (
+        len(body),
+        body,
+    )
     chunked = (
-        b"POST /0/exists HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n"
+        b"POST /0/exists HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n"
         b'Connection: close\r\n\r\n5\r\n{"key\r\na\r\ns": ["a"]}\r\n0\r\n\r\n'
     )
     out = _raw(server, one + one + chunked)

@@ -328,14 +328,23 @@ def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
     assert r.status_code == 405
 
 
-def test_content_type_is_ignored(server: ServerProcess) -> None:
+def test_only_json_bodies_are_read(server: ServerProcess) -> None:
     r = requests.post(
         server.url + "/keys/batch_exists",
         data=b'{"keys": ["a"]}',
         headers={"Content-Type": "text/plain"},
         timeout=10,
     )
-    assert r.status_code == 200 and r.json() == {"exists": [False]}
+    assert r.status_code == 415 and "Content-Type 'text/plain'" in r.json()["detail"]
+    r = requests.post(
+        server.url + "/rank/0/initialize",
+        data=b'{"role": "worker", "num_pages": 4}',
+        headers={"Content-Type": "application/x-www-form-urlencoded"},
+        timeout=10,
+    )
+    assert r.status_code == 415
+    assert server.post("/keys/batch_exists", {"keys": ["a"]}).json() == {"exists": [False]}
+    assert requests.get(server.url + "/v1/vllm", timeout=10).json()["ranks"] == []
 
 
 def test_both_dialects_at_once_with_the_same_rank_numbers(server: ServerProcess) -> None:

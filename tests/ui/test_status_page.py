@@ -3,15 +3,12 @@
 the token as password), its pool rows show the numbers of ``/v1/pools`` once the load stops,
 and its charts keep updating. A screenshot is kept under ``tests/ui/artifacts/``.
 
-Needs the Debian packages ``chromium`` and ``chromium-driver`` (``scripts/test`` installs them
-when it runs as root); without them the test fails, saying how to install them.
+The browser comes from ``tests/ui/conftest.py`` (headless Chromium through selenium).
 """
 
 from __future__ import annotations
 
 import random
-import shutil
-import tempfile
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -24,23 +21,10 @@ import requests
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
 from tests.support import ServerProcess
 
-CHROMIUM = Path("/usr/bin/chromium")
-CHROMEDRIVER = Path("/usr/bin/chromedriver")
 ARTIFACTS = Path(__file__).resolve().parent / "artifacts"
 TOKEN = "ui-test-token"
 AUTH = ("anyone", TOKEN)
 POOLS = ((0, "kv"), (1, "kv"), (0, "draft"))
-FLAGS = (
-    "--headless",
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-    "--window-size=1400,900",
-)
 
 pytestmark = pytest.mark.slow
 
@@ -104,32 +88,6 @@ def server() -> Iterator[ServerProcess]:
         yield proc
     finally:
         proc.stop()
-
-
-@pytest.fixture
-def browser() -> Iterator[Any]:
-    if not (CHROMIUM.exists() and CHROMEDRIVER.exists()):
-        pytest.fail(
-            "headless Chromium is not installed: install the Debian packages chromium and "
-            "chromium-driver (`apt-get update && apt-get install -y chromium chromium-driver`, "
-            "which scripts/test runs when it is root)"
-        )
-    from selenium import webdriver
-    from selenium.webdriver.chrome.service import Service
-
-    profile = tempfile.mkdtemp(prefix="kvmeta-chromium-")
-    options = webdriver.ChromeOptions()
-    options.binary_location = str(CHROMIUM)
-    for flag in FLAGS:
-        options.add_argument(flag)
-    options.add_argument(f"--user-data-dir={profile}")
-    driver = webdriver.Chrome(service=Service(str(CHROMEDRIVER)), options=options)
-    driver.set_page_load_timeout(60)
-    try:
-        yield driver
-    finally:
-        driver.quit()
-        shutil.rmtree(profile, ignore_errors=True)
 
 
 def _body(driver: Any, name: str) -> int:

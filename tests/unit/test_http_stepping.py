@@ -15,7 +15,7 @@ from kvmeta.server.http import HttpServer, Request, Response, bind_sockets
 async def roundtrip(server: HttpServer, path: str) -> bytes:
     (addr,) = await server.listen(bind_sockets("127.0.0.1", 0))
     reader, writer = await asyncio.open_connection(*addr)
-    writer.write(f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n".encode())
+    writer.write(f"GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n".encode())
     data = await asyncio.wait_for(reader.read(), 30)
     writer.close()
     await server.shutdown()

@@ -269,9 +269,12 @@ class _Route:
 
 
 class App:
-    """Maps requests to route handlers. ``public`` routes skip authentication."""
+    """Maps requests to route handlers. ``public`` routes skip authentication, not ``guard``."""
 
     def __init__(self, authorize: Callable[[Request], None] | None = None) -> None:
+        # Runs first on every request (``server.guard``: Host, Origin, Content-Type), raising
+        # a KvmetaError to refuse it before any route sees it.
+        self.guard: Callable[[Request], None] | None = None
         self._static: dict[str, _Route] = {}
         # (segment count, last segment) -> routes with a {rank} segment
         self._ranked: dict[tuple[int, str], list[_Route]] = {}
@@ -369,6 +372,8 @@ class App:
 
     async def __call__(self, request: Request) -> Response:
         try:
+            if self.guard is not None:
+                self.guard(request)
             route, rank, pattern = self._match(request.path)
             handler = route.handlers.get(request.method)
             if handler is None:

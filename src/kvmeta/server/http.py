@@ -71,9 +71,21 @@ class Request:
     """One parsed request. ``path`` excludes the query string; ``peer`` is the client's
     address (host, port) when known, for warnings about two engines on one pool. ``scope`` is
     the authenticated token's scope (``server.tokens.Scope``), set by ``server.access`` when a
-    tokens file is in use; None: all access, tenant ``""``."""
+    tokens file is in use; None: all access, tenant ``""``. ``host``, ``origin`` and
+    ``content_type`` are those headers' raw values (None: not sent), for ``server.guard``."""
 
-    __slots__ = ("method", "path", "query", "body", "authorization", "peer", "scope")
+    __slots__ = (
+        "method",
+        "path",
+        "query",
+        "body",
+        "authorization",
+        "peer",
+        "scope",
+        "host",
+        "origin",
+        "content_type",
+    )
 
     def __init__(
         self,
@@ -83,6 +95,9 @@ class Request:
         body: bytes,
         authorization: bytes | None,
         peer: Any = None,
+        host: bytes | None = None,
+        origin: bytes | None = None,
+        content_type: bytes | None = None,
     ) -> None:
         self.method = method
         self.path = path
@@ -91,6 +106,9 @@ class Request:
         self.authorization = authorization
         self.peer = peer
         self.scope: Any = None
+        self.host = host
+        self.origin = origin
+        self.content_type = content_type
 
 
 class Response:
@@ -299,6 +317,9 @@ class HttpProtocol(asyncio.Protocol):
         self._body_size = 0
         self._header_size = 0
         self._auth: bytes | None = None
+        self._host: bytes | None = None
+        self._origin: bytes | None = None
+        self._content_type: bytes | None = None
         self._expect_continue = False
         self._in_message = False
         self._closing = False
@@ -404,6 +425,9 @@ class HttpProtocol(asyncio.Protocol):
         self._body_size = 0
         self._header_size = 0
         self._auth = None
+        self._host = None
+        self._origin = None
+        self._content_type = None
         self._expect_continue = False
 
     def on_url(self, url: bytes) -> None:
@@ -425,6 +449,12 @@ class HttpProtocol(asyncio.Protocol):
                 raise _Reject(400, "Content-Length is not an integer") from None
             if length > self.limits.max_body_bytes:
                 raise _Reject(413, self._too_large(length))
+        elif lname == b"host":
+            self._host = value
+        elif lname == b"content-type":
+            self._content_type = value
+        elif lname == b"origin":
+            self._origin = value
         elif lname == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
 
@@ -466,6 +496,9 @@ class HttpProtocol(asyncio.Protocol):
             body,
             self._auth,
             self._peer,
+            self._host,
+            self._origin,
+            self._content_type,
         )
         coro = self.handler(request)
         if self.server.bare_first_step:

@@ -319,6 +319,8 @@ class _Snapshot:
         self.durability: dict[str, float] = {}
         self.requests: list[RouteStats] = []
         self.auth_failures: int | None = None
+        # {"host"|"origin"|"content_type": count} refused by server.guard, or None (a tenant)
+        self.refused: dict[str, int] | None = None
         # {"forbidden"|"rate_limited": {tenant: count}} with a tokens file, else None
         self.tenant_counters: dict[str, dict[str, int]] | None = None
         self.server_wide = True  # False: a tenant's view (no server-wide series)
@@ -340,6 +342,16 @@ class _Snapshot:
             yield CounterMetricFamily(
                 "kvmeta_auth_failures", "requests refused 401", value=self.auth_failures
             )
+        if self.refused is not None:
+            refused = CounterMetricFamily(
+                "kvmeta_requests_refused",
+                "requests refused for their Host (403), Origin (403) or Content-Type (415), "
+                "by header: what a browser led by another site's page sends",
+                labels=["header"],
+            )
+            for header, count in sorted(self.refused.items()):
+                refused.add_metric([header], count)
+            yield refused
         if self.tenant_counters is not None:
             yield from _tenant_metrics(self.tenant_counters)
         yield from _durability_metrics(self.durability)

@@ -250,6 +250,12 @@ _ERRORS = {
     "`detail` says for how long; nothing was changed. Retry once the leases end, or pass "
     "force=true if the rank's workers are gone for good",
     "413": "a size limit (body bytes, keys per request); `detail` names the flag to raise it",
+    "403": "the Host header is not accepted (a loopback-bound server answers loopback names "
+    "only; --allowed-hosts), a POST came from another origin's web page (its Origin), or the "
+    "token's scope (--auth-file) does not cover the request; `detail` names which; nothing was "
+    "changed",
+    "415": "a POST with a Content-Type other than application/json (none is fine): a form or "
+    "text body, which another site's web page can make a browser send; nothing was changed",
 }
 
 
@@ -288,7 +294,8 @@ def _op(
     if body is not None:
         op["requestBody"] = {
             "required": False,
-            "description": "JSON object; Content-Type is ignored; an empty body means {}",
+            "description": "JSON object, sent as application/json or with no Content-Type "
+            "(another is 415); an empty body means {}",
             "content": {"application/json": {"schema": _ref(body)}},
         }
     return op
@@ -504,6 +511,11 @@ CATALOGUE[("GET", "/ready")]["responses"]["503"] = _json(_ref("NotReady"), "not 
 CATALOGUE[("POST", "/v1/vllm/ranks/{rank}/remove")]["responses"]["200"]["headers"] = {
     "X-Kvmeta-Warning": _WARNING
 }
+# Every request's Host is checked, and a change's Origin and Content-Type (server.guard).
+for (_method, _path), _operation in CATALOGUE.items():
+    _operation["responses"]["403"] = _json(_ref("Error"), _ERRORS["403"])
+    if _method != "GET":
+        _operation["responses"]["415"] = _json(_ref("Error"), _ERRORS["415"])
 for _operation in CATALOGUE.values():  # every reply carries the epoch, errors included
     for _response in _operation["responses"].values():
         _response["headers"] = {**_response.get("headers", {}), "X-Kvmeta-Epoch": _EPOCH}

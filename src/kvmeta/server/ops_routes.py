@@ -1,6 +1,7 @@
 """Operator routes: ``/health``, ``/ready``, ``/metrics``, ``/v1/pools``, ``/v1/check`` and
-``/openapi.json``, plus ``install``, which also turns on auth, metrics and the
-initialize watcher for an app once every dialect's routes are on it.
+``/openapi.json``, plus ``install``, which also turns on auth, the request guard (Host, Origin,
+Content-Type), metrics and the initialize watcher for an app once every dialect's routes are on
+it.
 
 ``/health`` and ``/ready`` are public, so load balancers and Kubernetes probes (which send no
 header) may call them without the token; ``/ready`` then says only ready or not, and why only
@@ -22,7 +23,7 @@ import msgspec
 from kvmeta import __version__
 from kvmeta.config import Settings
 from kvmeta.errors import KvmetaError, Unauthorized
-from kvmeta.server import prefix_routes, status_page
+from kvmeta.server import guard, prefix_routes, status_page
 from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
 from kvmeta.server.auth import TokenAuth
@@ -59,6 +60,8 @@ class OpsState:
         self.auth: TokenAuth | Access | None = self.access or (
             TokenAuth(settings.auth_token) if settings.auth_token else None
         )
+        # Host, Origin and Content-Type of every request (server.guard)
+        self.guard = guard.for_settings(settings.host, settings.allowed_hosts)
         self.started = time.monotonic()
         self._openapi: bytes | None = None
         self.check_lock = asyncio.Lock()
@@ -170,6 +173,7 @@ async def metrics(state: OpsState, req: Request, rank: int) -> Response:
         durability=await state.durability() if tenant is None else {},
         requests=state.metrics.routes if tenant is None else [],
         auth_failures=state.auth.failures if state.auth and tenant is None else None,
+        refused=state.guard.counters() if tenant is None else None,
         tenant_counters=access.counters(tenant) if access else None,
         info={"version": __version__, "backend": state.backend.name},
         ready=ok,
@@ -229,6 +233,7 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
     app.background.append(status.run)
     app.background.append(flush_log_summaries)
     app.authorize = state.auth
+    app.guard = state.guard
     if state.access is not None:
         # Innermost: the scope is on the request and checked before any handler runs; the
         # metrics wrapper outside it counts the 403s and 429s per route.

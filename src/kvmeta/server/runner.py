@@ -179,6 +179,18 @@ async def run(
             "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "
             "(and set --auth-token)"
         )
+    elif not (settings.auth_token or settings.auth_file or settings.allowed_hosts):
+        from kvmeta.server.guard import bound_to_loopback
+
+        if not bound_to_loopback(settings.host):
+            logger.warning(
+                "--host %s is reachable from other machines without --auth-token: whoever "
+                "reaches the port can change every pool, and so can any web page opened in a "
+                "browser there, through a DNS name of its own pointed at this server (DNS "
+                "rebinding); set --auth-token, or at least --allowed-hosts with the names "
+                "engines use",
+                settings.host or "''",
+            )
     stop = asyncio.Event()
     signals = 0
 
