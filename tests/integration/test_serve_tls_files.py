@@ -25,26 +25,15 @@ def _serve(cert: Path, key: Path) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize(
-    ("case", "flag", "says"),
-    [
-        ("missing cert", "--ssl-certfile", "no such file"),
-        ("cert is a directory", "--ssl-certfile", "directory"),
-        ("cert is no certificate", "--ssl-certfile", "no PEM certificate"),
-        ("missing key", "--ssl-keyfile", "no such file"),
-        ("key is no key", "--ssl-keyfile", "no PEM private key"),
-        ("key of another certificate", "--ssl-keyfile", "does not match"),
-        ("encrypted key", "--ssl-keyfile", "encrypted"),
-    ],
-)
-def test_an_unusable_certificate_or_key_is_one_line_and_exit_2(
-    tmp_path: Path, case: str, flag: str, says: str
-) -> None:
-    cert, key = self_signed_cert(tmp_path)
-    other_cert, other_key = self_signed_cert(tmp_path, "other-")
-    junk = tmp_path / "junk.pem"
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """A certificate and its key, another certificate's key, a non-PEM file, an encrypted key."""
+    tmp = tmp_path_factory.mktemp("tls")
+    cert, key = self_signed_cert(tmp)
+    _, other_key = self_signed_cert(tmp, "other-")
+    junk = tmp / "junk.pem"
     junk.write_text("not PEM at all\n")
-    encrypted = tmp_path / "encrypted.pem"
+    encrypted = tmp / "encrypted.pem"
     subprocess.run(
         [
             "openssl",
@@ -60,16 +49,26 @@ def test_an_unusable_certificate_or_key_is_one_line_and_exit_2(
         check=True,
         capture_output=True,
     )
-    cert_arg, key_arg = {
-        "missing cert": (tmp_path / "nope.pem", key),
-        "cert is a directory": (tmp_path, key),
-        "cert is no certificate": (junk, key),
-        "missing key": (cert, tmp_path / "nope.pem"),
-        "key is no key": (cert, junk),
-        "key of another certificate": (cert, other_key),
-        "encrypted key": (cert, encrypted),
-    }[case]
-    done = _serve(cert_arg, key_arg)
+    return {"dir": tmp, "cert": cert, "key": key, "other_key": other_key, "junk": junk,
+            "encrypted": encrypted, "missing": tmp / "nope.pem"}  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("cert", "key", "flag", "says"),
+    [
+        ("missing", "key", "--ssl-certfile", "no such file"),
+        ("dir", "key", "--ssl-certfile", "directory"),
+        ("junk", "key", "--ssl-certfile", "no PEM certificate"),
+        ("cert", "missing", "--ssl-keyfile", "no such file"),
+        ("cert", "junk", "--ssl-keyfile", "no PEM private key"),
+        ("cert", "other_key", "--ssl-keyfile", "does not match"),
+        ("cert", "encrypted", "--ssl-keyfile", "encrypted"),
+    ],
+)
+def test_an_unusable_certificate_or_key_is_one_line_and_exit_2(
+    files: dict[str, Path], cert: str, key: str, flag: str, says: str
+) -> None:
+    done = _serve(files[cert], files[key])
     lines = done.stderr.strip().splitlines()
     assert done.returncode == 2, done.stderr
     assert "Traceback" not in done.stderr
