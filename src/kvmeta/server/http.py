@@ -17,7 +17,8 @@ benchmarks/README.md, "Serving stack"). What this module still guarantees:
   per second over the connections, so a request pays no timer;
 - a connection cap: beyond ``max_connections`` a new connection is closed at once (a rate-
   limited warning names the flag), so a flood cannot take the descriptors the journal needs;
-- garbage gets ``400`` and the connection is closed; a handler bug gets ``500`` and is logged;
+- garbage gets ``400`` and the connection is closed, and so does a protocol upgrade, before it
+  runs; a handler bug gets ``500`` and is logged;
 - back-pressure: reading pauses while the peer does not read its responses;
 - graceful shutdown: stop accepting, let in-flight requests finish, close idle connections.
 
@@ -146,6 +147,10 @@ HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | None"]
 # After an error reply the connection is half-closed and what the peer still sends is read and
 # dropped for this long, so it sees the reply instead of a reset; then it is closed.
 _LINGER_SECONDS = 2.0
+_UPGRADE = (
+    "Protocol upgrades (Upgrade with Connection: upgrade, or CONNECT) are not supported and the "
+    "request was not run; send plain HTTP/1.1 requests without those headers"
+)
 _WARN_EVERY = 10.0  # seconds between two "connection refused: cap reached" warnings
 
 
@@ -347,8 +352,8 @@ class HttpProtocol(asyncio.Protocol):
             self._reject(rej.status, rej.detail)
         except _Refused:
             pass
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "Protocol upgrades are not supported; send plain HTTP/1.1")
+        except httptools.HttpParserUpgrade:  # (refused at the headers: not expected here)
+            self._reject(400, _UPGRADE)
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _Reject):
@@ -430,6 +435,8 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        if self.parser.should_upgrade():  # run it, and the bytes after it would be another protocol
+            raise _Reject(400, _UPGRADE)
         check = self.server.head_check
         if check is not None:
             refusal = check(self.parser.get_method(), self._url, self._auth)
