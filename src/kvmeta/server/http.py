@@ -11,7 +11,8 @@ benchmarks/README.md, "Serving stack"). What this module still guarantees:
   oversize body or header is never buffered whole (the header budget is counted on the bytes
   fed to the parser, since httptools assembles a header value before handing it over);
 - the token is checked (``head_check``) as soon as the headers are in, before any body is read
-  or ``100 Continue`` is sent: a client without the token never makes the server buffer a body;
+  or ``100 Continue`` is sent: a client without the token never makes the server buffer a body,
+  and routes served without the token take none (413 at the headers);
 - time limits: a request must arrive whole within ``header_timeout`` (else 408 and close), an
   idle keep-alive connection is closed after ``idle_timeout``; both are checked by one sweep
   per second over the connections, so a request pays no timer;
@@ -54,8 +55,10 @@ from kvmeta.errors import CannotListen
 __all__ = [
     "EPOCH_HEADER",
     "NO_STAMP",
+    "PUBLIC",
     "HttpLimits",
     "HttpServer",
+    "PublicRoute",
     "Request",
     "Response",
     "Stamp",
@@ -115,7 +118,8 @@ Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 class HttpLimits:
     """Sizes and times a request may take, and how many connections may be open; exceeding one
-    is answered 413/431/408 (or a closed connection) with the flag to raise."""
+    is answered 413/431/408 (or a closed connection) with the flag to raise.
+    ``public_body_bytes``: the largest body of a route served without the token."""
 
     __slots__ = (
         "max_body_bytes",
@@ -123,6 +127,7 @@ class HttpLimits:
         "header_timeout",
         "idle_timeout",
         "max_connections",
+        "public_body_bytes",
     )
 
     def __init__(
@@ -132,17 +137,34 @@ class HttpLimits:
         header_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         max_connections: int = 4096,
+        public_body_bytes: int = 1024,
     ):
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.public_body_bytes = public_body_bytes
+
+
+class PublicRoute:
+    """What ``head_check`` answers (``PUBLIC``) for a route served without the token: the
+    request goes on, but its body may be at most ``HttpLimits.public_body_bytes`` (refused
+    413 at the headers, unread, beyond)."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PUBLIC"
+
+
+PUBLIC = PublicRoute()
 
 
 # ``head_check(method, path, authorization)``: called once the headers are in; a Response
-# refuses the request (the connection is closed without reading the body).
-HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | None"]
+# refuses the request (the connection is closed without reading the body), None lets it go on
+# (the token is valid, or none is configured), ``PUBLIC`` as a public route.
+HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | PublicRoute | None"]
 
 # After an error reply the connection is half-closed and what the peer still sends is read and
 # dropped for this long, so it sees the reply instead of a reset; then it is closed.
@@ -302,6 +324,8 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._body: list[bytes] = []
         self._body_size = 0
+        self._body_cap = self.limits.max_body_bytes
+        self._length = -1  # the Content-Length announced, if any
         self._header_size = 0
         self._auth: bytes | None = None
         self._expect_continue = False
@@ -407,6 +431,7 @@ class HttpProtocol(asyncio.Protocol):
         self._url = b""
         self._body = []
         self._body_size = 0
+        self._length = -1
         self._header_size = 0
         self._auth = None
         self._expect_continue = False
@@ -430,28 +455,37 @@ class HttpProtocol(asyncio.Protocol):
                 raise _Reject(400, "Content-Length is not an integer") from None
             if length > self.limits.max_body_bytes:
                 raise _Reject(413, self._too_large(length))
+            self._length = length
         elif lname == b"expect" and value.lower() == b"100-continue":
             self._expect_continue = True
 
     def on_headers_complete(self) -> None:
         self._in_head = False
-        if self.parser.should_upgrade():  # run it, and the bytes after it would be another protocol
+        parser = self.parser
+        if parser.should_upgrade():  # run it, and the bytes after it would be another protocol
             raise _Reject(400, _UPGRADE)
         check = self.server.head_check
-        if check is not None:
-            refusal = check(self.parser.get_method(), self._url, self._auth)
-            if refusal is not None:
-                # Refused before the body: no 100 Continue, nothing more read or buffered (the
-                # reply may wait behind earlier pipelined ones; reading stops now).
-                self._respond(render(refusal, False, self.server.stamp()), False)
-                self._closing = True
-                raise _Refused
+        verdict = None if check is None else check(parser.get_method(), self._url, self._auth)
+        if verdict is None:
+            self._body_cap = self.limits.max_body_bytes
+        elif isinstance(verdict, PublicRoute):
+            self._body_cap = cap = self.limits.public_body_bytes
+            if self._length > cap:
+                raise _Reject(413, self._public_body(self._length))
+        else:
+            # Refused before the body: no 100 Continue, nothing more read or buffered (the
+            # reply may wait behind earlier pipelined ones; reading stops now).
+            self._respond(render(verdict, False, self.server.stamp()), False)
+            self._closing = True
+            raise _Refused
         if self._expect_continue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
-        if self._body_size > self.limits.max_body_bytes:
+        if self._body_size > self._body_cap:
+            if self._body_cap < self.limits.max_body_bytes:
+                raise _Reject(413, self._public_body(self._body_size))
             raise _Reject(413, self._too_large(self._body_size))
         self._body.append(body)
 
@@ -506,6 +540,13 @@ class HttpProtocol(asyncio.Protocol):
         return (
             f"Request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes} "
             "bytes; send smaller batches or raise --max-body-bytes"
+        )
+
+    def _public_body(self, size: int) -> str:
+        path = self._url.split(b"?", 1)[0].decode("latin-1")[:64]
+        return (
+            f"Request body of {size} bytes to {path}, which is served without the token and "
+            f"takes no body (at most {self.limits.public_body_bytes} bytes); send it without one"
         )
 
     def _respond(self, data: bytes, keep_alive: bool) -> None:
