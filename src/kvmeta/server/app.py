@@ -352,8 +352,8 @@ class App:
         """The token check, run by the HTTP layer as soon as a request's headers are in, so a
         client without the token never gets ``100 Continue`` nor has its body read. Returns
         the 401 to send, None to go on, or ``PUBLIC`` for a route served without the token
-        (which takes no body). Unknown paths need the token too (a 401, not a 404: no route is
-        revealed and no body read without it)."""
+        (which takes no body and does not authenticate the connection). Unknown paths need the
+        token too (a 401, not a 404: no route is revealed and no body read without it)."""
         authorize = self.authorize
         if authorize is None:
             return None

@@ -169,8 +169,7 @@ async def run(
     )
     app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)
-    extra: dict[str, Any] = {"ssl": ctx} if ctx else {}
-    addrs = await server.listen(sockets, **extra)
+    addrs = await server.listen(sockets, ssl_context=ctx)
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
