@@ -184,3 +184,19 @@ def kvmeta_check(data: Path) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
     )
+
+
+def self_signed_cert(directory: Path, name: str = "") -> tuple[Path, Path]:
+    """A fresh self-signed certificate for 127.0.0.1/localhost and its key (PEM, unencrypted),
+    made by the ``openssl`` command."""
+    cert, key = directory / f"{name}cert.pem", directory / f"{name}key.pem"
+    subprocess.run(
+        [
+            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
+            "-keyout", str(key), "-out", str(cert),
+        ],
+        check=True,
+        capture_output=True,
+    )  # fmt: skip
+    return cert, key

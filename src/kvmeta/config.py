@@ -324,13 +324,21 @@ OPTIONS: tuple[Option, ...] = (
     # connections and operator routes
     Option(
         "header_timeout",
-        "seconds a client has to send a whole request (headers and body); later: 408, closed",
+        "seconds a client has to send a whole request (headers and body; a new connection's "
+        "first from the accept, TLS handshake included); later: 408, closed. Also the idle "
+        "timeout of a connection that sent no request with a valid token yet",
         _seconds,
     ),
-    Option("idle_timeout", "seconds an idle keep-alive connection is kept open", _seconds),
+    Option(
+        "idle_timeout",
+        "seconds an idle keep-alive connection that sent a valid token is kept open (and one "
+        "whose replies go unread)",
+        _seconds,
+    ),
     Option(
         "max_connections",
-        "open client connections at most (also capped by the open-file limit minus a reserve)",
+        "open client connections at most (also capped by the open-file limit minus a "
+        "reserve); at most half may have sent no valid token yet, the oldest of them make room",
         _positive_int,
     ),
     Option(

@@ -194,9 +194,10 @@ def test_a_flood_of_half_sent_requests_cannot_starve_the_journal(
             except OSError:
                 continue
             flood.append(sock)
-        server.wait_for_log("refused", timeout=30)
-        # A normal client gets through (once the header timeout has cleared the slow ones)
-        # and its confirms reach the journal.
+        # Beyond half the cap, each new connection closed the oldest one that had sent no
+        # whole request yet.
+        server.wait_for_log("to make room for new ones", timeout=30)
+        # A normal client gets through and its confirms reach the journal.
         keys = [f"k{i}" for i in range(50)]
         deadline = time.monotonic() + 60
         while True:
@@ -217,9 +218,10 @@ def test_a_flood_of_half_sent_requests_cannot_starve_the_journal(
             {"written_keys_to_confirm": [[k, p] for k, p in zip(keys, pages, strict=True)]},
         )
         assert done.status_code == 204
-        # The slow sockets were answered 408 (or refused at once) and closed.
+        # The slow sockets were answered 408 (the last half-cap of them) or closed unanswered
+        # to make room (the others).
         replies = [_read_reply(sock, 30) for sock in flood]
-        assert sum(r.startswith(b"HTTP/1.1 408 ") for r in replies) >= 100
+        assert sum(r.startswith(b"HTTP/1.1 408 ") for r in replies) >= 50
         assert all(r == b"" or r.startswith(b"HTTP/1.1 408 ") for r in replies)
         assert "Too many open files" not in server.log
         assert server.stop() == 0, server.log

@@ -4,7 +4,6 @@ the detail with the token; the token never reaches the log."""
 
 from __future__ import annotations
 
-import subprocess
 from collections.abc import Callable
 from pathlib import Path
 
@@ -14,7 +13,7 @@ import requests
 from kvmeta.errors import KvmetaError, Unauthorized
 from kvmeta.sglang import Hf3fsGlobalMetadataClient
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import ServerProcess, self_signed_cert
 
 TOKEN = "s3cret-Token_42"
 
@@ -152,22 +151,8 @@ def test_token_from_environment(make_server: Callable[..., ServerProcess]) -> No
     assert server.post("/0/initialize", {"num_pages": 8}, auth=("", TOKEN)).status_code == 204
 
 
-def _self_signed(tmp_path: Path) -> tuple[Path, Path]:
-    cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
-    subprocess.run(
-        [
-            "openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
-            "-subj", "/CN=localhost", "-addext", "subjectAltName=IP:127.0.0.1,DNS:localhost",
-            "-keyout", str(key), "-out", str(cert),
-        ],
-        check=True,
-        capture_output=True,
-    )  # fmt: skip
-    return cert, key
-
-
 def test_tls_with_token(make_server: Callable[..., ServerProcess], tmp_path: Path) -> None:
-    cert, key = _self_signed(tmp_path)
+    cert, key = self_signed_cert(tmp_path)
     server = make_server(
         "--in-memory",
         "--auth-token",

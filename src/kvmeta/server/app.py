@@ -30,7 +30,7 @@ from kvmeta.errors import (
     QuotaExceeded,
     Unauthorized,
 )
-from kvmeta.server.http import Request, Response
+from kvmeta.server.http import PUBLIC, PublicRoute, Request, Response
 from kvmeta.service.limits import INT64_MAX, INT64_MIN, rank_error
 
 __all__ = [
@@ -349,11 +349,14 @@ class App:
                 return hit
         raise NotFound("Not Found")
 
-    def head_check(self, method: bytes, url: bytes, authorization: bytes | None) -> Response | None:
+    def head_check(
+        self, method: bytes, url: bytes, authorization: bytes | None
+    ) -> Response | PublicRoute | None:
         """The token check, run by the HTTP layer as soon as a request's headers are in, so a
         client without the token never gets ``100 Continue`` nor has its body read. Returns
-        the 401 to send, or None to go on. Unknown paths need the token too (a 401, not a 404:
-        no route is revealed and no body read without it)."""
+        the 401 to send, None to go on, or ``PUBLIC`` for a route served without the token
+        (which takes no body and does not authenticate the connection). Unknown paths need the
+        token too (a 401, not a 404: no route is revealed and no body read without it)."""
         authorize = self.authorize
         if authorize is None:
             return None
@@ -363,7 +366,7 @@ class App:
         except KvmetaError:
             pattern = None
         if pattern in self._public:
-            return None
+            return PUBLIC
         try:
             authorize(Request(method.decode("latin-1"), path, "", b"", authorization))
         except Unauthorized as exc:

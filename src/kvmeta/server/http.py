@@ -11,14 +11,23 @@ benchmarks/README.md, "Serving stack"). What this module still guarantees:
   oversize body or header is never buffered whole (the header budget is counted on the bytes
   fed to the parser, since httptools assembles a header value before handing it over);
 - the token is checked (``head_check``) as soon as the headers are in, before any body is read
-  or ``100 Continue`` is sent: a client without the token never makes the server buffer a body;
-- time limits: a request must arrive whole within ``header_timeout`` (else 408 and close), an
-  idle keep-alive connection is closed after ``idle_timeout``; both are checked by one sweep
-  per second over the connections, so a request pays no timer;
-- a connection cap: beyond ``max_connections`` a new connection is closed at once (a rate-
-  limited warning names the flag), so a flood cannot take the descriptors the journal needs;
-- garbage gets ``400`` and the connection is closed; a handler bug gets ``500`` and is logged;
-- back-pressure: reading pauses while the peer does not read its responses;
+  or ``100 Continue`` is sent: a client without the token never makes the server buffer a body,
+  and routes served without the token take none (413 at the headers);
+- time limits: a request must arrive whole within ``header_timeout`` (a new connection's first
+  one from the accept, TLS handshake included; else 408 and close), an idle keep-alive
+  connection is closed after ``idle_timeout`` (``header_timeout`` until a request with a valid
+  token came on it); all are checked by one sweep per second over the connections, so a
+  request pays no timer;
+- a connection cap, counted from the accept: beyond ``max_connections`` a new connection is
+  closed at once (a rate-limited warning names the flag), so a flood cannot take the
+  descriptors the journal needs; at most half of it may be connections without a valid token
+  yet, the oldest of which make room for new ones, so such a flood cannot lock engines out;
+- garbage gets ``400`` and the connection is closed, and so does a protocol upgrade, before it
+  runs; a handler bug gets ``500`` and is logged;
+- back-pressure: a connection whose unsent replies exceed ``max_output_bytes`` is not read, nor
+  are the requests it pipelined started, until they drain; beyond ``max_total_output_bytes``
+  for all connections together the ones holding the most are closed, and so is a connection
+  whose replies go unread for its idle timeout;
 - graceful shutdown: stop accepting, let in-flight requests finish, close idle connections.
 
 Handlers are coroutines, but most finish without ever suspending (no disk wait), so their first
@@ -38,23 +47,27 @@ import errno
 import logging
 import re
 import socket
+import ssl
 import sys
 import types
 from collections import deque
 from collections.abc import Callable, Coroutine, Generator
 from http import HTTPStatus
-from typing import Any
+from typing import Any, TypeVar
 
 import httptools
 import msgspec
 
 from kvmeta.errors import CannotListen
+from kvmeta.server.conn_table import ConnectionTable
 
 __all__ = [
     "EPOCH_HEADER",
     "NO_STAMP",
+    "PUBLIC",
     "HttpLimits",
     "HttpServer",
+    "PublicRoute",
     "Request",
     "Response",
     "Stamp",
@@ -63,6 +76,7 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 _MAX_PIPELINED = 64
 
@@ -131,8 +145,16 @@ Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
 class HttpLimits:
-    """Sizes and times a request may take, and how many connections may be open; exceeding one
-    is answered 413/431/408 (or a closed connection) with the flag to raise."""
+    """Sizes and times a request may take, how many connections may be open and how much
+    unsent output they may hold; exceeding one is answered 413/431/408 (or a closed
+    connection) with the flag to raise.
+
+    ``max_output_bytes``: a connection whose unsent replies exceed it is not read, nor are the
+    requests it already sent started, until they drain (to a quarter of it);
+    ``max_total_output_bytes``: all connections together, beyond which those holding the most
+    are closed; ``public_body_bytes``: the largest body of a route served without the token.
+    At most half of ``max_connections`` may be connections that have not yet sent a request
+    with a valid token (``server.conn_table``)."""
 
     __slots__ = (
         "max_body_bytes",
@@ -140,6 +162,9 @@ class HttpLimits:
         "header_timeout",
         "idle_timeout",
         "max_connections",
+        "max_output_bytes",
+        "max_total_output_bytes",
+        "public_body_bytes",
     )
 
     def __init__(
@@ -149,22 +174,46 @@ class HttpLimits:
         header_timeout: float = 10.0,
         idle_timeout: float = 300.0,
         max_connections: int = 4096,
+        max_output_bytes: int = 256 * 1024,
+        max_total_output_bytes: int = 128 * 1024 * 1024,
+        public_body_bytes: int = 1024,
     ):
         self.max_body_bytes = max_body_bytes
         self.max_header_bytes = max_header_bytes
         self.header_timeout = header_timeout
         self.idle_timeout = idle_timeout
         self.max_connections = max_connections
+        self.max_output_bytes = max_output_bytes
+        self.max_total_output_bytes = max_total_output_bytes
+        self.public_body_bytes = public_body_bytes
 
+
+class PublicRoute:
+    """What ``head_check`` answers (``PUBLIC``) for a route served without the token: the
+    request goes on, but its body may be at most ``HttpLimits.public_body_bytes`` (refused
+    413 at the headers, unread, beyond) and it does not make its connection authenticated."""
+
+    __slots__ = ()
+
+    def __repr__(self) -> str:
+        return "PUBLIC"
+
+
+PUBLIC = PublicRoute()
 
 # ``head_check(method, path, authorization)``: called once the headers are in; a Response
-# refuses the request (the connection is closed without reading the body).
-HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | None"]
+# refuses the request (the connection is closed without reading the body), None lets it go on
+# as authenticated (or with no token configured), ``PUBLIC`` as a public route.
+HeadCheck = Callable[[bytes, bytes, "bytes | None"], "Response | PublicRoute | None"]
+
+_UPGRADE = (
+    "Protocol upgrades (Upgrade with Connection: upgrade, or CONNECT) are not supported and the "
+    "request was not run; send plain HTTP/1.1 requests without those headers"
+)
 
 # After an error reply the connection is half-closed and what the peer still sends is read and
 # dropped for this long, so it sees the reply instead of a reset; then it is closed.
 _LINGER_SECONDS = 2.0
-_WARN_EVERY = 10.0  # seconds between two "connection refused: cap reached" warnings
 
 
 _REASONS = {s.value: s.phrase.encode() for s in HTTPStatus}
@@ -256,7 +305,7 @@ class _Reject(Exception):
 EAGER_TASKS = sys.version_info >= (3, 12)
 
 
-async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response:
+async def _finish(coro: Coroutine[Any, Any, T], yielded: Any) -> T:
     """Drive a coroutine that suspended during its eager first step to completion.
 
     The Task running this sees what the coroutine yielded and sends or throws what it gets back
@@ -269,7 +318,7 @@ async def _finish(coro: Coroutine[Any, Any, Response], yielded: Any) -> Response
 
 
 @types.coroutine
-def _resume(coro: Coroutine[Any, Any, Response], yielded: Any) -> Generator[Any, Any, Response]:
+def _resume(coro: Coroutine[Any, Any, T], yielded: Any) -> Generator[Any, Any, T]:
     """``yield from coro``, begun after the coroutine's first step already yielded ``yielded``
     (the generator-based coroutine protocol; no private asyncio state is touched)."""
     while True:
@@ -312,9 +361,16 @@ class HttpProtocol(asyncio.Protocol):
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpRequestParser(self)
         self._pending: deque[list[Any]] = deque()  # [response bytes | Task, keep_alive]
+        # Requests parsed while the connection was over its output budget, not started yet
+        # (or the final error reply owed after them), and the bytes received but not parsed.
+        self._queued: deque[tuple[Request | bytes, bool]] = deque()
+        self._unparsed = b""
+        self._draining = False
         self._url = b""
         self._body: list[bytes] = []
         self._body_size = 0
+        self._body_cap = self.limits.max_body_bytes
+        self._length = -1  # the Content-Length announced, if any
         self._header_size = 0
         self._auth: bytes | None = None
         self._host: bytes | None = None
@@ -323,6 +379,7 @@ class HttpProtocol(asyncio.Protocol):
         self._expect_continue = False
         self._in_message = False
         self._closing = False
+        self._lingering = False
         self._reading_paused = False
         self._writing_paused = False
         self._peer: Any = None
@@ -331,31 +388,97 @@ class HttpProtocol(asyncio.Protocol):
         self._head_fed = 0
         # Coarse times (the server's clock, updated once per sweep) for the timeouts.
         self._since = server.now  # message begun, or connection idle since
+        self._first = True  # the first request is owed within header_timeout of the accept
         self._served = 0
         self._refused = False
+        # Unsent output as last counted (its share of ``ConnectionTable.unsent``), and since
+        # when it has not shrunk.
+        self.unsent = 0
+        self._stuck_since = -1.0
+        # True once a request passed the token check (``head_check`` answered None).
+        self.authenticated = False
+        self._handshaking = False  # a TLS handshake runs: nothing is read or written yet
+        self._handshake: asyncio.Task[None] | None = None  # (kept referenced while it runs)
 
     # -------------------------------------------------------------- transport events
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]
         server = self.server
-        if len(server.connections) >= self.limits.max_connections:
+        if not server.conns.admit(self):
             self._refused = True
             self._closing = True
-            server.refuse_connection()
-            self.transport.abort()  # type: ignore[union-attr]
+            self.transport = None
+            transport.abort()  # type: ignore[attr-defined]
             return
         self._peer = transport.get_extra_info("peername")
         self._since = server.now
-        server.connections.add(self)
+        if server.tls is None:
+            transport.set_write_buffer_limits(self.limits.max_output_bytes)  # type: ignore[attr-defined]
+            return
+        # Counted and timed from the accept, handshake included. The handshake takes over the
+        # connection now, before the loop starts reading it: the client's first bytes are its
+        # handshake (``start_tls`` holds what arrives until it is ready), never a request.
+        self._handshaking = True
+        self._handshake = server.run_now(self._start_tls(transport, server.tls))
+
+    async def _start_tls(self, raw: asyncio.BaseTransport, context: ssl.SSLContext) -> None:
+        """Run the TLS handshake on an accepted connection, then serve it over TLS."""
+        tls: asyncio.Transport | None = None
+        try:
+            tls = await self.loop.start_tls(
+                raw,
+                self,
+                context,
+                server_side=True,
+                ssl_handshake_timeout=self.limits.header_timeout,
+                **self.server.tls_shutdown,
+            )
+        except Exception as exc:  # noqa: BLE001 - whatever failed, the connection is dropped
+            logger.debug("TLS handshake with %s failed: %r", self._peer, exc)
+        finally:
+            self._handshaking = False
+            self._handshake = None
+        if tls is None:
+            self.abort()
+            return
+        if self.transport is not raw:  # dropped during the handshake (timeout, cap, shutdown)
+            tls.abort()
+            return
+        self.transport = tls
+        tls.set_write_buffer_limits(self.limits.max_output_bytes)
+        if self._unparsed:  # sent along with the end of the handshake
+            data, self._unparsed = self._unparsed, b""
+            self.data_received(data)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.transport = None
-        self.server.connections.discard(self)
+        self.server.conns.remove(self)
+
+    def abort(self) -> None:
+        """Drop the connection at once, unanswered: it made room for another, hoarded output
+        or stalled (nothing it owes or sent is kept)."""
+        transport = self.transport
+        self._closing = True
+        self._queued.clear()
+        self._unparsed = b""
+        self._pending.clear()
+        self.transport = None
+        self.server.conns.remove(self)
+        if transport is not None:
+            transport.abort()
 
     def data_received(self, data: bytes) -> None:
         if self._closing:
             return  # an error reply is out: what the peer still sends is dropped
+        if self._unparsed or self._queued or self._handshaking:
+            # Not parsed on while earlier requests wait to start (or, during the handshake,
+            # before ``_start_tls`` has the TLS transport to answer on).
+            self._unparsed += data
+            return
+        self._feed(data)
+
+    def _feed(self, data: bytes) -> None:
         try:
             limit = self.limits.max_header_bytes
             if not self._in_head and len(data) <= limit // 4:
@@ -368,8 +491,8 @@ class HttpProtocol(asyncio.Protocol):
             self._reject(rej.status, rej.detail)
         except _Refused:
             pass
-        except httptools.HttpParserUpgrade:
-            self._reject(400, "Protocol upgrades are not supported; send plain HTTP/1.1")
+        except httptools.HttpParserUpgrade:  # (refused at the headers: not expected here)
+            self._reject(400, _UPGRADE)
         except httptools.HttpParserError as exc:
             cause = exc.__context__
             if isinstance(cause, _Reject):
@@ -378,12 +501,18 @@ class HttpProtocol(asyncio.Protocol):
                 pass
             else:
                 self._reject(400, f"Malformed HTTP request: {exc}")
+        if self._queued or self._unparsed:
+            self._update_reading()
 
     def _feed_bounded(self, data: bytes, limit: int) -> None:
         """Feed ``data`` in pieces so that no more than about ``limit`` bytes of one message's
-        head ever reach the parser (which would otherwise assemble a header of any size)."""
+        head ever reach the parser (which would otherwise assemble a header of any size), and
+        so that parsing stops, the rest kept unparsed, once requests wait to start."""
         pos, end, step = 0, len(data), max(1, limit // 4)
         while pos < end and not self._closing:
+            if self._queued:
+                self._unparsed = data[pos:]
+                return
             if self._in_head:
                 budget = limit - self._head_fed
                 if budget <= 0:
@@ -411,7 +540,9 @@ class HttpProtocol(asyncio.Protocol):
 
     def resume_writing(self) -> None:
         self._writing_paused = False
-        self._update_reading()
+        self._stuck_since = -1.0  # the client reads
+        self.recount()
+        self._drain()
 
     # -------------------------------------------------------------- parser callbacks
 
@@ -419,10 +550,12 @@ class HttpProtocol(asyncio.Protocol):
         self._in_message = True
         self._in_head = True
         self._head_fed = 0
-        self._since = self.server.now
+        if not self._first:
+            self._since = self.server.now
         self._url = b""
         self._body = []
         self._body_size = 0
+        self._length = -1
         self._header_size = 0
         self._auth = None
         self._host = None
@@ -449,6 +582,7 @@ class HttpProtocol(asyncio.Protocol):
                 raise _Reject(400, "Content-Length is not an integer") from None
             if length > self.limits.max_body_bytes:
                 raise _Reject(413, self._too_large(length))
+            self._length = length
         elif lname == b"host":
             self._host = value
         elif lname == b"content-type":
@@ -460,26 +594,39 @@ class HttpProtocol(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self._in_head = False
+        parser = self.parser
+        if parser.should_upgrade():  # run it, and the bytes after it would be another protocol
+            raise _Reject(400, _UPGRADE)
         check = self.server.head_check
-        if check is not None:
-            refusal = check(self.parser.get_method(), self._url, self._auth)
-            if refusal is not None:
-                # Refused before the body: no 100 Continue, nothing more read or buffered (the
-                # reply may wait behind earlier pipelined ones; reading stops now).
-                self._respond(render(refusal, False, self.server.stamp()), False)
-                self._closing = True
-                raise _Refused
+        verdict = None if check is None else check(parser.get_method(), self._url, self._auth)
+        if verdict is None:
+            self._body_cap = self.limits.max_body_bytes
+            if not self.authenticated:
+                self.authenticated = True
+                self.server.conns.authenticated(self)
+        elif isinstance(verdict, PublicRoute):
+            self._body_cap = cap = self.limits.public_body_bytes
+            if self._length > cap:
+                raise _Reject(413, self._public_body(self._length))
+        else:
+            # Refused before the body: no 100 Continue, nothing more read or buffered (the
+            # reply may wait behind earlier pipelined ones; reading stops now).
+            self._final(render(verdict, False, self.server.stamp()))
+            raise _Refused
         if self._expect_continue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
 
     def on_body(self, body: bytes) -> None:
         self._body_size += len(body)
-        if self._body_size > self.limits.max_body_bytes:
+        if self._body_size > self._body_cap:
+            if self._body_cap < self.limits.max_body_bytes:
+                raise _Reject(413, self._public_body(self._body_size))
             raise _Reject(413, self._too_large(self._body_size))
         self._body.append(body)
 
     def on_message_complete(self) -> None:
         self._in_message = False
+        self._first = False
         parser = self.parser
         keep_alive = parser.should_keep_alive()
         url = self._url
@@ -500,6 +647,23 @@ class HttpProtocol(asyncio.Protocol):
             self._origin,
             self._content_type,
         )
+        if self._queued or self._blocked():
+            self._queued.append((request, keep_alive))  # started once the output drains
+            return
+        self._start(request, keep_alive)
+
+    # -------------------------------------------------------------- requests and responses
+
+    def _blocked(self) -> bool:
+        """Whether a parsed request must wait before it starts: the client does not read the
+        replies it has (``pause_writing``), or too many are in flight."""
+        return self._writing_paused or len(self._pending) >= _MAX_PIPELINED
+
+    def _start(self, item: Request | bytes, keep_alive: bool) -> None:
+        if isinstance(item, bytes):  # the final error reply, queued behind the requests
+            self._respond(item, keep_alive)
+            return
+        request = item
         coro = self.handler(request)
         if self.server.bare_first_step:
             try:
@@ -509,7 +673,7 @@ class HttpProtocol(asyncio.Protocol):
                 return
             except Exception:
                 logger.exception(
-                    "Unhandled error in request handler for %s %s", request.method, path
+                    "Unhandled error in request handler for %s %s", request.method, request.path
                 )
                 error = Response(500, _error_body("Internal server error"))
                 self._respond(render(error, False, self.server.stamp()), False)
@@ -526,12 +690,42 @@ class HttpProtocol(asyncio.Protocol):
         task.add_done_callback(self._task_done)
         self._update_reading()
 
-    # -------------------------------------------------------------- responses
+    def _drain(self) -> None:
+        """Start the requests that waited for the output to drain, then parse on."""
+        if self._draining:
+            return
+        self._draining = True
+        try:
+            queued = self._queued
+            while queued and self.transport is not None and not self._blocked():
+                item, keep_alive = queued.popleft()
+                self._start(item, keep_alive)
+            if (
+                self._unparsed
+                and not queued
+                and not self._closing
+                and self.transport is not None
+                and not self._blocked()
+            ):
+                data, self._unparsed = self._unparsed, b""
+                if self._in_message:  # the client was not the one waiting
+                    self._since = self.server.now
+                self._feed(data)
+        finally:
+            self._draining = False
+        self._update_reading()
 
     def _too_large(self, size: int) -> str:
         return (
             f"Request body of {size} bytes exceeds the limit of {self.limits.max_body_bytes} "
             "bytes; send smaller batches or raise --max-body-bytes"
+        )
+
+    def _public_body(self, size: int) -> str:
+        path = self._url.split(b"?", 1)[0].decode("latin-1")[:64]
+        return (
+            f"Request body of {size} bytes to {path}, which is served without the token and "
+            f"takes no body (at most {self.limits.public_body_bytes} bytes); send it without one"
         )
 
     def _respond(self, data: bytes, keep_alive: bool) -> None:
@@ -552,13 +746,32 @@ class HttpProtocol(asyncio.Protocol):
         if not keep_alive:
             self._closing = True
             self._pending.clear()
+            self._queued.clear()
+            self._unparsed = b""
             self._linger_close(transport)
+        self._count_unsent()
+
+    def _count_unsent(self) -> None:
+        """Count this connection's unsent output into the server's (which may shed the
+        connections holding the most, this one included)."""
+        transport = self.transport
+        size = transport.get_write_buffer_size() if transport is not None else 0
+        if size != self.unsent:
+            self.server.conns.unsent_changed(self, size)
+
+    def recount(self) -> None:
+        """Count the unsent output again, without shedding (it only shrank since)."""
+        transport = self.transport
+        size = transport.get_write_buffer_size() if transport is not None else 0
+        self.server.conns.unsent -= self.unsent - size
+        self.unsent = size
 
     def _linger_close(self, transport: asyncio.Transport) -> None:
         """Half-close after the last reply and drop what the peer still sends for a moment,
         so a client busy sending a refused body reads the reply instead of a reset."""
         if transport.can_write_eof() and self._in_message:
             transport.write_eof()
+            self._lingering = True
             if self._reading_paused:
                 self._reading_paused = False
                 transport.resume_reading()
@@ -569,6 +782,8 @@ class HttpProtocol(asyncio.Protocol):
     def _task_done(self, task: asyncio.Task[Response]) -> None:
         self.server.tasks.discard(task)
         self._flush()
+        if self._queued or self._unparsed:
+            self._drain()
 
     def _flush(self) -> None:
         pending = self._pending
@@ -587,16 +802,28 @@ class HttpProtocol(asyncio.Protocol):
         self._update_reading()
 
     def _reject(self, status: int, detail: str) -> None:
-        self._respond(
-            render(Response(status, _error_body(detail)), False, self.server.stamp()), False
-        )
+        self._final(render(Response(status, _error_body(detail)), False, self.server.stamp()))
+
+    def _final(self, data: bytes) -> None:
+        """Send the connection's last reply (an error), after the replies owed before it, and
+        read nothing more."""
+        if self._queued:
+            self._queued.append((data, False))
+        else:
+            self._respond(data, False)
+        self._unparsed = b""
         self._closing = True
 
     def _update_reading(self) -> None:
         transport = self.transport
-        if transport is None:
+        if transport is None or self._lingering or self._handshaking:
             return
-        should_pause = self._writing_paused or len(self._pending) >= _MAX_PIPELINED
+        should_pause = (
+            self._writing_paused
+            or len(self._pending) >= _MAX_PIPELINED
+            or bool(self._queued)
+            or bool(self._unparsed)
+        )
         if should_pause and not self._reading_paused:
             self._reading_paused = True
             transport.pause_reading()
@@ -606,23 +833,46 @@ class HttpProtocol(asyncio.Protocol):
 
     @property
     def idle(self) -> bool:
-        return not self._pending and not self._in_message
+        return not self._pending and not self._in_message and not self._queued
 
     def sweep(self, now: float) -> None:
         """Enforce the time limits (called about once a second by the server)."""
-        if self._closing or self.transport is None:
+        if self.transport is None:
             return
+        limits = self.limits
+        # A token-less connection gets the short timeouts: it cannot hold a slot for long.
+        patience = limits.idle_timeout if self.authenticated else limits.header_timeout
+        before = self.unsent
+        self._count_unsent()
+        if self.transport is None:
+            return
+        size = self.unsent
+        if not size or size < before:  # nothing owed, or the client reads
+            self._stuck_since = now if size else -1.0
+        elif self._stuck_since < 0:
+            self._stuck_since = now
+        elif now - self._stuck_since > patience:  # replies it does not take: dropped
+            logger.debug("dropping %s: it read none of its replies for %g s", self._peer, patience)
+            self.abort()
+            return
+        if self._closing:
+            return
+        if self._handshaking:
+            if now - self._since > limits.header_timeout:
+                self.abort()
+            return
+        if self._queued or self._unparsed:
+            return  # waiting for its replies to drain: the stall check above applies
         if self._in_message:
-            if now - self._since > self.limits.header_timeout:
+            if now - self._since > limits.header_timeout:
                 self._reject(
                     408,
-                    f"Request not received whole within {self.limits.header_timeout:g} s "
+                    f"Request not received whole within {limits.header_timeout:g} s "
                     "(--header-timeout); send the headers and body without pausing",
                 )
         elif not self._pending:
             # A fresh connection owes its first request within header_timeout.
-            timeout = self.limits.idle_timeout if self._served else self.limits.header_timeout
-            if now - self._since > timeout:
+            if now - self._since > patience:
                 self._closing = True
                 self.transport.close()
 
@@ -656,13 +906,19 @@ class HttpServer:
         self.limits = limits or HttpLimits()
         self.loop = loop or asyncio.get_event_loop()
         self.head_check = head_check
-        self.connections: set[HttpProtocol] = set()
+        self.tls: ssl.SSLContext | None = None
+        # A TLS connection being closed waits this long for the client's close_notify.
+        self.tls_shutdown: dict[str, Any] = (
+            {"ssl_shutdown_timeout": self.limits.header_timeout}
+            if sys.version_info >= (3, 11)
+            else {}
+        )
+        self.conns: ConnectionTable[HttpProtocol] = ConnectionTable(
+            self.loop, self.limits.max_connections, self.limits.max_total_output_bytes
+        )
         self.tasks: set[asyncio.Task[Response]] = set()
         self._servers: list[asyncio.AbstractServer] = []
-        self.now = self.loop.time()
-        self.refused = 0  # connections closed at once because of the cap, ever
-        self._refused_unlogged = 0
-        self._warned_at = float("-inf")
+        self.now: float = self.loop.time()
         self._sweeper: asyncio.TimerHandle | None = None
         self._tick = max(
             0.05, min(1.0, self.limits.header_timeout / 4, self.limits.idle_timeout / 4)
@@ -685,35 +941,43 @@ class HttpServer:
             return asyncio.Task(coro, loop=self.loop, eager_start=True)
         return self.loop.create_task(coro)
 
-    def refuse_connection(self) -> None:
-        """Count a connection closed because of the cap; warn at most every few seconds."""
-        self.refused += 1
-        self._refused_unlogged += 1
-        now = self.loop.time()
-        if now - self._warned_at >= _WARN_EVERY:
-            logger.warning(
-                "refused %d new connection(s): %d connections are open, the limit "
-                "(--max-connections, lowered to fit ulimit -n) is %d; raise --max-connections "
-                "(and the open-file limit) or find the clients holding connections open",
-                self._refused_unlogged,
-                len(self.connections),
-                self.limits.max_connections,
-            )
-            self._warned_at = now
-            self._refused_unlogged = 0
+    def run_now(self, coro: Coroutine[Any, Any, None]) -> asyncio.Task[None] | None:
+        """Run ``coro``'s first step inside this call and the rest in a Task, returned (None:
+        it finished in that first step)."""
+        if sys.version_info >= (3, 12):
+            task = asyncio.Task(coro, loop=self.loop, eager_start=True)
+            return None if task.done() else task
+        try:
+            yielded = coro.send(None)
+        except StopIteration:
+            return None
+        return self.loop.create_task(_finish(coro, yielded))
+
+    @property
+    def connections(self) -> set[HttpProtocol]:
+        """The open connections."""
+        return self.conns.open
 
     def _sweep(self) -> None:
         self.now = now = self.loop.time()
         for conn in list(self.connections):
             conn.sweep(now)
+        for conn in list(self.connections):  # the budget allows more output now?
+            if conn._queued or conn._unparsed:
+                conn._drain()
         self._sweeper = self.loop.call_later(self._tick, self._sweep)
 
-    async def listen(self, sockets: list[socket.socket], **kwargs: Any) -> list[tuple[str, int]]:
-        """Serve on listening sockets made by ``bind_sockets``; returns their addresses."""
+    async def listen(
+        self, sockets: list[socket.socket], ssl_context: ssl.SSLContext | None = None
+    ) -> list[tuple[str, int]]:
+        """Serve on listening sockets made by ``bind_sockets`` (over TLS with ``ssl_context``:
+        the handshake runs per connection once it is accepted and counted, within the header
+        timeout); returns their addresses."""
+        self.tls = ssl_context
         addrs: list[tuple[str, int]] = []
         for sock in sockets:
             server = await self.loop.create_server(
-                lambda: HttpProtocol(self), sock=sock, backlog=_BACKLOG, **kwargs
+                lambda: HttpProtocol(self), sock=sock, backlog=_BACKLOG
             )
             self._servers.append(server)
             addrs.extend(s.getsockname()[:2] for s in server.sockets)
@@ -733,7 +997,10 @@ class HttpServer:
         for task in list(self.tasks):
             task.cancel()
         for conn in list(self.connections):
-            conn.close()
+            if conn._handshaking:
+                conn.abort()
+            else:
+                conn.close()
         for server in self._servers:
             await server.wait_closed()
 

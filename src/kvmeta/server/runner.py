@@ -93,11 +93,12 @@ def _limits(settings: Settings) -> RequestLimits:
 
 
 def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
-    if not settings.ssl_certfile:
+    """Raises ConfigError naming the flag when the certificate or key cannot be used."""
+    if not settings.ssl_certfile or not settings.ssl_keyfile:
         return None
-    ctx = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-    ctx.load_cert_chain(settings.ssl_certfile, settings.ssl_keyfile)
-    return ctx
+    from kvmeta.server.tls import server_context
+
+    return server_context(settings.ssl_certfile, settings.ssl_keyfile)
 
 
 # Descriptors kept free of client connections for the journal, snapshots, the fsync helper's
@@ -168,8 +169,7 @@ async def run(
     )
     app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)
-    extra: dict[str, Any] = {"ssl": ctx} if ctx else {}
-    addrs = await server.listen(sockets, **extra)
+    addrs = await server.listen(sockets, ssl_context=ctx)
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
@@ -288,6 +288,7 @@ def serve(settings: Settings) -> None:
         from kvmeta.server.tokens import load_tokens
 
         load_tokens(settings.auth_file)
+    _ssl_context(settings)  # likewise an unusable certificate or key
     if settings.workers > 1:
         from kvmeta.server.workers import run_workers
 
