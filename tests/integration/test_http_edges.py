@@ -84,7 +84,7 @@ def _read_response(stream: BinaryIO) -> tuple[int, bytes]:
 
 def _get(sock: socket.socket, path: str, token: bool = False) -> bytes:
     auth = f"Authorization: Bearer {TOKEN}\r\n" if token else ""
-    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: x\r\n{auth}\r\n".encode())
+    sock.sendall(f"GET {path} HTTP/1.1\r\nHost: localhost\r\n{auth}\r\n".encode())
     return sock.recv(65536)
 
 
@@ -121,7 +121,7 @@ def test_pipelined_replies_nobody_reads_stay_bounded(make_server: Make) -> None:
     before = _peak_mib(server)
     sock.sendall(
         b"".join(
-            b"GET /v1/dump?rank=0&limit=%d HTTP/1.1\r\nHost: x\r\n\r\n" % (10000 - i)
+            b"GET /v1/dump?rank=0&limit=%d HTTP/1.1\r\nHost: localhost\r\n\r\n" % (10000 - i)
             for i in range(count)
         )
     )
@@ -181,7 +181,7 @@ def test_public_routes_take_no_body_and_nothing_is_read_before_the_token(
     # A token-less request announcing a body: 401 at the headers, no 100 Continue.
     sock = _connect(server)
     sock.sendall(
-        b"POST /0/initialize HTTP/1.1\r\nHost: x\r\nContent-Length: 1000000\r\n"
+        b"POST /0/initialize HTTP/1.1\r\nHost: localhost\r\nContent-Length: 1000000\r\n"
         b"Expect: 100-continue\r\n\r\n"
     )
     reply = _read_all(sock)
@@ -190,7 +190,7 @@ def test_public_routes_take_no_body_and_nothing_is_read_before_the_token(
     # A body to /health (public: served without the token) is refused at the headers too.
     sock = _connect(server)
     sock.sendall(
-        b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n"
+        b"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n"
         b"Expect: 100-continue\r\n\r\n"
     )
     reply = _read_all(sock)
@@ -203,7 +203,7 @@ def test_public_routes_take_no_body_and_nothing_is_read_before_the_token(
 
     def send() -> None:
         with contextlib.suppress(OSError), _connect(server) as conn:
-            conn.sendall(b"POST /health HTTP/1.1\r\nHost: x\r\nContent-Length: 16777216\r\n\r\n")
+            conn.sendall(b"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n\r\n")
             conn.sendall(b"x" * (16777216 - 1))  # all but the last byte: never complete
             _read_all(conn, 10)
 
@@ -261,7 +261,7 @@ def test_an_upgrade_request_is_refused_before_it_runs(make_server: Make) -> None
     requests.post(server.url + "/0/initialize", json={"num_pages": 8}, timeout=10)
     _store(server, ["a"])
     for head in (
-        b"POST /0/clear HTTP/1.1\r\nHost: x\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
+        b"POST /0/clear HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
         b"Content-Length: 2\r\n\r\n{}",
         b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n",
     ):
@@ -296,7 +296,7 @@ def test_tls_clients_still_work_with_tls_started_per_connection(
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
         with context.wrap_socket(raw, server_hostname="localhost") as tls:
             tls.sendall(
-                b"GET /openapi.json HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer s3cret\r\n\r\n"
+                b"GET /openapi.json HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret\r\n\r\n"
             )
             status, body = _read_response(tls.makefile("rb"))
     assert status == 200 and msgspec.json.decode(body)["openapi"]

@@ -31,13 +31,13 @@ def _silent_reader(addr: tuple[str, int]) -> socket.socket:
     sock = socket.socket()
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     sock.connect(addr)
-    sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\n\r\n")
+    sock.sendall(b"GET /big HTTP/1.1\r\nHost: localhost\r\n\r\n")
     return sock
 
 
 def _read_whole_reply(addr: tuple[str, int]) -> int:
     with socket.create_connection(addr, timeout=30) as sock:
-        sock.sendall(b"GET /big HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+        sock.sendall(b"GET /big HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
         data = b""
         while chunk := sock.recv(1 << 20):
             data += chunk
@@ -76,7 +76,7 @@ def _tls_get(addr: tuple[str, int], cafile: Path) -> bytes:
     context = ssl.create_default_context(cafile=str(cafile))
     with socket.create_connection(addr, timeout=30) as raw:
         with context.wrap_socket(raw, server_hostname="localhost") as tls:
-            tls.sendall(b"GET /x HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            tls.sendall(b"GET /x HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n")
             data = b""
             with contextlib.suppress(ssl.SSLError, ConnectionResetError):
                 while chunk := tls.recv(65536):
