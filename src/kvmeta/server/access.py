@@ -47,6 +47,7 @@ __all__ = [
     "retry_after",
     "scope_of",
     "sglang_pool",
+    "tenant_of",
     "vllm_pool",
 ]
 
@@ -138,6 +139,7 @@ def vllm_pool(request: Request, rank: int) -> PoolId:
 
 
 def tenant_of(request: Request) -> str:
+    """The tenant a request's pools belong to ("" without a tokens file or for --auth-token)."""
     scope = request.scope
     return "" if scope is None else scope.tenant
 
