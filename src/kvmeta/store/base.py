@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
@@ -17,6 +17,7 @@ from kvmeta.store.changes import ChangeListener
 
 __all__ = [
     "Backend",
+    "Budget",
     "CheckReport",
     "InitResult",
     "PoolStats",
@@ -38,6 +39,17 @@ class InitResult:
     @property
     def conflict(self) -> bool:
         return self.requested != self.num_pages
+
+
+class Budget(NamedTuple):
+    """What creating a pool is checked against (``Backend.budget``): whether it exists already,
+    the pages of all pools together (--max-total-pages), and its tenant's pages (max_pages)
+    and pools (--max-pools-per-tenant / max_pools)."""
+
+    exists: bool
+    total_pages: int
+    tenant_pages: int
+    tenant_pools: int
 
 
 @dataclass
@@ -230,9 +242,9 @@ class Backend(Protocol):
 
     async def stats(self) -> list[PoolStats]: ...
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
+    async def budget(self, pool: PoolId) -> Budget:
         """Whether ``pool`` exists, the pages of all pools together (--max-total-pages), and
-        the pages of ``pool.tenant``'s pools (its quota). Runs only when a pool is created."""
+        the pages and pools of ``pool.tenant`` (its quotas). Runs only when a pool is created."""
         ...
 
     async def check(self) -> CheckReport:

@@ -80,7 +80,7 @@ from kvmeta.errors import (
     RankInUse,
 )
 from kvmeta.lograte import warn_limited
-from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
+from kvmeta.store.base import Budget, CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -1366,7 +1366,7 @@ class RedisBackend:
                 out.append(PoolId("s", int(rank), unquote(ns), tenant))
         return sorted(out)
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
+    async def budget(self, pool: PoolId) -> Budget:
         """O(pools) but cheap: one HGET of each pool's size, ``_BUDGET_BATCH`` at a time
         concurrently (pools are created once per engine start, and they live in Redis)."""
         pids = await self.pools()
@@ -1378,8 +1378,8 @@ class RedisBackend:
             for pid, n in zip(batch, found, strict=True):
                 if n is not None:  # None: listed before it was created (see _sadd_pool)
                     sizes[pid] = int(n)
-        tenant = sum(n for pid, n in sizes.items() if pid.tenant == pool.tenant)
-        return pool in sizes, sum(sizes.values()), tenant
+        tenant = [n for pid, n in sizes.items() if pid.tenant == pool.tenant]
+        return Budget(pool in sizes, sum(sizes.values()), sum(tenant), len(tenant))
 
     async def stats(self) -> list[PoolStats]:
         out = []
