@@ -7,7 +7,7 @@ exactly the semantics of ``core.pool``; the shared behavioural test suite runs a
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
 from typing import NamedTuple, Protocol
 
@@ -16,6 +16,7 @@ from kvmeta.errors import InvalidRequest
 from kvmeta.store.changes import ChangeListener
 
 __all__ = [
+    "STATS_CHUNK",
     "Backend",
     "Budget",
     "CheckReport",
@@ -39,6 +40,10 @@ class InitResult:
     @property
     def conflict(self) -> bool:
         return self.requested != self.num_pages
+
+
+# Pools per piece of ``Backend.stats_chunks`` (an in-process store reads one in ~2 ms).
+STATS_CHUNK = 256
 
 
 class Budget(NamedTuple):
@@ -241,6 +246,13 @@ class Backend(Protocol):
     async def v_index(self, tenant: str = "") -> VIndex: ...
 
     async def stats(self) -> list[PoolStats]: ...
+
+    def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
+        """``stats`` in pieces of at most ``size`` pools, with the loop free between pieces, for
+        a caller that digests them as they come (the status sampler): with thousands of pools
+        neither the reading nor the digesting holds the loop for long, and each piece's objects
+        are garbage before the next is read. A pool removed meanwhile is left out."""
+        ...
 
     async def budget(self, pool: PoolId) -> Budget:
         """Whether ``pool`` exists, the pages of all pools together (--max-total-pages), and

@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from operator import itemgetter
 from typing import Protocol
 
@@ -36,7 +36,15 @@ from kvmeta.core.invariants import (
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
 from kvmeta.lograte import warn_limited
-from kvmeta.store.base import Budget, CheckReport, InitResult, PoolStats, VIndex, parse_cursor
+from kvmeta.store.base import (
+    STATS_CHUNK,
+    Budget,
+    CheckReport,
+    InitResult,
+    PoolStats,
+    VIndex,
+    parse_cursor,
+)
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -426,9 +434,17 @@ class MemoryStore:
         )
 
     def stats(self) -> list[PoolStats]:
+        return self.stats_of(sorted(self.pools))
+
+    def stats_of(self, pids: list[PoolId]) -> list[PoolStats]:
+        """The stats of the pools named (those that still exist), in that order."""
         now = self.clock()
         out = []
-        for pid, pool in sorted(self.pools.items()):
+        pools = self.pools
+        for pid in pids:
+            pool = pools.get(pid)
+            if pool is None:  # removed since the caller listed it
+                continue
             pool.expire(now)
             out.append(
                 PoolStats(
@@ -594,7 +610,20 @@ class MemoryBackend:
         return self.store.v_index(tenant)
 
     async def stats(self) -> list[PoolStats]:
-        return self.store.stats()
+        """Every pool's stats, read in ``stats_chunks``: one pass over thousands of pools held
+        the loop for hundreds of ms (~7 us a pool)."""
+        out: list[PoolStats] = []
+        async for chunk in self.stats_chunks():
+            out += chunk
+        return out
+
+    async def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
+        store = self.store
+        pids = sorted(store.pools)
+        for i in range(0, len(pids), size):
+            if i:
+                await asyncio.sleep(0)
+            yield store.stats_of(pids[i : i + size])
 
     async def budget(self, pool: PoolId) -> Budget:
         return self.store.budget(pool)
