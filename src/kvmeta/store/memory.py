@@ -36,6 +36,7 @@ from kvmeta.core.invariants import (
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
 from kvmeta.lograte import warn_limited
+from kvmeta.store import headroom
 from kvmeta.store.base import (
     STATS_CHUNK,
     Budget,
@@ -173,9 +174,18 @@ class MemoryStore:
                     pool.num_pages,
                 )
             return result
-        self.add_pool(pid, self._new_pool(num_pages))
+        self.add_pool(pid, self._allocate(num_pages))
         self._record(NewPool(pid, num_pages, 0))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
+
+    def _allocate(self, num_pages: int) -> Pool:
+        """A new empty pool, or a 413 (``store.headroom``) when the memory is not there; either
+        way before anything is changed or journaled."""
+        headroom.check_pool_memory(num_pages)
+        try:
+            return self._new_pool(num_pages)
+        except MemoryError:
+            raise headroom.pool_too_big(num_pages, None) from None
 
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
         if entries:
