@@ -72,6 +72,7 @@ class Settings:
     # resource limits on pools (each page costs ~26 bytes of memory once its pool exists)
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
+    max_pools_per_tenant: int = 4096
     # connections and operator routes (see server/http.py and server/ops_routes.py)
     header_timeout: float = 10.0
     idle_timeout: float = 300.0
@@ -319,6 +320,12 @@ OPTIONS: tuple[Option, ...] = (
     Option(
         "max_total_pages",
         "pages of all pools together (~26 bytes of memory each), checked before a pool is made",
+        _positive_int,
+    ),
+    Option(
+        "max_pools_per_tenant",
+        "pools one tenant may have (the default tenant too; a tokens file's max_pools "
+        "overrides it per tenant), checked before a pool is made",
         _positive_int,
     ),
     # connections and operator routes

@@ -15,6 +15,7 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import QuotaExceeded
+from kvmeta.service.limits import NO_CAPS, TenantCaps
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
 from kvmeta.store.durable import DurabilityOptions, DurableBackend
@@ -146,8 +147,8 @@ def _state(svc: SyncService) -> dict[PoolId, tuple[int, int]]:
 
 
 def test_a_tenant_over_its_page_quota_gets_429_and_nothing_changes(svc: SyncService) -> None:
-    caps = {"team-a": 12}
-    svc.service.tenant_max_pages = caps.get
+    caps = {"team-a": TenantCaps(max_pages=12)}
+    svc.service.tenant_caps = lambda tenant: caps.get(tenant, NO_CAPS)
     svc.initialize(A, 8)
     svc.store(A, ["x"])
     before = _state(svc)
@@ -173,6 +174,29 @@ def test_a_tenant_over_its_page_quota_gets_429_and_nothing_changes(svc: SyncServ
     with pytest.raises(QuotaExceeded, match="12 pages in use"):
         svc.v_register(0, 1, None, "team-a")
     assert svc.get(A, ["x"]) == [0]
+
+
+def test_a_tenant_at_its_pool_count_gets_429_and_removing_one_makes_room(
+    svc: SyncService,
+) -> None:
+    """Every backend counts each tenant's pools (``Backend.budget``), vLLM ranks included."""
+    caps = {"team-a": TenantCaps(max_pools=2)}
+    svc.service.tenant_caps = lambda tenant: caps.get(tenant, NO_CAPS)
+    svc.initialize(A, 1)
+    svc.v_register(0, 1, None, "team-a")
+    before = _state(svc)
+    for create in (
+        lambda: svc.initialize(PoolId("s", 1, "kv", "team-a"), 1),
+        lambda: svc.v_register(1, 1, None, "team-a"),
+    ):
+        with pytest.raises(QuotaExceeded, match="its max_pools 2") as err:
+            create()
+        assert "has 2 pools" in str(err.value) and err.value.status == 429
+    assert _state(svc) == before
+    assert svc.initialize(A, 1).created is False  # an existing pool is not a new one
+    assert svc.initialize(B, 1).created and svc.initialize(D, 1).created  # others: no cap
+    assert svc.v_remove(0, "team-a") == 0
+    assert svc.v_register(1, 1, None, "team-a").created
 
 
 def test_stats_and_check_see_every_tenant(svc: SyncService) -> None:

@@ -54,6 +54,11 @@ def _serve_fails(*args: str) -> str:
         ("[tenants.a]\nrequests_per_second = 0", ["tenants.a.requests_per_second", "0.001 to"]),
         ("[tenants.a]\nburst = 3", ["tenants.a.burst", "requests_per_second"]),
         ("[tenants.a]\nmax_page = 3", ["tenants.a.max_page", "known"]),
+        (
+            "[tenants.a]\nmax_pools = -1",
+            ["tenants.a.max_pools", "0 to 4,294,967,296", "--max-pools-per-tenant"],
+        ),
+        ("[tenants.a]\nmax_pools = 'many'", ["tenants.a.max_pools", "integer"]),
         ("[[tokens]]\ntoken = abc\n", ["not valid TOML", "line 2"]),
     ],
 )

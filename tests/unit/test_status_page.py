@@ -22,6 +22,7 @@ from kvmeta.server.status_page import (
     percentile,
     static_file,
 )
+from kvmeta.server.tokens import ALL_ACCESS
 from kvmeta.service.ops import Service
 from kvmeta.store.base import PoolId, PoolStats
 from kvmeta.store.memory import MemoryBackend, MemoryStore
@@ -163,3 +164,58 @@ def test_page_routes_answer_their_files(path: str) -> None:
     assert resp.body == static_file(name)
     kind = {"status.js": b"text/javascript", "status.css": b"text/css"}.get(name, b"text/html")
     assert resp.content_type.startswith(kind)
+
+
+def test_a_sample_of_many_pools_lets_the_loop_run_between_small_chunks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The sampler reads every pool on the loop (the in-process store is not thread-safe):
+    with thousands of pools one pass held the loop for hundreds of ms, so every request waited.
+    It reads them in chunks and lets the loop run between them: counted here, not timed, as
+    how many pools were read while another task did not get to run."""
+    from kvmeta.core.pool import Pool
+
+    pools = 3000
+    service = Service(MemoryBackend(MemoryStore()))
+    app = build_app(Settings(in_memory=True), service)
+    (state,) = [
+        job.__self__
+        for job in app.background
+        if isinstance(getattr(job, "__self__", None), StatusState)
+    ]
+    ticks = 0
+    read_at: list[int] = []  # the ticker's count when each pool was read
+    expire = Pool.expire
+
+    def counted(pool: Pool, now: float) -> None:
+        read_at.append(ticks)
+        expire(pool, now)
+
+    async def go() -> None:
+        nonlocal ticks
+        for rank in range(pools):
+            await service.initialize(PoolId("s", rank, "kv"), 1)
+        monkeypatch.setattr(Pool, "expire", counted)
+        done = asyncio.Event()
+
+        async def ticker() -> None:
+            nonlocal ticks
+            while not done.is_set():
+                ticks += 1
+                await asyncio.sleep(0)
+
+        task = asyncio.create_task(ticker())
+        await asyncio.sleep(0)
+        await state.sample_pools(1000.0, 1e9)
+        done.set()
+        await task
+
+    loop = asyncio.new_event_loop()
+    try:
+        loop.run_until_complete(go())
+    finally:
+        loop.close()
+    assert len(read_at) == pools
+    longest = max(read_at.count(t) for t in set(read_at))
+    assert longest <= 512, f"{longest} pools read without letting the loop run"
+    assert len(msgspec.json.decode(state.pools_for(ALL_ACCESS))) == pools

@@ -36,6 +36,7 @@ from kvmeta.errors import ConfigError, Forbidden, QuotaExceeded, Unauthorized
 from kvmeta.server.auth import presented_token
 from kvmeta.server.http import Request, Response
 from kvmeta.server.tokens import ALL_ACCESS, Scope, TenantQuota, digest, load_tokens
+from kvmeta.service.limits import TenantCaps
 
 __all__ = [
     "ANY",
@@ -47,6 +48,7 @@ __all__ = [
     "retry_after",
     "scope_of",
     "sglang_pool",
+    "tenant_of",
     "vllm_pool",
 ]
 
@@ -138,6 +140,7 @@ def vllm_pool(request: Request, rank: int) -> PoolId:
 
 
 def tenant_of(request: Request) -> str:
+    """The tenant a request's pools belong to ("" without a tokens file or for --auth-token)."""
     scope = request.scope
     return "" if scope is None else scope.tenant
 
@@ -238,10 +241,15 @@ class Access:
     def quota(self, tenant: str) -> TenantQuota | None:
         return self.table.tenants.get(tenant)
 
-    def max_pages(self, tenant: str) -> int | None:
-        """``Service.tenant_max_pages``: the tenant's page cap from the tokens file."""
-        quota = self.table.tenants.get(tenant)
-        return None if quota is None else quota.max_pages
+    def caps(self, tenant: str) -> TenantCaps:
+        """``Service.tenant_caps``: the tenant's own quotas from the tokens file, and how many
+        tenants the file names (read afresh each time: a SIGHUP may change them)."""
+        table = self.table
+        quota = table.tenants.get(tenant)
+        tenants = len(table.names)
+        if quota is None:
+            return TenantCaps(tenants=tenants)
+        return TenantCaps(quota.max_pages, quota.max_pools, tenants)
 
     # ------------------------------------------------------------------ reload
 

@@ -16,10 +16,10 @@ from typing import Any
 
 import msgspec
 
-from kvmeta._types import DEFAULT_NAMESPACE, PoolId
+from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.config import Settings
 from kvmeta.lograte import LIMITER, warn_limited
-from kvmeta.server.access import sglang_pool, vllm_pool
+from kvmeta.server.access import tenant_of
 from kvmeta.server.app import RouteHandler
 from kvmeta.server.http import Request, Response
 
@@ -43,8 +43,11 @@ class InitWatcher:
 
     Hosts, not ports: stock clients open a new connection per call. Only successful
     initialisations are remembered, so the table is bounded by the number of pools. The pool is
-    named the way the handler named it (in the token's tenant): two tenants with the same rank
-    and namespace own two pools, and their engines may well run on different hosts.
+    named the way the handler named it (in the token's tenant, the namespace normalised:
+    ``PoolName.KV`` is ``kv``): two tenants with the same rank and namespace own two pools, and
+    their engines may well run on different hosts. It runs after the pool was created, so it
+    checks nothing and raises nothing: the handler already checked the scope, and an error here
+    would answer a failure for a change that was made.
     """
 
     def __init__(self) -> None:
@@ -71,9 +74,9 @@ class InitWatcher:
         if dialect == "v":
             if fields.role == "scheduler":
                 return
-            pool = vllm_pool(request, rank)
+            pool = PoolId("v", rank, "", tenant_of(request))
         else:
-            pool = sglang_pool(request, rank, fields.namespace)
+            pool = PoolId("s", rank, normalize_namespace(fields.namespace), tenant_of(request))
         host = str(request.peer[0]) if request.peer else "unknown"
         first = self.first_host.setdefault(pool, host)
         if first != host:

@@ -241,7 +241,7 @@ def install(app: App, service: Service, settings: Settings) -> OpsState:
         app.wrap_handlers(state.access.wrap)
         state.access.install_sighup()  # before the server listens (see its docstring)
         app.background.append(state.access.watch_sighup)
-        service.tenant_max_pages = state.access.max_pages
+        service.tenant_caps = state.access.caps
     app.wrap_handlers(InitWatcher().wrap)
     app.wrap_handlers(state.metrics.wrap)
     return state

@@ -89,6 +89,7 @@ def _limits(settings: Settings) -> RequestLimits:
         max_pages=settings.max_pages,
         max_world_size=settings.max_world_size,
         max_total_pages=settings.max_total_pages,
+        max_pools_per_tenant=settings.max_pools_per_tenant,
     )
 
 

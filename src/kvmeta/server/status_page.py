@@ -216,37 +216,110 @@ PoolKey = tuple[str, int, str, str]  # (dialect, rank, namespace, tenant)
 
 class PoolRates:
     """Per-pool evictions/s and refused reservations/s between the last two samples, kept so
-    that a status request only looks them up."""
+    that a status request only looks them up. A sample is taken in pieces (``begin``, ``add``
+    per piece of pools, ``end``), so its pools need not all be in memory at once."""
 
     def __init__(self) -> None:
         self.rates: dict[PoolKey, tuple[float, float]] = {}
         self._last: tuple[float, dict[PoolKey, tuple[int, int]]] | None = None
+        # The sample being taken: its time, counts, rates, and the interval (None: no rates,
+        # the first sample or a clock that did not move).
+        self._now = 0.0
+        self._current: dict[PoolKey, tuple[int, int]] = {}
+        self._rates: dict[PoolKey, tuple[float, float]] = {}
+        self._dt: float | None = None
 
-    def update(self, now: float, pools: Sequence[PoolStats]) -> None:
-        current = {
-            (st.pool.dialect, st.pool.rank, st.pool.namespace, st.pool.tenant): (
+    def begin(self, now: float) -> None:
+        self._now = now
+        self._current, self._rates = {}, {}
+        self._dt = None
+        if self._last is not None and now > self._last[0]:
+            self._dt = now - self._last[0]
+
+    def add(self, pools: Sequence[PoolStats]) -> list[tuple[float, float] | None]:
+        """Take ``pools`` into the sample; each one's rates as the sample will show them."""
+        current, out = self._current, []
+        dt, before = self._dt, (self._last[1] if self._last is not None else {})
+        for st in pools:
+            key = (st.pool.dialect, st.pool.rank, st.pool.namespace, st.pool.tenant)
+            counts = current[key] = (
                 st.counters.get("evictions", 0),
                 st.counters.get("reservations_refused", 0),
             )
-            for st in pools
-        }
-        last, self._last = self._last, (now, current)
-        if last is None:
-            return
-        then, before = last
-        dt = now - then
-        if dt <= 0:
-            self._last = last
-            return
-        rates: dict[PoolKey, tuple[float, float]] = {}
-        for key, (evicted, refused) in current.items():
+            if dt is None:  # no new rates this time: the last ones stay
+                out.append(self.rates.get(key))
+                continue
             old = before.get(key)
-            if old is not None:
-                rates[key] = (
-                    round(max(0, evicted - old[0]) / dt, 3),
-                    round(max(0, refused - old[1]) / dt, 3),
-                )
+            if old is None:  # a new pool: no rate yet
+                out.append(None)
+                continue
+            rate = self._rates[key] = (
+                round(max(0, counts[0] - old[0]) / dt, 3),
+                round(max(0, counts[1] - old[1]) / dt, 3),
+            )
+            out.append(rate)
+        return out
+
+    def end(self) -> None:
+        if self._last is None or self._dt is not None:
+            self._last = (self._now, self._current)
+        if self._dt is not None:
+            self.rates = self._rates
+        self.abort()
+
+    def abort(self) -> None:
+        """Drop the sample being taken (its backend failed midway): nothing changes."""
+        self._current, self._rates = {}, {}
+        self._dt = None
+
+    def update(self, now: float, pools: Sequence[PoolStats]) -> None:
+        """A whole sample at once."""
+        self.begin(now)
+        self.add(pools)
+        self.end()
+
+
+class _Digest:
+    """One sample of the pools, taken piece by piece: the lookup totals, the rates, and the
+    pool rows encoded as JSON as each piece comes (bytes: nothing for the garbage collector to
+    walk), all of them and each tenant's."""
+
+    def __init__(self, rates: PoolRates, now: float) -> None:
         self.rates = rates
+        rates.begin(now)
+        self.lookups = [0, 0, 0, 0]
+        self.parts: list[bytes] = []
+        self.tenant_parts: dict[str, list[bytes]] = {}
+
+    def add(self, pools: Sequence[PoolStats]) -> None:
+        if not pools:
+            return
+        rows = []
+        tenants: dict[str, list[dict[str, Any]]] = {}
+        for st, rate in zip(pools, self.rates.add(pools), strict=True):
+            row = status_pool(pool_view(st), rate)
+            rows.append(row)
+            if st.pool.tenant:
+                tenants.setdefault(st.pool.tenant, []).append(row)
+        for i, total in enumerate(Lookups.of(pools)):
+            self.lookups[i] += total
+        self.parts.append(_items(rows))
+        for tenant, mine in tenants.items():
+            self.tenant_parts.setdefault(tenant, []).append(_items(mine))
+
+    def end(self) -> tuple[Lookups, msgspec.Raw, dict[str, msgspec.Raw]]:
+        self.rates.end()
+        by_tenant = {t: _array(parts) for t, parts in self.tenant_parts.items()}
+        return Lookups(*self.lookups), _array(self.parts), by_tenant
+
+
+def _items(rows: list[dict[str, Any]]) -> bytes:
+    """The rows as the items of a JSON array, without its brackets."""
+    return msgspec.json.encode(rows)[1:-1]
+
+
+def _array(parts: list[bytes]) -> msgspec.Raw:
+    return msgspec.Raw(b"[" + b",".join(parts) + b"]")
 
 
 class _DiskState(NamedTuple):
@@ -323,37 +396,29 @@ class StatusState:
 
     async def sample_pools(self, now: float, wall: float) -> Lookups | None:
         """Read every pool once (on the loop: the in-process store is not thread-safe) and
-        turn the copies into rates and the encoded pool rows in a thread (tens of ms of pure
-        Python with thousands of pools). None when the backend could not be read."""
+        turn them into rates and the encoded pool rows, ``STATS_CHUNK`` pools at a time with
+        the loop free in between: with thousands of pools one pass held the loop for hundreds
+        of ms, and its objects, alive until it ended, set off full garbage collections. None
+        when the backend could not be read."""
         async with self._pools_lock:  # one digest at a time: it moves the rates' baseline
-            try:
-                pools = await self.ops.service.stats()
-            except Exception as exc:  # noqa: BLE001 - a backend outage must not stop sampling
-                logger.debug("status sample could not read pool stats: %s", exc)
-                return None
-            lookups, rows, by_tenant = await asyncio.to_thread(self._digest, now, pools)
+            digest = _Digest(self.rates, now)
+            chunks = self.ops.backend.stats_chunks()
+            while True:
+                try:
+                    pools = await anext(chunks)
+                except StopAsyncIteration:
+                    break
+                except Exception as exc:  # noqa: BLE001 - a backend outage must not stop sampling
+                    self.rates.abort()  # the partial sample goes; the baseline stays
+                    logger.debug("status sample could not read pool stats: %s", exc)
+                    return None
+                digest.add(pools)
+                await asyncio.sleep(0)
+            lookups, rows, by_tenant = digest.end()
         self._pools = rows
         self._tenant_pools = by_tenant
         self.pools_at = (now, round(wall, 3))
         return lookups
-
-    def _digest(
-        self, now: float, pools: list[PoolStats]
-    ) -> tuple[Lookups, msgspec.Raw, dict[str, msgspec.Raw]]:
-        self.rates.update(now, pools)
-        rates = self.rates.rates
-        rows = []
-        tenants: dict[str, list[dict[str, Any]]] = {}
-        for st in pools:
-            pool = st.pool
-            row = status_pool(
-                pool_view(st), rates.get((pool.dialect, pool.rank, pool.namespace, pool.tenant))
-            )
-            rows.append(row)
-            if pool.tenant:
-                tenants.setdefault(pool.tenant, []).append(row)
-        by_tenant = {t: msgspec.Raw(msgspec.json.encode(r)) for t, r in tenants.items()}
-        return Lookups.of(pools), msgspec.Raw(msgspec.json.encode(rows)), by_tenant
 
     async def run(self) -> None:
         """Sample forever (cancelled at shutdown)."""

@@ -10,7 +10,8 @@ depend on how much of a secret a guess got right, and the file may hold digests
 Format (every key but ``tenant`` and one of ``token``/``token_sha256`` is optional)::
 
     [tenants.teamA]
-    max_pages = 1000000          # pages across the tenant's pools (absent: no cap)
+    max_pages = 1000000          # pages across the tenant's pools (absent: a share, see below)
+    max_pools = 64               # pools of the tenant (absent: --max-pools-per-tenant)
     requests_per_second = 2000   # token bucket rate (absent: no rate limit)
     burst = 4000                 # bucket size (default: one second of requests)
 
@@ -21,6 +22,9 @@ Format (every key but ``tenant`` and one of ``token``/``token_sha256`` is option
     ranks = "0-7"                # "3", "0-3,8-11", or an integer (default: every rank)
     namespaces = ["kv", "mamba*"]  # glob patterns of SGLang pool names (default: all)
     name = "teamA workers"       # shown in logs and 403 messages instead of the token
+
+A file naming several tenants (in ``[tenants.*]`` or ``tenant =``) gives each tenant without
+``max_pages`` an equal share of ``--max-total-pages`` (``service.limits``).
 """
 
 from __future__ import annotations
@@ -49,6 +53,7 @@ __all__ = [
     "ALL_ACCESS",
     "BURST_RANGE",
     "MAX_TENANT_PAGES",
+    "MAX_TENANT_POOLS",
     "RATE_RANGE",
     "RIGHTS",
     "Scope",
@@ -67,14 +72,16 @@ MIN_TOKEN_CHARS = 16
 _TOKEN_KEYS = frozenset(
     ("token", "token_sha256", "tenant", "rights", "ranks", "namespaces", "name")
 )
-_TENANT_KEYS = frozenset(("max_pages", "requests_per_second", "burst"))
+_TENANT_KEYS = frozenset(("max_pages", "max_pools", "requests_per_second", "burst"))
 _INT64_MAX = (1 << 63) - 1
 # Sane ranges of the tenants' quotas: one request per 1000 s at the slowest (a Retry-After of
 # 1000 s), 10 million per second at the most (far beyond what one server answers); a bucket
-# holds 1 to a billion requests; pages up to 2**53 (exact as a double, as Redis scripts count).
+# holds 1 to a billion requests; pages up to 2**53 (exact as a double, as Redis scripts count),
+# pools up to 2**32.
 RATE_RANGE = (0.001, 10_000_000.0)
 BURST_RANGE = (1.0, 1_000_000_000.0)
 MAX_TENANT_PAGES = 1 << 53
+MAX_TENANT_POOLS = 1 << 32
 
 
 def digest(token: bytes) -> bytes:
@@ -87,6 +94,7 @@ class TenantQuota:
     """One tenant's limits (None: no limit)."""
 
     max_pages: int | None = None
+    max_pools: int | None = None
     requests_per_second: float | None = None
     burst: float | None = None
 
@@ -163,10 +171,12 @@ ALL_ACCESS = Scope("", frozenset(RIGHTS), all_access=True, name="--auth-token")
 
 @dataclass(frozen=True)
 class TokenTable:
-    """A parsed tokens file: token digest -> scope, tenant -> quota."""
+    """A parsed tokens file: token digest -> scope, tenant -> quota, and every tenant it
+    names (with a token or a quota table)."""
 
     scopes: Mapping[bytes, Scope]
     tenants: Mapping[str, TenantQuota]
+    names: frozenset[str] = frozenset()
 
     def lookup(self, token: bytes) -> Scope | None:
         """The scope of a presented token: hashed, looked up by digest, and the stored digest
@@ -352,7 +362,19 @@ def _parse_tenant(path: str | None, name: str, table: Any) -> TenantQuota:
             path,
             f"{where}.max_pages",
             f"must be an integer from 0 to {MAX_TENANT_PAGES:,}, got {max_pages!r}",
-            "omit it for no cap",
+            "omit it for the tenant's share of --max-total-pages",
+        )
+    max_pools = table.get("max_pools")
+    if max_pools is not None and (
+        not isinstance(max_pools, int)
+        or isinstance(max_pools, bool)
+        or not 0 <= max_pools <= MAX_TENANT_POOLS
+    ):
+        raise _err(
+            path,
+            f"{where}.max_pools",
+            f"must be an integer from 0 to {MAX_TENANT_POOLS:,}, got {max_pools!r}",
+            "omit it for --max-pools-per-tenant",
         )
     rate = _number(path, where, table, "requests_per_second", RATE_RANGE, "omit it for no limit")
     burst = _number(path, where, table, "burst", BURST_RANGE, "omit it for one second of requests")
@@ -360,7 +382,9 @@ def _parse_tenant(path: str | None, name: str, table: Any) -> TenantQuota:
         raise _err(path, f"{where}.burst", "needs requests_per_second", "set both, or neither")
     if rate is not None and burst is None:
         burst = min(max(1.0, rate), BURST_RANGE[1])  # one second of requests
-    return TenantQuota(max_pages=max_pages, requests_per_second=rate, burst=burst)
+    return TenantQuota(
+        max_pages=max_pages, max_pools=max_pools, requests_per_second=rate, burst=burst
+    )
 
 
 def parse_tokens(text: str, path: str | None = None) -> TokenTable:
@@ -397,7 +421,8 @@ def parse_tokens(text: str, path: str | None = None) -> TokenTable:
                 "give every token entry its own token",
             )
         scopes[d] = scope
-    return TokenTable(scopes, tenants)
+    names = frozenset(tenants) | {scope.tenant for scope in scopes.values()}
+    return TokenTable(scopes, tenants, names)
 
 
 def check_mode(path: Path) -> None:

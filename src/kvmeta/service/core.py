@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest, NotInitialized, QuotaExceeded
+from kvmeta.errors import InvalidRequest, NotInitialized
 from kvmeta.lograte import warn_limited
-from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
+from kvmeta.service.limits import CONFIRM_FIELDS, NO_CAPS, RequestLimits, TenantCaps
 from kvmeta.service.vllm import (
     INIT_ERROR,
     SCHEDULER_MESSAGE,
@@ -42,16 +42,14 @@ from kvmeta.service.vllm import (
     worker_message,
 )
 from kvmeta.service.warnings import CallerWarning, confirm_refused, size_conflict
-from kvmeta.store.base import InitResult, PoolStats, VIndex
+from kvmeta.store.base import Budget, InitResult, PoolStats, VIndex
 
 __all__ = [
-    "QUOTA_RETRY_AFTER",
     "Op",
     "Operations",
     "Outcome",
     "StoreCall",
-    "no_tenant_cap",
-    "quota_exceeded",
+    "no_tenant_caps",
     "run_async",
     "run_sync",
 ]
@@ -63,27 +61,11 @@ T = TypeVar("T")
 # Fields the store's own page-range check names (``core.pool``, in dialect S's words).
 _PAGE_FIELDS = frozenset(("written_keys_to_confirm", "pages_to_release"))
 _MISSING: Any = object()
-# Retry-After of a page-quota refusal: waiting alone does not free pages (an operator or the
-# tenant must act), so clients are told not to hammer.
-QUOTA_RETRY_AFTER = 60.0
 
 
-def no_tenant_cap(tenant: str) -> int | None:
-    """The default page quota: none, for every tenant."""
-    return None
-
-
-def quota_exceeded(tenant: str, cap: int, used: int, requested: int) -> QuotaExceeded:
-    """The 429 of a new pool over its tenant's page quota (``Operations._budget``)."""
-    return QuotaExceeded(
-        f"tenant '{tenant}' page quota exceeded: a new pool of {requested} pages would bring "
-        f"its pools to {used + requested} pages, more than its max_pages {cap} ({used} pages "
-        "in use; a pool's pages count whether they hold keys or not, so clearing keys does "
-        "not free them). Remove pools it no longer uses (a vLLM rank: POST "
-        "/v1/vllm/ranks/{rank}/remove), create smaller ones, or raise max_pages for this "
-        "tenant in the tokens file (--auth-file) and reload it (SIGHUP); nothing was created",
-        retry_after=QUOTA_RETRY_AFTER,
-    )
+def no_tenant_caps(tenant: str) -> TenantCaps:
+    """The default: no tenant has limits of its own (the flags apply to every tenant)."""
+    return NO_CAPS
 
 
 # One call on the store, ``(method, args)``: ``getattr(store, method)(*args)``, awaited on an
@@ -136,29 +118,28 @@ async def run_async(op: Op[T], backend: Any) -> T:
 
 class Operations:
     """Every operation of both dialects as an ``Op``. Stateless apart from the limits and the
-    tenants' page quotas, so one instance serves any number of drivers."""
+    tenants' own quotas, so one instance serves any number of drivers."""
 
     def __init__(
         self,
         limits: RequestLimits | None = None,
-        tenant_max_pages: Callable[[str], int | None] = no_tenant_cap,
+        tenant_caps: Callable[[str], TenantCaps] = no_tenant_caps,
     ) -> None:
         self.limits = limits or RequestLimits()
-        # Each tenant's page quota (None: no cap), checked when a pool is created.
-        self.tenant_max_pages = tenant_max_pages
+        # Each tenant's own quotas (the tokens file's), checked when a pool is created.
+        self.tenant_caps = tenant_caps
 
     # ------------------------------------------------------------------ pools (both dialects)
 
     def _budget(self, pool: PoolId, num_pages: int) -> Op[None]:
-        """A new pool must fit its tenant's page quota (429) and --max-total-pages (400);
-        re-initialising an existing one allocates nothing and always passes."""
-        exists, total, tenant_pages = yield ("budget", (pool,))
-        if exists:
+        """A new pool must fit its tenant's pool count and page quota (429) and
+        --max-total-pages (400); re-initialising an existing one allocates nothing and always
+        passes."""
+        budget: Budget = yield ("budget", (pool,))
+        if budget.exists:
             return
-        cap = self.tenant_max_pages(pool.tenant)
-        if cap is not None and tenant_pages + num_pages > cap:
-            raise quota_exceeded(pool.tenant, cap, tenant_pages, num_pages)
-        self.limits.check_total_pages(total, num_pages)
+        tenant = pool.tenant
+        self.limits.check_new_pool(tenant, self.tenant_caps(tenant), budget, num_pages)
 
     def initialize(self, pool: PoolId, num_pages: int) -> Op[Outcome[InitResult]]:
         """Create a pool whole or not at all: rank, size and budget are checked first."""

@@ -3,6 +3,12 @@
 The checks are applied in one place, the operations core (``service.core``), which the server
 and the in-process clients both run; every check takes the field names of the caller's dialect,
 so an error reads the same in-process and over HTTP and never names another dialect's fields.
+
+What a tenant may create (``check_new_pool``) is bounded three ways, in this order: its pool
+count (``--max-pools-per-tenant``, or its own ``max_pools``), its pages (its own ``max_pages``,
+or else, when the tokens file names several tenants, an equal share of ``--max-total-pages``)
+and the pages of all pools together (``--max-total-pages``). A tenant's refusal never tells it
+what other tenants hold.
 """
 
 from __future__ import annotations
@@ -11,7 +17,8 @@ import re
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvmeta.errors import InvalidRequest, PayloadTooLarge
+from kvmeta.errors import InvalidRequest, PayloadTooLarge, QuotaExceeded
+from kvmeta.store.base import Budget
 
 __all__ = [
     "BYTES_PER_PAGE",
@@ -20,8 +27,11 @@ __all__ = [
     "INT64_MIN",
     "MAX_DUMP_LIMIT",
     "MAX_PREFIX_POOLS",
+    "NO_CAPS",
+    "QUOTA_RETRY_AFTER",
     "ConfirmFields",
     "RequestLimits",
+    "TenantCaps",
     "rank_error",
     "show_number",
 ]
@@ -42,6 +52,29 @@ MAX_PREFIX_POOLS = 1024
 # slot, a read-lease double and two int32 LRU links, 26 bytes; 30 while it is being built; the
 # free list is lazy). Used to explain --max-pages / --max-total-pages in their errors.
 BYTES_PER_PAGE = 26
+
+# Retry-After of a tenant quota refusal (pages, pools): waiting alone frees nothing (an operator
+# or the tenant must act), so clients are told not to hammer.
+QUOTA_RETRY_AFTER = 60.0
+
+_REMOVE_POOLS = (
+    "Remove pools it no longer uses (a vLLM rank: POST /v1/vllm/ranks/{rank}/remove; "
+    "clearing keys frees nothing)"
+)
+_RELOAD = "in the tokens file (--auth-file) and reload it (SIGHUP)"
+
+
+@dataclass(frozen=True)
+class TenantCaps:
+    """One tenant's own limits from the tokens file (None: none given), and how many tenants
+    the file names (a tenant without ``max_pages`` then gets an equal share of the pages)."""
+
+    max_pages: int | None = None
+    max_pools: int | None = None
+    tenants: int = 1
+
+
+NO_CAPS = TenantCaps()
 
 
 @dataclass(frozen=True)
@@ -99,6 +132,9 @@ class RequestLimits:
     max_pages: int = 1 << 24
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
+    # A vLLM deployment has one pool per rank (up to --max-world-size), an SGLang one one per
+    # rank and pool name; every pool costs the status sampler and /metrics a little.
+    max_pools_per_tenant: int = 4096
 
     def check_keys(self, keys: list[str], field: str = "keys") -> None:
         """Raises PayloadTooLarge / InvalidRequest naming the limit and its flag."""
@@ -219,17 +255,51 @@ class RequestLimits:
                 "num_pages",
             )
 
-    def check_total_pages(self, used: int, num_pages: int) -> None:
-        """A new pool of ``num_pages`` fits the budget across all pools (``used`` so far)."""
-        if used + num_pages > self.max_total_pages:
+    def page_quota(self, tenant: str, caps: TenantCaps) -> tuple[int | None, bool]:
+        """The tenant's cap on the pages of its pools (None: none but the total), and whether
+        it is its default share: a tokens file naming several tenants splits
+        --max-total-pages equally among those without a ``max_pages`` of their own, so none
+        of them can take the pages every other tenant needs. The default tenant ("": no
+        tokens file, or the all-access --auth-token) has no share."""
+        if caps.max_pages is not None:
+            return caps.max_pages, False
+        if tenant and caps.tenants > 1:
+            return self.max_total_pages // caps.tenants, True
+        return None, False
+
+    def check_new_pool(self, tenant: str, caps: TenantCaps, budget: Budget, num_pages: int) -> None:
+        """A new pool of ``num_pages`` for ``tenant`` (``budget``: what exists now) fits its
+        pool count and page quota (429) and --max-total-pages (400)."""
+        max_pools = self.max_pools_per_tenant if caps.max_pools is None else caps.max_pools
+        if budget.tenant_pools >= max_pools:
+            raise _pools_exceeded(tenant, max_pools, budget.tenant_pools, caps.max_pools is None)
+        cap, shared = self.page_quota(tenant, caps)
+        if cap is not None and budget.tenant_pages + num_pages > cap:
+            raise _pages_exceeded(tenant, cap, budget.tenant_pages, num_pages, shared)
+        self.check_total_pages(budget.total_pages, num_pages, tenant)
+
+    def check_total_pages(self, used: int, num_pages: int, tenant: str = "") -> None:
+        """A new pool of ``num_pages`` fits the budget across all pools (``used`` so far). A
+        tenant of a tokens file is not told how many pages are in use: most are others'."""
+        if used + num_pages <= self.max_total_pages:
+            return
+        if tenant:
             raise InvalidRequest(
-                f"`num_pages` {num_pages} for a new pool would bring all pools to "
-                f"{used + num_pages} pages, more than --max-total-pages {self.max_total_pages} "
-                f"({_gib(self.max_total_pages)} of memory; {used} pages are in use); use "
-                "smaller pools, clear out unused ones, or raise --max-total-pages if the "
-                "machine has the memory",
+                f"`num_pages` {num_pages} for a new pool of tenant '{tenant}' does not fit in "
+                "the pages left to all tenants together (--max-total-pages); nothing was "
+                "created. Use a smaller pool or remove pools this tenant no longer uses, or "
+                "ask the server's operator to raise --max-total-pages or to give tenants "
+                "max_pages quotas in the tokens file",
                 "num_pages",
             )
+        raise InvalidRequest(
+            f"`num_pages` {num_pages} for a new pool would bring all pools to "
+            f"{used + num_pages} pages, more than --max-total-pages {self.max_total_pages} "
+            f"({_gib(self.max_total_pages)} of memory; {used} pages are in use); use "
+            "smaller pools, clear out unused ones, or raise --max-total-pages if the "
+            "machine has the memory; nothing was created",
+            "num_pages",
+        )
 
     @staticmethod
     def check_rank(rank: int, field: str = "rank") -> None:
@@ -243,3 +313,44 @@ class RequestLimits:
                 f"{self.max_world_size}; pass the tensor-parallel size, or raise --max-world-size",
                 "world_size",
             )
+
+
+def _pages_exceeded(
+    tenant: str, cap: int, used: int, requested: int, shared: bool
+) -> QuotaExceeded:
+    """The 429 of a new pool over its tenant's page quota (its own, or its default share)."""
+    if shared:
+        what = (
+            f"its share of the server's pages, {cap} (it has no max_pages of its own, so "
+            "--max-total-pages is divided equally among the tenants of the tokens file)"
+        )
+        fix = f"or give this tenant its own max_pages {_RELOAD}"
+    else:
+        what = f"its max_pages {cap}"
+        fix = f"or raise max_pages for this tenant {_RELOAD}"
+    return QuotaExceeded(
+        f"tenant '{tenant}' page quota exceeded: a new pool of {requested} pages would bring "
+        f"its pools to {used + requested} pages, more than {what} ({used} pages in use; a "
+        "pool's pages count whether they hold keys or not, so clearing keys does not free "
+        f"them). {_REMOVE_POOLS}, create smaller ones, {fix}; nothing was created",
+        retry_after=QUOTA_RETRY_AFTER,
+    )
+
+
+def _pools_exceeded(tenant: str, cap: int, pools: int, by_flag: bool) -> QuotaExceeded:
+    """The 429 of a new pool beyond its tenant's pool count, whatever the pool's size."""
+    who = f"tenant '{tenant}'" if tenant else "the default tenant"
+    if by_flag:
+        limit = f"--max-pools-per-tenant {cap}"
+        fix = "raise --max-pools-per-tenant"
+        if tenant:
+            fix += f", or give this tenant its own max_pools {_RELOAD}"
+    else:
+        limit = f"its max_pools {cap}"
+        fix = f"raise max_pools for this tenant {_RELOAD}"
+    return QuotaExceeded(
+        f"{who} pool limit reached: it has {pools} pools, the most it may have ({limit}); "
+        f"every pool counts, whatever its size. {_REMOVE_POOLS}, or {fix}; nothing was "
+        "created",
+        retry_after=QUOTA_RETRY_AFTER,
+    )

@@ -19,7 +19,7 @@ from typing import Any
 
 from kvmeta._types import PoolId
 from kvmeta.service.core import Op, Operations, Outcome, run_async
-from kvmeta.service.limits import RequestLimits
+from kvmeta.service.limits import RequestLimits, TenantCaps
 from kvmeta.store.base import Backend, InitResult, PoolStats, VIndex
 
 __all__ = ["Service"]
@@ -43,14 +43,14 @@ class Service:
         ) = None
 
     @property
-    def tenant_max_pages(self) -> Callable[[str], int | None]:
-        """Each tenant's cap on the pages of all its pools (None: no cap), checked when a pool
-        is created (``QuotaExceeded``, 429); by default no tenant has a cap."""
-        return self.ops.tenant_max_pages
+    def tenant_caps(self) -> Callable[[str], TenantCaps]:
+        """Each tenant's own quotas (pages, pools: ``RequestLimits.check_new_pool``), checked
+        when a pool is created; by default no tenant has any (the flags still apply)."""
+        return self.ops.tenant_caps
 
-    @tenant_max_pages.setter
-    def tenant_max_pages(self, caps: Callable[[str], int | None]) -> None:
-        self.ops.tenant_max_pages = caps
+    @tenant_caps.setter
+    def tenant_caps(self, caps: Callable[[str], TenantCaps]) -> None:
+        self.ops.tenant_caps = caps
 
     async def _creating(self, op: Op[Outcome[Any]]) -> Outcome[Any]:
         """Run an op that creates a pool: its budget check and creation under one lock."""

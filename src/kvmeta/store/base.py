@@ -7,16 +7,18 @@ exactly the semantics of ``core.pool``; the shared behavioural test suite runs a
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import AsyncIterator, Collection
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
 from kvmeta.store.changes import ChangeListener
 
 __all__ = [
+    "STATS_CHUNK",
     "Backend",
+    "Budget",
     "CheckReport",
     "InitResult",
     "PoolStats",
@@ -38,6 +40,21 @@ class InitResult:
     @property
     def conflict(self) -> bool:
         return self.requested != self.num_pages
+
+
+# Pools per piece of ``Backend.stats_chunks`` (an in-process store reads one in ~2 ms).
+STATS_CHUNK = 256
+
+
+class Budget(NamedTuple):
+    """What creating a pool is checked against (``Backend.budget``): whether it exists already,
+    the pages of all pools together (--max-total-pages), and its tenant's pages (max_pages)
+    and pools (--max-pools-per-tenant / max_pools)."""
+
+    exists: bool
+    total_pages: int
+    tenant_pages: int
+    tenant_pools: int
 
 
 @dataclass
@@ -230,9 +247,16 @@ class Backend(Protocol):
 
     async def stats(self) -> list[PoolStats]: ...
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
+    def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
+        """``stats`` in pieces of at most ``size`` pools, with the loop free between pieces, for
+        a caller that digests them as they come (the status sampler): with thousands of pools
+        neither the reading nor the digesting holds the loop for long, and each piece's objects
+        are garbage before the next is read. A pool removed meanwhile is left out."""
+        ...
+
+    async def budget(self, pool: PoolId) -> Budget:
         """Whether ``pool`` exists, the pages of all pools together (--max-total-pages), and
-        the pages of ``pool.tenant``'s pools (its quota). Runs only when a pool is created."""
+        the pages and pools of ``pool.tenant`` (its quotas). Runs only when a pool is created."""
         ...
 
     async def check(self) -> CheckReport:

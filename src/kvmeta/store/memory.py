@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from operator import itemgetter
 from typing import Protocol
 
@@ -36,7 +36,16 @@ from kvmeta.core.invariants import (
 from kvmeta.core.pool import Pool
 from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
 from kvmeta.lograte import warn_limited
-from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
+from kvmeta.store import headroom
+from kvmeta.store.base import (
+    STATS_CHUNK,
+    Budget,
+    CheckReport,
+    InitResult,
+    PoolStats,
+    VIndex,
+    parse_cursor,
+)
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -102,7 +111,9 @@ class MemoryStore:
         self.sink = sink
         self.pools: dict[PoolId, Pool] = {}  # changed only through add_pool and v_remove
         self.total_pages = 0  # pages of all pools, for --max-total-pages in O(1)
-        self.tenant_pages: dict[str, int] = {}  # pages per tenant, for its quota in O(1)
+        # Pages and pools per tenant, for its quotas in O(1) (a tenant with none: absent).
+        self.tenant_pages: dict[str, int] = {}
+        self.tenant_pools: dict[str, int] = {}
         self.size_conflicts: dict[PoolId, int] = {}
         # Each tenant's pinned vLLM world size (absent: not pinned).
         self.vllm_world_sizes: dict[str, int] = {}
@@ -163,9 +174,18 @@ class MemoryStore:
                     pool.num_pages,
                 )
             return result
-        self.add_pool(pid, self._new_pool(num_pages))
+        self.add_pool(pid, self._allocate(num_pages))
         self._record(NewPool(pid, num_pages, 0))
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
+
+    def _allocate(self, num_pages: int) -> Pool:
+        """A new empty pool, or a 413 (``store.headroom``) when the memory is not there; either
+        way before anything is changed or journaled."""
+        headroom.check_pool_memory(num_pages)
+        try:
+            return self._new_pool(num_pages)
+        except MemoryError:
+            raise headroom.pool_too_big(num_pages, None) from None
 
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
         if entries:
@@ -182,20 +202,24 @@ class MemoryStore:
         """Install ``pool`` as ``pid`` (not journaled: callers journal what needs it)."""
         old = self.pools.get(pid)
         if old is not None:
-            self._count_pages(pid, -old.num_pages)
+            self._count(pid, -old.num_pages, -1)
         pool.withhold = self.write_ahead is not None
         self.pools[pid] = pool
         if self.hash_indexes is not None and pid.dialect == "s":
             self.hash_indexes[pid] = HashIndex(pool.stored_keys())
-        self._count_pages(pid, pool.num_pages)
+        self._count(pid, pool.num_pages, 1)
 
-    def _count_pages(self, pid: PoolId, pages: int) -> None:
+    def _count(self, pid: PoolId, pages: int, pools: int) -> None:
+        """Add a pool (``pools`` 1) of ``pages`` to the totals, or take one away (-1)."""
         self.total_pages += pages
-        left = self.tenant_pages.get(pid.tenant, 0) + pages
+        tenant = pid.tenant
+        left = self.tenant_pools.get(tenant, 0) + pools
         if left:
-            self.tenant_pages[pid.tenant] = left
+            self.tenant_pools[tenant] = left
+            self.tenant_pages[tenant] = self.tenant_pages.get(tenant, 0) + pages
         else:
-            self.tenant_pages.pop(pid.tenant, None)
+            self.tenant_pools.pop(tenant, None)
+            self.tenant_pages.pop(tenant, None)
 
     def set_withhold(self, sink: DurableSink | None) -> None:
         """Keep the write-ahead rule for ``sink`` (``store.writeahead``); None: stop.
@@ -387,7 +411,7 @@ class MemoryStore:
             if until > now:
                 raise RankInUse.for_rank(rank, pool.reserved_count, until - now)
         del self.pools[pid]
-        self._count_pages(pid, -pool.num_pages)
+        self._count(pid, -pool.num_pages, -1)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
         if self.on_change is not None:
@@ -408,15 +432,29 @@ class MemoryStore:
 
     # ------------------------------------------------------------------ stats
 
-    def budget(self, pid: PoolId) -> tuple[bool, int, int]:
-        """Whether ``pid`` exists, the pages of all pools (--max-total-pages) and those of
-        ``pid``'s tenant (its quota), in O(1)."""
-        return pid in self.pools, self.total_pages, self.tenant_pages.get(pid.tenant, 0)
+    def budget(self, pid: PoolId) -> Budget:
+        """Whether ``pid`` exists, the pages of all pools (--max-total-pages) and the pages
+        and pools of ``pid``'s tenant (its quotas), in O(1)."""
+        tenant = pid.tenant
+        return Budget(
+            pid in self.pools,
+            self.total_pages,
+            self.tenant_pages.get(tenant, 0),
+            self.tenant_pools.get(tenant, 0),
+        )
 
     def stats(self) -> list[PoolStats]:
+        return self.stats_of(sorted(self.pools))
+
+    def stats_of(self, pids: list[PoolId]) -> list[PoolStats]:
+        """The stats of the pools named (those that still exist), in that order."""
         now = self.clock()
         out = []
-        for pid, pool in sorted(self.pools.items()):
+        pools = self.pools
+        for pid in pids:
+            pool = pools.get(pid)
+            if pool is None:  # removed since the caller listed it
+                continue
             pool.expire(now)
             out.append(
                 PoolStats(
@@ -582,9 +620,22 @@ class MemoryBackend:
         return self.store.v_index(tenant)
 
     async def stats(self) -> list[PoolStats]:
-        return self.store.stats()
+        """Every pool's stats, read in ``stats_chunks``: one pass over thousands of pools held
+        the loop for hundreds of ms (~7 us a pool)."""
+        out: list[PoolStats] = []
+        async for chunk in self.stats_chunks():
+            out += chunk
+        return out
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
+    async def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
+        store = self.store
+        pids = sorted(store.pools)
+        for i in range(0, len(pids), size):
+            if i:
+                await asyncio.sleep(0)
+            yield store.stats_of(pids[i : i + size])
+
+    async def budget(self, pool: PoolId) -> Budget:
         return self.store.budget(pool)
 
     async def check(self) -> CheckReport:

@@ -48,7 +48,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -80,7 +80,15 @@ from kvmeta.errors import (
     RankInUse,
 )
 from kvmeta.lograte import warn_limited
-from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
+from kvmeta.store.base import (
+    STATS_CHUNK,
+    Budget,
+    CheckReport,
+    InitResult,
+    PoolStats,
+    VIndex,
+    parse_cursor,
+)
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -1366,7 +1374,7 @@ class RedisBackend:
                 out.append(PoolId("s", int(rank), unquote(ns), tenant))
         return sorted(out)
 
-    async def budget(self, pool: PoolId) -> tuple[bool, int, int]:
+    async def budget(self, pool: PoolId) -> Budget:
         """O(pools) but cheap: one HGET of each pool's size, ``_BUDGET_BATCH`` at a time
         concurrently (pools are created once per engine start, and they live in Redis)."""
         pids = await self.pools()
@@ -1378,33 +1386,42 @@ class RedisBackend:
             for pid, n in zip(batch, found, strict=True):
                 if n is not None:  # None: listed before it was created (see _sadd_pool)
                     sizes[pid] = int(n)
-        tenant = sum(n for pid, n in sizes.items() if pid.tenant == pool.tenant)
-        return pool in sizes, sum(sizes.values()), tenant
+        tenant = [n for pid, n in sizes.items() if pid.tenant == pool.tenant]
+        return Budget(pool in sizes, sum(sizes.values()), sum(tenant), len(tenant))
 
     async def stats(self) -> list[PoolStats]:
-        out = []
-        for pid in await self.pools():
-            reply = await self._run("stats", pool_keys(pid), [])
-            if int(reply[0]):
-                continue  # listed before it was created (see _sadd_pool)
-            n, reserved, stored = int(reply[1]), int(reply[2]), int(reply[3])
-            # Only counters are read: meta also holds fields that are not integers (the time
-            # of a hash-index build's latest step, hbt).
-            meta = {_text(reply[4][i]): reply[4][i + 1] for i in range(0, len(reply[4]), 2)}
-            cooling = int(reply[5])
-            out.append(
-                PoolStats(
-                    pool=pid,
-                    num_pages=n,
-                    free=n - reserved - stored - cooling,
-                    reserved=reserved,
-                    stored=stored,
-                    counters={name: int(meta.get("c:" + name, 0)) for name in _COUNTERS},
-                    size_conflicts=int(meta.get("conflicts", 0)),
-                    cooling=cooling,
-                )
-            )
+        out: list[PoolStats] = []
+        async for chunk in self.stats_chunks():
+            out += chunk
         return out
+
+    async def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
+        """One script call per pool: every call frees the loop while it waits for Redis."""
+        pids = await self.pools()
+        for i in range(0, len(pids), size):
+            chunk = [await self._pool_stats(pid) for pid in pids[i : i + size]]
+            yield [st for st in chunk if st is not None]
+
+    async def _pool_stats(self, pid: PoolId) -> PoolStats | None:
+        """None: listed before it was created (see _sadd_pool)."""
+        reply = await self._run("stats", pool_keys(pid), [])
+        if int(reply[0]):
+            return None
+        n, reserved, stored = int(reply[1]), int(reply[2]), int(reply[3])
+        # Only counters are read: meta also holds fields that are not integers (the time
+        # of a hash-index build's latest step, hbt).
+        meta = {_text(reply[4][i]): reply[4][i + 1] for i in range(0, len(reply[4]), 2)}
+        cooling = int(reply[5])
+        return PoolStats(
+            pool=pid,
+            num_pages=n,
+            free=n - reserved - stored - cooling,
+            reserved=reserved,
+            stored=stored,
+            counters={name: int(meta.get("c:" + name, 0)) for name in _COUNTERS},
+            size_conflicts=int(meta.get("conflicts", 0)),
+            cooling=cooling,
+        )
 
     async def check(self) -> CheckReport:
         """Page-invariant violations in every pool (empty: consistent; at most 20 per pool).

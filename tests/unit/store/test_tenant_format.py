@@ -178,7 +178,7 @@ def test_recovery_keeps_tenants_apart(tmp_path: Path) -> None:
     assert store.get(T0, ["k"]) == [1] and store.get(S0, ["k"]) == [None]
     assert store.v_index("team-a").world_size == 4 and store.v_index().world_size == 2
     assert store.v_index("team-b").world_size is None
-    assert store.budget(T0) == (True, 14, 4)
+    assert store.budget(T0) == (True, 14, 4, 1)
 
 
 # A snapshot written by kvmeta before tenants (version 1): pool s/0/kv of 4 pages holding a
