@@ -203,7 +203,9 @@ def test_public_routes_take_no_body_and_nothing_is_read_before_the_token(
 
     def send() -> None:
         with contextlib.suppress(OSError), _connect(server) as conn:
-            conn.sendall(b"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n\r\n")
+            conn.sendall(
+                b"POST /health HTTP/1.1\r\nHost: localhost\r\nContent-Length: 16777216\r\n\r\n"
+            )
             conn.sendall(b"x" * (16777216 - 1))  # all but the last byte: never complete
             _read_all(conn, 10)
 
@@ -261,8 +263,8 @@ def test_an_upgrade_request_is_refused_before_it_runs(make_server: Make) -> None
     requests.post(server.url + "/0/initialize", json={"num_pages": 8}, timeout=10)
     _store(server, ["a"])
     for head in (
-        b"POST /0/clear HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\nUpgrade: websocket\r\n"
-        b"Content-Length: 2\r\n\r\n{}",
+        b"POST /0/clear HTTP/1.1\r\nHost: localhost\r\nConnection: Upgrade\r\n"
+        b"Upgrade: websocket\r\nContent-Length: 2\r\n\r\n{}",
         b"CONNECT 127.0.0.1:443 HTTP/1.1\r\nHost: 127.0.0.1:443\r\n\r\n",
     ):
         sock = _connect(server)
@@ -296,7 +298,8 @@ def test_tls_clients_still_work_with_tls_started_per_connection(
     with socket.create_connection(("127.0.0.1", server.port)) as raw:
         with context.wrap_socket(raw, server_hostname="localhost") as tls:
             tls.sendall(
-                b"GET /openapi.json HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer s3cret\r\n\r\n"
+                b"GET /openapi.json HTTP/1.1\r\nHost: localhost\r\n"
+                b"Authorization: Bearer s3cret\r\n\r\n"
             )
             status, body = _read_response(tls.makefile("rb"))
     assert status == 200 and msgspec.json.decode(body)["openapi"]
