@@ -47,14 +47,20 @@ ServeOne = Callable[[Settings, list[socket.socket]], None]
 
 
 def _worker_main(
-    index: int, settings: Settings, serve_one: ServeOne, sockets: list[socket.socket]
+    index: int,
+    settings: Settings,
+    serve_one: ServeOne,
+    sockets: list[socket.socket],
+    parent: int,
 ) -> None:
     os.setpgid(0, 0)  # signals come from the parent only (see module docstring)
     if sys.platform == "linux":
         # Die with the parent even if it is SIGKILLed, instead of serving on as an orphan.
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
-        if os.getppid() == 1:
+        # The parent died before the line above took effect. Compared with the parent's own
+        # pid, not with 1: in a container the parent is pid 1, and every worker would leave.
+        if os.getppid() != parent:
             return
     signal.signal(signal.SIGINT, signal.SIG_DFL)
     signal.signal(signal.SIGTERM, signal.SIG_DFL)
@@ -84,7 +90,7 @@ class _Supervisor:
     def spawn(self, index: int) -> None:
         proc = self.ctx.Process(
             target=_worker_main,
-            args=(index, self.settings, self.serve_one, self.sockets),
+            args=(index, self.settings, self.serve_one, self.sockets, os.getpid()),
             name=f"kvmeta-worker-{index}",
             daemon=False,
         )
