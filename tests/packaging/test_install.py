@@ -2,7 +2,8 @@
 installed into fresh venvs (no extras, then each extra alone), and its ``kvmeta`` command run
 for real: a durable server answering one request of each dialect, ``status``, ``bench``,
 ``check``, the in-process clients, and the one-line message of each feature whose extra is
-missing. Installs use constraints/test.txt's pins, so the run is reproducible.
+missing. Builds and installs go through scripts/package (constraints/test.txt's pins, so the
+run is reproducible), the script the Dockerfile runs too.
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from tests.support import SRC, unused_port
 
 ROOT = SRC.parent
 
-CONSTRAINTS = ROOT / "constraints" / "test.txt"
+# Builds and installs, as the Dockerfile does them.
+PACKAGE = ROOT / "scripts" / "package"
 EXTRAS = ("redis", "events", "bench")
 # The message a feature gives when its extra is not installed (errors.MissingExtra).
 NEEDS = {
@@ -42,7 +44,6 @@ def _env() -> dict[str, str]:
         for k, v in os.environ.items()
         if not k.startswith(("KVMETA_", "PYTHON", "VIRTUAL_ENV", "PIP_"))
     }
-    env["PIP_CONSTRAINT"] = str(CONSTRAINTS)  # also pins the isolated build's setuptools
     env["PIP_DISABLE_PIP_VERSION_CHECK"] = "1"
     return env
 
@@ -65,7 +66,7 @@ class Dist:
 @pytest.fixture(scope="module")
 def dist(tmp_path_factory: pytest.TempPathFactory) -> Dist:
     out = tmp_path_factory.mktemp("dist")
-    _run(sys.executable, "-m", "build", "--outdir", out, ROOT, timeout=600)
+    _run(PACKAGE, "build", sys.executable, out, timeout=600)
     (wheel,) = out.glob("kvmeta-*.whl")
     (sdist,) = out.glob("kvmeta-*.tar.gz")
     return Dist(wheel, sdist)
@@ -88,8 +89,7 @@ class Venv:
 def _venv(tmp: Path, dist: Dist, extra: str | None) -> Venv:
     venv = Venv(tmp / "venv")
     _run(sys.executable, "-m", "venv", venv.path)
-    target = f"{dist.wheel}[{extra}]" if extra else str(dist.wheel)
-    _run(venv.bin("python"), "-m", "pip", "install", "-q", target, timeout=600)
+    _run(PACKAGE, "install", venv.bin("python"), dist.wheel, extra or "", timeout=600)
     return venv
 
 
@@ -150,6 +150,20 @@ def _one_request_of_each_dialect(server: Served) -> None:
     assert got["locations"] == [0]
 
 
+def _norm(name: str) -> str:
+    return name.lower().replace("_", "-").replace(".", "-")
+
+
+def _pins() -> dict[str, str]:
+    """Package -> version of constraints/test.txt."""
+    pins = {}
+    for line in (ROOT / "constraints" / "test.txt").read_text().splitlines():
+        name, sep, version = line.partition("==")
+        if sep and not line.startswith("#"):
+            pins[_norm(name)] = version.strip()
+    return pins
+
+
 def _missing_extra(venv: Venv, extra: str, cwd: Path) -> None:
     done = venv.kvmeta(*NEEDS[extra], cwd=cwd)
     assert done.returncode == 2, done.stderr
@@ -176,6 +190,11 @@ def test_a_bare_install_runs_every_command(bare: Venv, tmp_path: Path) -> None:
     installed = _run(bare.bin("python"), "-m", "pip", "freeze")
     for optional in ("redis", "hiredis", "pyzmq", "matplotlib"):
         assert f"\n{optional}==" not in f"\n{installed}", installed
+    pins = _pins()
+    for line in installed.splitlines():  # scripts/package installs the pinned versions
+        name, _, version = line.partition("==")
+        if _norm(name) in pins:
+            assert version == pins[_norm(name)], f"{line}: constraints/test.txt pins {pins}"
 
     data = tmp_path / "data"
     server = Served(bare, "--data-dir", str(data), "--read-lease", "0", cwd=tmp_path)
@@ -204,6 +223,22 @@ def test_a_bare_install_runs_every_command(bare: Venv, tmp_path: Path) -> None:
 
     for extra in EXTRAS:
         _missing_extra(bare, extra, tmp_path)
+
+
+def test_an_unknown_extra_is_refused_before_anything_is_installed(
+    dist: Dist, tmp_path: Path
+) -> None:
+    venv = Venv(tmp_path / "venv")
+    _run(sys.executable, "-m", "venv", venv.path)
+    done = subprocess.run(
+        [str(PACKAGE), "install", str(venv.bin("python")), str(dist.wheel), "redis,evnts"],
+        capture_output=True, text=True, env=_env(), timeout=120,
+    )  # fmt: skip
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert "unknown extra 'evnts' (KVMETA_EXTRAS)" in done.stderr, done.stderr
+    assert "redis, metrics, events" in done.stderr, done.stderr
+    installed = _run(venv.bin("python"), "-m", "pip", "freeze")
+    assert "kvmeta" not in installed and "redis" not in installed, installed
 
 
 def test_the_in_process_clients_of_a_bare_install(bare: Venv) -> None:
