@@ -180,6 +180,8 @@ def test_the_sdist_carries_the_tests_and_docs_and_both_render_on_an_index(dist: 
     for needed in (
         "README.md", "pyproject.toml", "src/kvmeta/cli.py", "constraints/test.txt",
         "scripts/test", "tests/packaging/test_install.py", "docs/protocol.md",
+        "scripts/package", "Dockerfile", ".dockerignore", "deploy/systemd/kvmeta.service",
+        "deploy/kubernetes/overlays/durable/kustomization.yaml", "tests/deploy/test_kubernetes.py",
     ):  # fmt: skip
         assert needed in names, needed
 
