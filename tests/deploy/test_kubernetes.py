@@ -11,7 +11,6 @@ import os
 import re
 import shutil
 import subprocess
-from collections.abc import Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -186,30 +185,55 @@ def test_probes_use_the_servers_open_routes_and_port(overlay: str) -> None:
     )
 
 
-@pytest.fixture(scope="module")
-def live(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = product.auth_server(tmp_path_factory.mktemp("kube"))
+def _run_pod(overlay: str, tmp: Path, backend: str) -> ServerProcess:
+    """The server container's own command line and variables, run here: the data directory
+    and the tokens file (the init container's copy) in ``tmp``, the Secrets' values made up,
+    the backend a local Valkey, a free port. It binds every interface, as in the pod."""
+    container = _server(overlay)
+    argv = [
+        str(tmp / "data") if arg == product.DATA_DIR else arg
+        for arg in container["command"][2:] + container["args"]
+    ]
+    env = _env(container)
+    env["KVMETA_AUTH_TOKEN"] = product.TOKEN
+    env["KVMETA_AUTH_FILE"] = str(product.write_tokens_file(tmp / "tokens.toml"))
+    if "KVMETA_BACKEND" in env:
+        env["KVMETA_BACKEND"] = backend
+    return ServerProcess(*argv, "--port", "0", env=env, cwd=tmp).start()
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_the_probes_pass_on_the_pods_own_command_line(
+    overlay: str, tmp_path: Path, request: pytest.FixtureRequest
+) -> None:
+    """Each probe as the kubelet sends it: no token, ``Host`` the pod's IP and port. The valkey
+    overlay's servers wait for a replica's acknowledgement (--min-replicas-ack 1): their
+    backend is a primary with a replica."""
+    backend = ""
+    if overlay == "valkey":
+        backend = request.getfixturevalue("replica_pair").primary.url
+    server = _run_pod(overlay, tmp_path, backend)
     try:
-        yield server
+        base = f"http://127.0.0.1:{server.port}"
+        kubelet = {"Host": "10.244.1.7:18000", "User-Agent": "kube-probe/1.32"}
+        container = _server(overlay)
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            path = container[kind]["httpGet"]["path"]
+            got = requests.get(base + path, headers=kubelet, timeout=30)
+            assert got.status_code == 200, f"{kind} {path}: {got.status_code} {got.text}"
+        ready = requests.get(base + "/ready", headers=kubelet, timeout=30)
+        assert ready.json() == {"ready": True}  # nothing about the backend without a token
+        # Auth is on: the other routes need the token (the operator's, or a tenant's).
+        assert requests.get(base + "/v1/pools", headers=kubelet, timeout=30).status_code == 401
+        bearer = {**kubelet, "Authorization": f"Bearer {product.TOKEN}"}
+        assert requests.get(base + "/v1/pools", headers=bearer, timeout=30).ok
+        engine = requests.post(
+            base + "/0/initialize", json={"num_pages": 8}, auth=("", "tenant-token-of-team-a"),
+            headers={"Host": "kvmeta.default.svc:18000"}, timeout=30,
+        )  # fmt: skip
+        assert engine.status_code in (200, 204), engine.text
     finally:
-        server.stop()
-
-
-def test_the_probe_paths_answer_without_a_token_while_auth_is_on(live: ServerProcess) -> None:
-    paths = {
-        container[kind]["httpGet"]["path"]
-        for overlay in OVERLAYS
-        for container in [_server(overlay)]
-        for kind in ("startupProbe", "readinessProbe", "livenessProbe")
-    }
-    assert paths == {"/ready", "/health"}
-    for path in sorted(paths):
-        got = requests.get(live.url + path, timeout=30)  # as the kubelet asks: no header
-        assert got.status_code == 200, f"{path}: {got.status_code} {got.text}"
-    assert requests.get(live.url + "/ready", timeout=30).json() == {"ready": True}
-    assert requests.get(live.url + "/v1/pools", timeout=30).status_code == 401
-    bearer = {"Authorization": f"Bearer {product.TOKEN}"}
-    assert requests.get(live.url + "/v1/pools", headers=bearer, timeout=30).ok
+        assert server.stop() == 0, server.log
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
