@@ -25,9 +25,11 @@ _LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\
 
 def child_env() -> dict[str, str]:
     """The environment for a ``python -m kvmeta`` child: this checkout's source first on its
-    path (installed or not), and no ``KVMETA_*`` setting of the caller's."""
+    path (installed or not), no ``KVMETA_*`` setting of the caller's, and no drain window on
+    SIGTERM (a test that wants one passes ``--drain-seconds``, which wins over the variable)."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KVMETA_")}
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(SRC), env.get("PYTHONPATH")]))
+    env["KVMETA_DRAIN_SECONDS"] = "0"
     return env
 
 

@@ -78,6 +78,8 @@ class Settings:
     idle_timeout: float = 300.0
     max_connections: int = 4096
     metrics_max_pools: int = 256
+    # shutdown: /ready answers 503 this long after SIGTERM while requests are still served
+    drain_seconds: float = 5.0
     # Redis high availability (see store/redis.py)
     failover_timeout: float = 5.0
     min_replicas_ack: int = 0
@@ -352,6 +354,13 @@ OPTIONS: tuple[Option, ...] = (
         "metrics_max_pools",
         "pools with their own /metrics series; the rest are summed per dialect as rank _other",
         _positive_int,
+    ),
+    Option(
+        "drain_seconds",
+        "on SIGTERM, seconds /ready answers 503 while requests are still served, so load "
+        "balancers stop sending before the server stops; a second signal (or SIGINT) stops at "
+        "once (0: off)",
+        _positive_float,
     ),
     # Redis high availability
     Option(

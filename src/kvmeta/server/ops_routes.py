@@ -41,14 +41,44 @@ from kvmeta.server.views import pool_view, settings_view
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend, PoolStats
 
-__all__ = ["ROUTES", "OpsState", "install"]
+__all__ = ["ROUTES", "Drain", "OpsState", "install"]
+
+
+class Drain:
+    """The drain before a stop (``--drain-seconds``): from SIGTERM until the stop, ``/ready``
+    answers 503 while every request is still served, so a load balancer or Kubernetes takes the
+    server out of rotation before it stops accepting connections. ``server.runner`` begins it;
+    readiness reads it."""
+
+    def __init__(self) -> None:
+        self.until: float | None = None  # time.monotonic() at which the server stops
+
+    def begin(self, seconds: float) -> None:
+        self.until = time.monotonic() + seconds
+
+    @property
+    def active(self) -> bool:
+        return self.until is not None
+
+    def reason(self) -> str | None:
+        """Why ``/ready`` answers 503 while draining, or None."""
+        if self.until is None:
+            return None
+        left = max(0.0, self.until - time.monotonic())
+        return (
+            f"draining: the server received SIGTERM and stops in {left:.1f} s (--drain-seconds); "
+            "requests are still served meanwhile"
+        )
 
 
 class OpsState:
     """What the operator routes share: the service, settings, counters and start time."""
 
-    def __init__(self, app: App, service: Service, settings: Settings) -> None:
+    def __init__(
+        self, app: App, service: Service, settings: Settings, drain: Drain | None = None
+    ) -> None:
         self.app = app
+        self.drain = drain or Drain()
         self.service = service
         self.backend: Backend = service.backend
         self.settings = settings
@@ -72,6 +102,9 @@ class OpsState:
 
     async def ready(self) -> tuple[bool, str]:
         """(ready, reason) without raising: a backend error is a reason, not a 500."""
+        draining = self.drain.reason()
+        if draining is not None:
+            return False, draining
         failure = self.failure()
         if failure is not None:
             return False, failure
@@ -219,13 +252,14 @@ def add_routes(app: App, state: OpsState) -> None:
     add_table(app, ROUTES, state)
 
 
-def install(app: App, service: Service, settings: Settings) -> OpsState:
+def install(app: App, service: Service, settings: Settings, drain: Drain | None = None) -> OpsState:
     """Add the operator routes, the router routes (``server.prefix_routes``) and the status
     page, then auth, metrics and the initialize watcher to every route.
 
-    Call it last in ``build_app``: handlers added afterwards are not instrumented.
+    Call it last in ``build_app``: handlers added afterwards are not instrumented. ``drain``:
+    the server's (``server.runner``), which makes ``/ready`` answer 503 once it begins.
     """
-    state = OpsState(app, service, settings)
+    state = OpsState(app, service, settings, drain)
     add_routes(app, state)
     prefix_routes.add_routes(app, service)
     status = status_page.StatusState(state)

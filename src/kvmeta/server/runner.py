@@ -16,6 +16,7 @@ from kvmeta.config import Settings
 from kvmeta.errors import ConfigError, MissingExtra
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets
+from kvmeta.server.ops_routes import Drain
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
@@ -67,8 +68,8 @@ def build_backend(settings: Settings) -> Backend:
     return DurableBackend(store, options)
 
 
-def build_app(settings: Settings, service: Service) -> App:
-    """Every route of every dialect on one app."""
+def build_app(settings: Settings, service: Service, drain: Drain | None = None) -> App:
+    """Every route of every dialect on one app; ``drain`` makes its ``/ready`` answer 503."""
     from kvmeta.server import sglang, vllm
 
     app = App()
@@ -77,7 +78,7 @@ def build_app(settings: Settings, service: Service) -> App:
     # Operator routes, auth and metrics: keep this last so it wraps every route above.
     from kvmeta.server import ops_routes
 
-    ops_routes.install(app, service, settings)
+    ops_routes.install(app, service, settings, drain)
     return app
 
 
@@ -142,7 +143,7 @@ async def run(
     ready: asyncio.Event | None = None,
     sockets: list[socket.socket] | None = None,
 ) -> None:
-    """Serve until SIGINT/SIGTERM; a second signal exits at once.
+    """Serve until signalled (see ``_on_signal``).
 
     ``sockets``: listening sockets made by the ``--workers`` parent; else the port is bound
     here, before the state is loaded, so a taken port fails at once.
@@ -154,7 +155,8 @@ async def run(
     await backend.start()
     service = Service(backend, _limits(settings))
     publisher = _start_events(settings, backend, service, loop) if settings.events else None
-    app = build_app(settings, service)
+    drain = Drain()
+    app = build_app(settings, service, drain)
     from kvmeta.server.oplog import access_logged, log_startup
 
     handler = access_logged(app) if settings.access_log else app
@@ -193,19 +195,8 @@ async def run(
                 settings.host or "''",
             )
     stop = asyncio.Event()
-    signals = 0
-
-    def on_signal(signum: int) -> None:
-        nonlocal signals
-        signals += 1
-        if signals > 1:
-            logger.warning("second signal: exiting now")
-            os._exit(1)
-        logger.info("received %s: finishing in-flight requests", signal.Signals(signum).name)
-        stop.set()
-
     for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, on_signal, signum)
+        loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
     tasks = [loop.create_task(job()) for job in app.background]
     if publisher is not None:
         tasks.append(loop.create_task(publisher.resync(backend)))
@@ -225,6 +216,45 @@ async def run(
             backend.set_change_listener(None)
             publisher.close()
         logger.info("kvmeta stopped")
+
+
+def _on_signal(
+    signum: int,
+    settings: Settings,
+    drain: Drain,
+    stop: asyncio.Event,
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    """SIGTERM drains for ``--drain-seconds`` (``/ready`` 503, requests still served), then
+    stops; SIGINT (Ctrl-C at a terminal), or a second signal while draining, stops without
+    waiting; a signal while stopping exits at once, skipping the final snapshot (the journal
+    is crash-safe, so that damages nothing)."""
+    name = signal.Signals(signum).name
+    if stop.is_set():
+        logger.warning("received %s while stopping: exiting now", name)
+        os._exit(1)
+    if drain.active:
+        logger.info("received %s while draining: finishing in-flight requests", name)
+        stop.set()
+        return
+    if signum == signal.SIGTERM and settings.drain_seconds > 0:
+        drain.begin(settings.drain_seconds)
+        logger.info(
+            "received SIGTERM: draining for %g s (pid %d): /ready answers 503, requests are "
+            "still served; a second signal stops at once",
+            settings.drain_seconds,
+            os.getpid(),
+        )
+
+        def drained() -> None:
+            if not stop.is_set():
+                logger.info("drained: finishing in-flight requests")
+                stop.set()
+
+        loop.call_later(settings.drain_seconds, drained)
+        return
+    logger.info("received %s: finishing in-flight requests", name)
+    stop.set()
 
 
 def _start_events(

@@ -10,6 +10,8 @@ once makes a second server on the port fail at start-up with one clear line, and
 needs nothing special. The parent only supervises: it forwards SIGTERM/SIGINT
 to the workers (which are in their own process group, so a terminal's Ctrl-C reaches them once,
 through the parent), restarts a worker that dies, and gives up if workers keep dying at start-up.
+Each worker drains on SIGTERM itself (``--drain-seconds``), so every worker's ``/ready`` answers
+503 for the window.
 """
 
 from __future__ import annotations
@@ -98,14 +100,18 @@ class _Supervisor:
         self.workers[index] = (proc, time.monotonic())
 
     def on_signal(self, signum: int, frame: FrameType | None) -> None:
+        """Pass the signal on: each worker drains on SIGTERM, stops on SIGINT or a second one."""
         if not self.stopping:
             logger.info(
                 "received %s: stopping %d workers", signal.Signals(signum).name, len(self.workers)
             )
         self.stopping = True
+        self.signal_workers(signum)
+
+    def signal_workers(self, signum: int) -> None:
         for proc, _ in self.workers.values():
             if proc.pid is not None and proc.exitcode is None:
-                os.kill(proc.pid, signal.SIGTERM)
+                os.kill(proc.pid, signum)
 
     def on_hangup(self, signum: int, frame: FrameType | None) -> None:
         """SIGHUP: each worker re-reads the tokens file (--auth-file)."""
@@ -134,7 +140,8 @@ class _Supervisor:
         self.fast_fails = self.fast_fails + 1 if fast else 0
         if self.fast_fails >= _MAX_FAST_FAILS:
             logger.error("workers keep failing at start-up (exit %d): stopping", code)
-            self.on_signal(signal.SIGTERM, None)
+            self.stopping = True
+            self.signal_workers(signal.SIGINT)  # no drain: they are not serving
             return
         logger.warning("worker %d exited with %d: restarting it", index, code)
         if fast:
