@@ -1,4 +1,5 @@
-"""``--workers N`` as an operator sees it: a SIGTERM that drains every worker."""
+"""``--workers N`` as an operator sees it: the start-up facts logged once (each worker still
+logs its listening line with its pid), and a SIGTERM that drains every worker."""
 
 from __future__ import annotations
 
@@ -22,6 +23,16 @@ def _worker_pids(server: ServerProcess, count: int) -> set[int]:
             return pids
         assert time.monotonic() < deadline, f"{count} workers did not start:\n{server.log}"
         time.sleep(0.05)
+
+
+def test_the_start_up_block_is_logged_once(redis_url: str, make_server: Make) -> None:
+    server = make_server("--backend", redis_url, "--workers", "3")
+    assert len(_worker_pids(server, 3)) == 3
+    server.wait_for_log("tls: off")
+    server.wait_for_log("started 3 workers")
+    for fact in ("backend: ", "state: shared backend", "leases: ", "limits: ", "auth: off"):
+        count = sum(fact in line for line in server.lines)
+        assert count == 1, f"{fact!r} logged {count} times:\n{server.log}"
 
 
 def test_sigterm_drains_every_worker(redis_url: str, make_server: Make) -> None:

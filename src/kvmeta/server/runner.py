@@ -108,14 +108,17 @@ def _ssl_context(settings: Settings) -> ssl.SSLContext | None:
 _FD_RESERVE = 64
 
 
-def connection_cap(wanted: int) -> int:
-    """``--max-connections``, lowered to fit the open-file limit minus a reserve."""
+def connection_cap(wanted: int, quiet: bool = False) -> int:
+    """``--max-connections``, lowered to fit the open-file limit minus a reserve (said in the
+    log unless ``quiet``: a ``--workers`` process other than the first)."""
     soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft == resource.RLIM_INFINITY:
         return wanted
     reserve = min(_FD_RESERVE, soft // 2)
     cap = max(1, soft - reserve)
     if cap < wanted:
+        if quiet:
+            return cap
         logger.info(
             "--max-connections lowered from %d to %d: the open-file limit (ulimit -n) is %d and "
             "%d descriptors are kept for the journal, snapshots and backend; raise the limit "
@@ -129,12 +132,12 @@ def connection_cap(wanted: int) -> int:
     return wanted
 
 
-def _http_limits(settings: Settings) -> HttpLimits:
+def _http_limits(settings: Settings, quiet: bool = False) -> HttpLimits:
     return HttpLimits(
         max_body_bytes=settings.max_body_bytes,
         header_timeout=settings.header_timeout,
         idle_timeout=settings.idle_timeout,
-        max_connections=connection_cap(settings.max_connections),
+        max_connections=connection_cap(settings.max_connections, quiet),
     )
 
 
@@ -142,11 +145,14 @@ async def run(
     settings: Settings,
     ready: asyncio.Event | None = None,
     sockets: list[socket.socket] | None = None,
+    announce: bool = True,
 ) -> None:
     """Serve until signalled (see ``_on_signal``).
 
     ``sockets``: listening sockets made by the ``--workers`` parent; else the port is bound
-    here, before the state is loaded, so a taken port fails at once.
+    here, before the state is loaded, so a taken port fails at once. ``announce``: log the
+    start-up facts (a ``--workers`` group logs them once, from its first worker; each worker
+    still logs its own listening line with its pid).
     """
     loop = asyncio.get_running_loop()
     if sockets is None:
@@ -164,7 +170,7 @@ async def run(
     # Task from the first step on: no bare first step (see server.http).
     server = HttpServer(
         handler,
-        _http_limits(settings),
+        _http_limits(settings, quiet=not announce),
         loop,
         head_check=app.head_check,
         eager=not settings.backend,
@@ -176,24 +182,25 @@ async def run(
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
-    log_startup(settings, backend.describe)
-    if settings.host in _LOOPBACK:
-        logger.info(
-            "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "
-            "(and set --auth-token)"
-        )
-    elif not (settings.auth_token or settings.auth_file or settings.allowed_hosts):
-        from kvmeta.server.guard import bound_to_loopback
-
-        if not bound_to_loopback(settings.host):
-            logger.warning(
-                "--host %s is reachable from other machines without --auth-token: whoever "
-                "reaches the port can change every pool, and so can any web page opened in a "
-                "browser there, through a DNS name of its own pointed at this server (DNS "
-                "rebinding); set --auth-token, or at least --allowed-hosts with the names "
-                "engines use",
-                settings.host or "''",
+    if announce:
+        log_startup(settings, backend.describe)
+        if settings.host in _LOOPBACK:
+            logger.info(
+                "serving this machine only; to serve engines on other nodes pass --host 0.0.0.0 "
+                "(and set --auth-token)"
             )
+        elif not (settings.auth_token or settings.auth_file or settings.allowed_hosts):
+            from kvmeta.server.guard import bound_to_loopback
+
+            if not bound_to_loopback(settings.host):
+                logger.warning(
+                    "--host %s is reachable from other machines without --auth-token: whoever "
+                    "reaches the port can change every pool, and so can any web page opened in a "
+                    "browser there, through a DNS name of its own pointed at this server (DNS "
+                    "rebinding); set --auth-token, or at least --allowed-hosts with the names "
+                    "engines use",
+                    settings.host or "''",
+                )
     stop = asyncio.Event()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
@@ -327,10 +334,12 @@ def serve(settings: Settings) -> None:
     _serve_one(settings)
 
 
-def _serve_one(settings: Settings, sockets: list[socket.socket] | None = None) -> None:
+def _serve_one(
+    settings: Settings, sockets: list[socket.socket] | None = None, announce: bool = True
+) -> None:
     try:
         import uvloop
     except ImportError:  # pragma: no cover - uvloop is a dependency on Linux
-        asyncio.run(run(settings, sockets=sockets))
+        asyncio.run(run(settings, sockets=sockets, announce=announce))
     else:
-        uvloop.run(run(settings, sockets=sockets))
+        uvloop.run(run(settings, sockets=sockets, announce=announce))

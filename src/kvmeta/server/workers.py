@@ -11,7 +11,7 @@ needs nothing special. The parent only supervises: it forwards SIGTERM/SIGINT
 to the workers (which are in their own process group, so a terminal's Ctrl-C reaches them once,
 through the parent), restarts a worker that dies, and gives up if workers keep dying at start-up.
 Each worker drains on SIGTERM itself (``--drain-seconds``), so every worker's ``/ready`` answers
-503 for the window.
+503 for the window. The start-up facts are logged once, by the first worker's first start.
 """
 
 from __future__ import annotations
@@ -45,7 +45,7 @@ _MAX_FAST_FAILS = 3
 _PR_SET_PDEATHSIG = 1
 
 
-ServeOne = Callable[[Settings, list[socket.socket]], None]
+ServeOne = Callable[[Settings, list[socket.socket], bool], None]
 
 
 def _worker_main(
@@ -54,6 +54,7 @@ def _worker_main(
     serve_one: ServeOne,
     sockets: list[socket.socket],
     parent: int,
+    announce: bool,
 ) -> None:
     os.setpgid(0, 0)  # signals come from the parent only (see module docstring)
     if sys.platform == "linux":
@@ -71,7 +72,7 @@ def _worker_main(
     # reads the tokens file after this point, so it misses no reload).
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     try:
-        serve_one(settings, sockets)
+        serve_one(settings, sockets, announce)
     except KvmetaError as exc:
         logger.error("worker %d: %s", index, exc)
         sys.exit(2)
@@ -88,11 +89,14 @@ class _Supervisor:
         self.workers: dict[int, tuple[BaseProcess, float]] = {}
         self.stopping = False
         self.fast_fails = 0
+        self.announced = False
 
     def spawn(self, index: int) -> None:
+        announce = not self.announced
+        self.announced = True
         proc = self.ctx.Process(
             target=_worker_main,
-            args=(index, self.settings, self.serve_one, self.sockets, os.getpid()),
+            args=(index, self.settings, self.serve_one, self.sockets, os.getpid(), announce),
             name=f"kvmeta-worker-{index}",
             daemon=False,
         )
