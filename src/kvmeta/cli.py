@@ -15,6 +15,7 @@ import select
 import sys
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvmeta import __version__
 from kvmeta.config import add_arguments, env_setting, settings_from_args, unknown_env
@@ -26,14 +27,22 @@ logger = logging.getLogger(__name__)
 
 
 class _JsonFormatter(logging.Formatter):
+    """One JSON object per record. A record logged with ``extra={"fields": {...}}`` (the access
+    log) has those fields at the top level, so a log pipeline can filter on them without
+    parsing ``msg``; they never replace the four standard keys."""
+
     def format(self, record: logging.LogRecord) -> str:
-        line = {
+        line: dict[str, Any] = {
             "ts": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created))
             + f".{int(record.msecs):03d}Z",
             "level": record.levelname.lower(),
             "logger": record.name,
             "msg": record.getMessage(),
         }
+        fields = getattr(record, "fields", None)
+        if isinstance(fields, dict):
+            for key, value in fields.items():
+                line.setdefault(str(key), value)
         if record.exc_info:
             line["exc"] = self.formatException(record.exc_info)
         return json.dumps(line)

@@ -165,7 +165,7 @@ async def run(
     app = build_app(settings, service, drain)
     from kvmeta.server.oplog import access_logged, log_startup
 
-    handler = access_logged(app) if settings.access_log else app
+    handler = access_logged(app, bool(settings.auth_file)) if settings.access_log else app
     # A shared backend waits on the network in every request, and redis-py's timeouts need a
     # Task from the first step on: no bare first step (see server.http).
     server = HttpServer(
