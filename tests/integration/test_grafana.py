@@ -1,6 +1,7 @@
 """``deploy/grafana``: the dashboard imports unchanged (a datasource input, unique panel ids,
-a grid position and queries for every panel) and every metric that a panel, the instance
-variable or an alert rule names is one that ``/metrics`` of a live ``kvmeta serve`` exposes."""
+a grid position and queries for every panel) and every metric that a panel or the instance
+variable names is one that ``/metrics`` of a live ``kvmeta serve`` exposes (the alert rules:
+test_alert_rules.py)."""
 
 from __future__ import annotations
 
@@ -19,7 +20,6 @@ from tests.support import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvmeta.json"
-ALERTS = ROOT / "deploy" / "grafana" / "alerts.yml"
 TOKEN = "grafana-test-token"
 METRIC = re.compile(r"(?<![A-Za-z0-9_:$])(kvmeta_[A-Za-z0-9_:]+)")
 DS_UID = "${DS_PROMETHEUS}"
@@ -38,22 +38,8 @@ def _panels(doc: dict[str, Any]) -> list[dict[str, Any]]:
     return out
 
 
-def _alert_rules() -> list[dict[str, str]]:
-    """The rules of alerts.yml: each ``- alert:`` with the keys under it (the file keeps each
-    expression on one line, so no YAML library is needed)."""
-    rules: list[dict[str, str]] = []
-    for line in ALERTS.read_text().splitlines():
-        stripped = line.strip()
-        if stripped.startswith("- alert:"):
-            rules.append({"alert": stripped.split(":", 1)[1].strip()})
-        elif rules and ":" in stripped and not stripped.startswith("#"):
-            key, value = stripped.split(":", 1)
-            rules[-1].setdefault(key.strip(), value.strip())
-    return rules
-
-
 def _expressions() -> list[tuple[str, str]]:
-    """(where, PromQL) of every query the dashboard and the alert rules hold."""
+    """(where, PromQL) of every query the dashboard holds."""
     doc = _dashboard()
     exprs = [
         (f"panel {p['id']} {p['title']!r} {t['refId']}", t["expr"])
@@ -65,7 +51,6 @@ def _expressions() -> list[tuple[str, str]]:
         exprs.append(
             (f"variable {var['name']}", query["query"] if isinstance(query, dict) else query)
         )
-    exprs.extend((f"alert {r['alert']}", r["expr"]) for r in _alert_rules())
     return exprs
 
 
@@ -101,17 +86,6 @@ def test_dashboard_is_importable_as_is() -> None:
             assert t["datasource"]["uid"] == DS_UID and t["expr"].strip(), p["title"]
     for var in doc["templating"]["list"]:
         assert var["datasource"]["uid"] == DS_UID
-
-
-def test_alert_rules_are_complete() -> None:
-    rules = _alert_rules()
-    names = [r["alert"] for r in rules]
-    assert len(names) == len(set(names))
-    assert {"KvmetaNotReady", "KvmetaJournalFailed", "KvmetaNoHitsWhileWriting"} <= set(names)
-    assert any("refused" in r["expr"] for r in rules)
-    for rule in rules:
-        assert {"expr", "for", "severity", "summary"} <= set(rule), rule
-        assert rule["expr"].count("(") == rule["expr"].count(")"), rule["alert"]
 
 
 @pytest.fixture(scope="module")

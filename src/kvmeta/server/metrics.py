@@ -22,7 +22,12 @@ from collections.abc import Iterator
 from time import perf_counter
 from typing import Any
 
-from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    PlatformCollector,
+    ProcessCollector,
+    generate_latest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
@@ -496,6 +501,14 @@ def _tenant_metrics(counters: dict[str, dict[str, int]]) -> Iterator[Metric]:
         yield family
 
 
+# The standard ``process_*`` series (CPU seconds, resident and virtual memory, open and most
+# descriptors, start time; read from /proc/self at each scrape, so with --workers they are the
+# answering worker's) and ``python_info``: what every Prometheus exporter exposes, so stock
+# dashboards and alert rules (descriptors near the limit) work on kvmeta too.
+_PROCESS = ProcessCollector(registry=None)
+_PLATFORM = PlatformCollector(registry=None)
+
+
 def render_metrics(snapshot: _Snapshot) -> bytes:
     """The Prometheus text exposition of ``snapshot``."""
     registry = CollectorRegistry(auto_describe=False)
@@ -503,6 +516,8 @@ def render_metrics(snapshot: _Snapshot) -> bytes:
     if snapshot.server_wide:
         registry.register(_CallerWarnings())
         registry.register(_EventMetrics())
+        registry.register(_PROCESS)
+        registry.register(_PLATFORM)
     return generate_latest(registry)
 
 
