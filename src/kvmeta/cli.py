@@ -19,6 +19,7 @@ from typing import Any
 
 from kvmeta import __version__
 from kvmeta.config import add_arguments, env_setting, settings_from_args, unknown_env
+from kvmeta.config_file import add_config_argument
 from kvmeta.errors import KvmetaError, MissingExtra
 
 __all__ = ["main"]
@@ -87,11 +88,20 @@ def _cmd_bench(args: argparse.Namespace) -> int:
 
 
 def _cmd_serve(args: argparse.Namespace) -> int:
+    from kvmeta.config_file import config_path, load_config_file
     from kvmeta.server.runner import serve
 
-    settings = settings_from_args(args)
+    path = config_path(args)
+    file_values = load_config_file(path) if path else None
+    settings = settings_from_args(args, file_values=file_values)
     configure_logging(settings.log_level, settings.log_format)
     _warn_unknown_env(logged=True)
+    if path:
+        logger.info(
+            "settings file: %s (%d settings; flags and KVMETA_* variables win over it)",
+            path,
+            len(file_values or {}),
+        )
     serve(settings)
     return 0
 
@@ -261,8 +271,10 @@ def build_parser() -> argparse.ArgumentParser:
         "serve",
         help="run the metadata server",
         description="Run the metadata server. Every flag can also be set by the environment "
-        "variable shown in its help; flags win over the environment.",
+        "variable shown in its help, or in a --config file; flags win over the environment, "
+        "which wins over the file.",
     )
+    add_config_argument(serve)
     add_arguments(serve)
     serve.set_defaults(func=_cmd_serve)
     _add_status(sub)

@@ -1,4 +1,5 @@
-"""One frozen ``Settings`` for the server, merged once: defaults < ``KVMETA_*`` env < flags.
+"""One frozen ``Settings`` for the server, merged once: defaults < the ``--config`` file <
+``KVMETA_*`` env < flags.
 
 Nothing else in kvmeta reads ``os.environ``. Every option is declared once in ``OPTIONS``;
 ``add_arguments`` turns that table into argparse flags whose help shows the env var and default,
@@ -490,8 +491,9 @@ def _shown_default(value: Any) -> str:
 
 
 # Variables read besides one per option: KVMETA_REDIS_URL, the conventional name, as a fallback
-# for --backend. KVMETA_TEST_* belong to kvmeta's test suite, which sets them for itself.
-_OTHER_ENV = frozenset({"KVMETA_REDIS_URL"})
+# for --backend; KVMETA_CONFIG, the settings file (kvmeta.config_file). KVMETA_TEST_* belong to
+# kvmeta's test suite, which sets them for itself.
+_OTHER_ENV = frozenset({"KVMETA_REDIS_URL", "KVMETA_CONFIG"})
 _NOT_OURS = ("KVMETA_TEST_",)
 
 
@@ -524,10 +526,27 @@ def _given(name: str, sources: Mapping[str, str]) -> str:
     return flag if sources[name].startswith("--") else f"{flag} (set by {sources[name]})"
 
 
+def _from_file(
+    opt: Option, file_values: Mapping[str, tuple[Any, str]] | None, env: Mapping[str, str]
+) -> tuple[Any, str] | None:
+    """An option's (value, source) from the settings file, unless the environment has it: the
+    conventional KVMETA_REDIS_URL is the environment's word on --backend too."""
+    if not file_values or opt.name not in file_values:
+        return None
+    if opt.name == "backend" and env.get("KVMETA_REDIS_URL"):
+        return None
+    return file_values[opt.name]
+
+
 def settings_from_args(
-    args: argparse.Namespace, environ: Mapping[str, str] | None = None
+    args: argparse.Namespace,
+    environ: Mapping[str, str] | None = None,
+    file_values: Mapping[str, tuple[Any, str]] | None = None,
 ) -> Settings:
-    """Merge defaults < env < flags into Settings.
+    """Merge defaults < settings file < env < flags into Settings.
+
+    ``file_values``: option name -> (value already checked by ``kvmeta.config_file``, where it
+    was set), for the error messages below.
 
     Raises:
         ConfigError: a value does not parse, or values conflict; the message names the flag
@@ -541,6 +560,8 @@ def settings_from_args(
         source = _flag(opt)
         if given is None and _env(opt) in env:
             given, source = env[_env(opt)], f"env {_env(opt)}"
+        if given is None and (from_file := _from_file(opt, file_values, env)) is not None:
+            given, source = from_file
         if given is None:
             continue
         sources[opt.name] = source

@@ -26,6 +26,7 @@ LAYERS = {
     "store": 2,
     "service": 3,
     "config": 3,
+    "config_file": 3,
     "events": 3,
     "server": 4,
     "client": 4,
