@@ -5,6 +5,8 @@ or SIGINT, stops without waiting out the window."""
 from __future__ import annotations
 
 import signal
+import subprocess
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -12,7 +14,7 @@ from pathlib import Path
 import requests
 
 from kvmeta.store.recovery import list_data_dir
-from tests.support import ServerProcess
+from tests.support import ServerProcess, child_env
 
 Make = Callable[..., ServerProcess]
 
@@ -81,3 +83,35 @@ def test_no_window_with_drain_seconds_0(make_server: Make) -> None:
     assert server.stop(signal.SIGTERM) == 0
     assert "received SIGTERM: finishing in-flight requests" in server.log
     assert "draining" not in server.log
+
+
+# Sends SIGTERM to itself while the start-up facts are logged, just after the listening line
+# (whoever waits for that line may signal at that moment), then serves as `kvmeta serve`.
+_SIGNAL_AT_START = """
+import os, signal, sys
+from kvmeta.server import oplog
+from kvmeta.cli import main
+
+logged = oplog.log_startup
+
+def log_startup(*args, **kwargs):
+    logged(*args, **kwargs)
+    os.kill(os.getpid(), signal.SIGTERM)
+
+oplog.log_startup = log_startup
+sys.exit(main(["serve", "--in-memory", "--port", "0"]))
+"""
+
+
+def test_a_signal_just_after_the_listening_line_stops_cleanly(tmp_path: Path) -> None:
+    done = subprocess.run(
+        [sys.executable, "-c", _SIGNAL_AT_START],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=child_env(),
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "received SIGTERM: finishing in-flight requests" in done.stderr
+    assert "kvmeta stopped" in done.stderr

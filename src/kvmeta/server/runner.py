@@ -179,6 +179,13 @@ async def run(
     app.auth_in_head = True  # the token is checked on the headers, before any body is read
     ctx = _ssl_context(settings)
     addrs = await server.listen(sockets, ssl_context=ctx)
+    # Signals are ours before the listening line: whoever waits for that line (a supervisor,
+    # a test) and then signals must reach the handlers below, not Python's or asyncio's
+    # defaults (SIGTERM would kill the process without its final snapshot; SIGINT would stop
+    # it with exit 130).
+    stop = asyncio.Event()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
@@ -201,9 +208,6 @@ async def run(
                     "engines use",
                     settings.host or "''",
                 )
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
     tasks = [loop.create_task(job()) for job in app.background]
     if publisher is not None:
         tasks.append(loop.create_task(publisher.resync(backend)))
