@@ -154,7 +154,9 @@ def test_bench_help_lists_choices_and_defaults_for_every_flag(mode: str) -> None
         if name == "-h":
             continue
         assert "default" in block, f"{name}: {block}"
-    assert "{run,sweep,core,noisy}" in blocks["mode"]
+    assert "{run,sweep,pair,core,noisy}" in blocks["mode"]
+    assert "{durable,memory,redis}" in blocks["--b-launch"]
+    assert "{abba,ab}" in blocks["--order"] and "default: 5" in blocks["--rounds"]
     assert "{s,v}" in blocks["--dialect"] and "default: s" in blocks["--dialect"]
     assert "{durable,memory,redis}" in blocks["--launch"]
     assert "{tcp,unix}" in blocks["--redis-transport"]

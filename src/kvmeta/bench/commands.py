@@ -1,9 +1,10 @@
 """``kvmeta bench``: argument parsing and dispatch for the benchmark modes.
 
 Modes: ``run`` (default; one configuration, repeated), ``sweep`` (vary pool size, batch,
-clients or request rate; JSON + PNG chart), ``core`` (the pool model in-process, plus bytes
-per stored key) and ``noisy`` (two tenants side by side: one over its request-rate quota, the
-other's hit rate and latency with and without it).
+clients or request rate; JSON + PNG chart), ``pair`` (two servers, A and B, on identical work
+for several rounds: the median and spread of B/A in CPU per request), ``core`` (the pool model
+in-process, plus bytes per stored key) and ``noisy`` (two tenants side by side: one over its
+request-rate quota, the other's hit rate and latency with and without it).
 Returns the text to print; ``kvmeta.cli`` does the printing.
 """
 
@@ -17,6 +18,7 @@ from typing import Any
 
 from kvmeta.bench.driver import BenchConfig
 from kvmeta.bench.launch import LAUNCH_MODES, Launch, run_on, with_launch
+from kvmeta.bench.pair import ORDERS
 from kvmeta.bench.redisstat import check_backend_url
 from kvmeta.bench.report import (
     backend_notes,
@@ -44,8 +46,10 @@ Drive a metadata server of either dialect with the engines' request cycle (exist
 confirm, get) from several client processes, and report requests/s, latency and the server's
 CPU per request. Modes: run (one configuration; the default), sweep (vary --sweep over
 --values; --out writes JSON and a PNG chart, which needs matplotlib: pip install
-'kvmeta[bench]'), core (the pool model in-process, no HTTP; uses --batch, --pool-pages, --out,
---json only)."""
+'kvmeta[bench]'), pair (servers A and B started fresh side by side each round and driven in
+turn with the same keys and request count; the median of the rounds' B/A ratios of CPU per
+request, with their min-max), core (the pool model in-process, no HTTP; uses --batch,
+--pool-pages, --out, --json only)."""
 
 _EPILOG = """\
 examples:
@@ -54,6 +58,8 @@ examples:
   kvmeta bench --launch redis --workers 2     private redis-server, 2 workers; its CPU apart
   kvmeta bench --url http://127.0.0.1:18000 --server-pid 1234 --dialect v
   kvmeta bench sweep --sweep pool --launch --repeat 3 --out results/sweep_pool
+  kvmeta bench pair --launch memory --b-arg=--events=tcp://127.0.0.1:{port} --subscribe
+  kvmeta bench pair --a-src /tmp/old/src --b-src src --launch redis   before/after, one valkey
   kvmeta bench core
   kvmeta bench noisy                          tenant A at 10x its rate quota next to tenant B"""
 
@@ -104,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "mode",
         nargs="?",
         default="run",
-        choices=("run", "sweep", "core", "noisy"),
+        choices=("run", "sweep", "pair", "core", "noisy"),
         help="what to measure (default: %(default)s)",
     )
     server = parser.add_argument_group("server to measure (run, sweep)")
@@ -267,6 +273,51 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="comma-separated values of --sweep (default: pool 4096,65536,262144,1048576; "
         "batch 64,128,256; clients 1,2,3,4; rate 500,1000,2000,3000)",
     )
+    pair = parser.add_argument_group(
+        "pair (servers A and B; each side's launch kind defaults to --launch, else memory)"
+    )
+    for side in ("a", "b"):
+        upper = side.upper()
+        pair.add_argument(
+            f"--{side}-launch",
+            choices=LAUNCH_MODES,
+            help=f"how server {upper} is started (default: --launch, else memory); both redis: "
+            "they share one redis-server, A in database 0, B in 1",
+        )
+        pair.add_argument(
+            f"--{side}-src",
+            metavar="PATH",
+            help=f"the src directory server {upper} imports kvmeta from, e.g. another checkout's "
+            "(default: this kvmeta)",
+        )
+        pair.add_argument(
+            f"--{side}-arg",
+            action="append",
+            default=[],
+            metavar="FLAG",
+            help=f"extra `kvmeta serve` flag for {upper} only, repeatable, after --server-arg; "
+            "{port} in it becomes a free port, e.g. "
+            f"--{side}-arg=--events=tcp://127.0.0.1:{{port}} (default: none)",
+        )
+    pair.add_argument(
+        "--rounds",
+        type=_positive_int,
+        default=5,
+        help="rounds; each starts both servers fresh and measures each once (default: %(default)s)",
+    )
+    pair.add_argument(
+        "--order",
+        choices=ORDERS,
+        default="abba",
+        help="abba: A first in odd rounds, B first in even ones; ab: always A first (default: "
+        "%(default)s)",
+    )
+    pair.add_argument(
+        "--subscribe",
+        action="store_true",
+        help="connect a subscriber that receives every event batch to each side serving "
+        "--events (needs the events extra) (default: off, batches go to no subscriber)",
+    )
     out = parser.add_argument_group("output")
     out.add_argument(
         "--json",
@@ -378,6 +429,66 @@ def _noisy(args: argparse.Namespace) -> str:
     return to_json(result) if args.json else format_noisy(result)
 
 
+# Requests per run of `bench pair` when --requests is not given: every run must do the same work.
+PAIR_REQUESTS = 10000
+
+
+def _pair(args: argparse.Namespace) -> str:
+    """Servers A and B on identical work, round after round (``bench.pair``)."""
+    from kvmeta.bench.pair import PairPlan, Side, format_pair, run_pair
+
+    if args.url:
+        raise InvalidRequest(
+            "pair starts both servers itself, fresh every round: drop --url (choose each side "
+            "with --a-launch/--b-launch, --a-src/--b-src and --a-arg/--b-arg)",
+            "url",
+        )
+    given = list(args.server_arg)
+    if args.auth_token:
+        given.append(f"--auth-token={args.auth_token}")
+    sides = []
+    for label in ("a", "b"):
+        mode = getattr(args, f"{label}_launch") or args.launch or "memory"
+        extra = server_args(given + getattr(args, f"{label}_arg"))
+        sides.append(Side(label, mode, extra, getattr(args, f"{label}_src")))
+    if args.workers > 1 and any(s.mode != "redis" for s in sides):
+        raise InvalidRequest(
+            f"--workers {args.workers} needs both sides on redis (--launch redis): server "
+            "processes share their pools only through a shared backend (drop --workers to "
+            "measure one process)",
+            "workers",
+        )
+    if args.subscribe:
+        from kvmeta.bench.subscriber import _zmq, events_endpoint
+
+        if not any(events_endpoint(s.args) for s in sides):
+            raise InvalidRequest(
+                "--subscribe needs a side serving KV events: add e.g. "
+                "--b-arg=--events=tcp://127.0.0.1:{port}",
+                "subscribe",
+            )
+        _zmq()  # a missing events extra fails before anything runs
+    for side in sides:
+        side.check()
+    cfg = _config(args)
+    cfg.requests = args.requests or PAIR_REQUESTS
+    plan = PairPlan(
+        sides[0],
+        sides[1],
+        rounds=args.rounds,
+        order=args.order,
+        subscribe=args.subscribe,
+        workers=args.workers,
+        redis_transport=args.redis_transport,
+    )
+    result = run_pair(cfg, plan)
+    if args.json:
+        for note in result["notes"]:
+            logger.warning("%s", note)
+        return to_json(result)
+    return format_pair(result)
+
+
 def run(args: argparse.Namespace) -> str:
     """Run the chosen mode; returns the report text.
 
@@ -396,6 +507,8 @@ def run(args: argparse.Namespace) -> str:
         return to_json(result) if args.json else core_bench.format_report(result)
     if args.mode == "noisy":
         return _noisy(args)
+    if args.mode == "pair":
+        return _pair(args)
     if not args.url and not args.launch:
         raise InvalidRequest("give --url URL of a running server, or --launch to start kvmeta")
     if args.url and args.launch:

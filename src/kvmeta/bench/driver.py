@@ -63,6 +63,8 @@ class BenchConfig:
     prefill: bool = True
     rank: int = 0
     server_pid: int | None = None
+    # The key chains' seed: a run given one sends the same keys as every other run given it
+    # (``bench pair`` compares two servers on identical work); "": a new seed for each run.
     seed: str = ""
     # Sent as ``Authorization: Bearer`` with every request (a server run with --auth-token).
     auth_token: str | None = None
@@ -147,7 +149,7 @@ def _client_main(
     out: mp.Queue[_ClientReport],
 ) -> None:
     client = HttpClient(cfg.url, auth_token=cfg.auth_token)
-    chain = KeyChain(f"{cfg.seed}-{os.getpid()}-{index}")
+    chain = KeyChain(f"{cfg.seed}-{index}")
     cycle = cycle_for(cfg.dialect)
     latencies: list[float] = []
     record = latencies.append

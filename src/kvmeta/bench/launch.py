@@ -28,7 +28,16 @@ from kvmeta.client.urls import REDACTED
 from kvmeta.errors import KvmetaError
 from kvmeta.store.redis_url import redact_url
 
-__all__ = ["LAUNCH_MODES", "Launch", "LaunchedServer", "redact_args", "run_on", "with_launch"]
+__all__ = [
+    "LAUNCH_MODES",
+    "Launch",
+    "LaunchedServer",
+    "RedisServer",
+    "free_port",
+    "redact_args",
+    "run_on",
+    "with_launch",
+]
 
 LAUNCH_MODES = ("durable", "memory", "redis")
 _LISTEN_RE = re.compile(r"kvmeta listening on (http)://([^\s:]+):(\d+) \(pid (\d+)\)")
@@ -91,7 +100,7 @@ def with_launch(result: dict[str, Any], launch: Launch | None) -> dict[str, Any]
     return result
 
 
-class _RedisServer:
+class RedisServer:
     """A private ``redis-server``: loopback TCP on a free port or a unix socket, no
     persistence, in ``directory``."""
 
@@ -112,7 +121,7 @@ class _RedisServer:
             )
         sock = os.path.join(self.directory, "redis.sock")
         for _ in range(5):  # another process may take the free port first
-            port = _free_port() if self.transport == "tcp" else 0
+            port = free_port() if self.transport == "tcp" else 0
             args = [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", ""]
             args += ["--appendonly", "no", "--dir", self.directory]
             if self.transport == "unix":
@@ -148,6 +157,12 @@ class _RedisServer:
             time.sleep(0.02)
         return False
 
+    def url_for(self, db: int) -> str:
+        """This server's URL for database ``db``."""
+        if self.url.startswith("unix://"):
+            return f"{self.url}?db={db}"
+        return f"{self.url}/{db}"
+
     def stop(self) -> None:
         _terminate(self.proc)
         self.proc = None
@@ -156,7 +171,9 @@ class _RedisServer:
 class LaunchedServer:
     """``kvmeta serve`` in ``mode`` (see ``Launch``); a context manager that stops it (and its
     redis-server) on exit. ``backend_pid`` is the redis-server's pid, ``data_dir`` the durable
-    server's journal directory (None otherwise)."""
+    server's journal directory (None otherwise). ``shared_redis``: mode "redis" uses that
+    running redis-server (database ``redis_db``) instead of starting its own, so two servers
+    compared side by side share one backend process and its CPU can be read for each."""
 
     def __init__(
         self,
@@ -167,6 +184,8 @@ class LaunchedServer:
         workers: int = 1,
         transport: str = "tcp",
         redis_preload: str | None = None,
+        shared_redis: RedisServer | None = None,
+        redis_db: int = 0,
     ) -> None:
         if mode not in LAUNCH_MODES:
             raise ValueError(f"launch mode must be one of {LAUNCH_MODES}, got {mode!r}")
@@ -176,6 +195,8 @@ class LaunchedServer:
         self.workers = workers
         self.transport = transport
         self.redis_preload = redis_preload
+        self.shared_redis = shared_redis
+        self.redis_db = redis_db
         self.url = ""
         self.pid = 0
         self.backend_pid: int | None = None
@@ -185,7 +206,7 @@ class LaunchedServer:
         self._listening = 0
         self._tmp: tempfile.TemporaryDirectory[str] | None = None
         self._proc: subprocess.Popen[str] | None = None
-        self._redis: _RedisServer | None = None
+        self._redis: RedisServer | None = None
         self._reader: threading.Thread | None = None
 
     def __enter__(self) -> LaunchedServer:
@@ -205,8 +226,13 @@ class LaunchedServer:
         elif self.mode == "durable":
             self.data_dir = os.path.join(self._tmp.name, "data")
             args += ["--data-dir", self.data_dir]
+        elif self.shared_redis is not None:
+            assert self.shared_redis.proc is not None
+            self.backend_pid = self.shared_redis.proc.pid
+            self.backend_url = self.shared_redis.url_for(self.redis_db)
+            args += ["--backend", self.backend_url]
         else:
-            self._redis = _RedisServer(self._tmp.name, self.transport, self.redis_preload)
+            self._redis = RedisServer(self._tmp.name, self.transport, self.redis_preload)
             try:
                 self._redis.start()
             except KvmetaError:
@@ -299,7 +325,7 @@ def _terminate(proc: subprocess.Popen[Any] | None, sig: int = signal.SIGTERM) ->
         proc.wait(5)
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
