@@ -8,13 +8,16 @@ run is reproducible), the script the Dockerfile runs too.
 
 from __future__ import annotations
 
+import email
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
 import tarfile
 import time
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -182,8 +185,52 @@ def test_the_sdist_carries_the_tests_and_docs_and_both_render_on_an_index(dist: 
         "scripts/test", "tests/packaging/test_install.py", "docs/protocol.md",
         "scripts/package", "Dockerfile", ".dockerignore", "deploy/systemd/kvmeta.service",
         "deploy/kubernetes/overlays/durable/kustomization.yaml", "tests/deploy/test_kubernetes.py",
+        "LICENSE", "CHANGELOG.md", "docs/pypi.md",
     ):  # fmt: skip
         assert needed in names, needed
+
+
+# What a package index shows and filters on, as the wheel's METADATA must carry it.
+CLASSIFIERS = (
+    "Development Status :: 4 - Beta",
+    "Framework :: AsyncIO",
+    "Operating System :: POSIX :: Linux",
+    "Programming Language :: Python :: 3.10",
+    "Programming Language :: Python :: 3.11",
+    "Programming Language :: Python :: 3.12",
+    "Programming Language :: Python :: 3.13",
+    "Typing :: Typed",
+)
+URLS = ("Homepage", "Documentation", "Source", "Changelog", "Issues")
+MD_LINK = re.compile(r"!?\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_the_wheel_metadata_is_complete_for_an_index(dist: Dist) -> None:
+    with zipfile.ZipFile(dist.wheel) as zf:
+        names = set(zf.namelist())
+        (meta_name,) = [n for n in names if n.endswith(".dist-info/METADATA")]
+        meta = email.message_from_string(zf.read(meta_name).decode())
+        (license_name,) = [n for n in names if n.endswith(".dist-info/licenses/LICENSE")]
+        license_text = zf.read(license_name).decode()
+    assert "kvmeta/py.typed" in names
+    assert "Apache License" in license_text and "Version 2.0, January 2004" in license_text
+    assert meta["License-Expression"] == "Apache-2.0", meta["License-Expression"]
+    assert meta.get_all("License-File") == ["LICENSE"], meta.get_all("License-File")
+    classifiers = meta.get_all("Classifier") or []
+    missing = [c for c in CLASSIFIERS if c not in classifiers]
+    assert not missing, f"classifiers missing: {missing}; the wheel has {classifiers}"
+    # A "License ::" classifier next to License-Expression is refused by an index (PEP 639).
+    assert not [c for c in classifiers if c.startswith("License ::")], classifiers
+    urls = dict(u.split(", ", 1) for u in meta.get_all("Project-URL") or [])
+    assert sorted(urls) == sorted(URLS), urls
+    assert all(u.startswith("https://") for u in urls.values()), urls
+    assert meta["Description-Content-Type"] == "text/markdown"
+    description = meta.get_payload()
+    assert isinstance(description, str) and "kvmeta serve" in description
+    # An index shows the description without the repository: relative links lead nowhere.
+    assert "](docs/" not in description and "](./" not in description
+    links = MD_LINK.findall(description)
+    assert links and not [t for t in links if not t.startswith("https://")], links
 
 
 def test_a_bare_install_runs_every_command(bare: Venv, tmp_path: Path) -> None:

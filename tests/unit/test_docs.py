@@ -86,7 +86,19 @@ def _anchors(markdown: Path) -> set[str]:
     return anchors
 
 
-LINKED = [ROOT / "README.md", ROOT / "benchmarks" / "README.md", *sorted(DOCS.glob("*.md"))]
+LINKED = [
+    ROOT / "README.md",
+    ROOT / "CHANGELOG.md",
+    ROOT / "benchmarks" / "README.md",
+    *sorted(DOCS.glob("*.md")),
+]
+# The package index's description (pyproject's `readme`): README.md's opening for a page that
+# shows the text alone, so every link in it is absolute; not a page of the docs.
+INDEX_PAGE = DOCS / "pypi.md"
+REPO_URL = re.compile(
+    r"https://(?:github\.com/kvmeta/kvmeta/blob|raw\.githubusercontent\.com/kvmeta/kvmeta)"
+    r"/main/([^)#\s]+)"
+)
 
 
 @pytest.mark.parametrize("page", LINKED, ids=lambda p: str(p.relative_to(ROOT)))
@@ -105,6 +117,17 @@ def test_relative_links_resolve(page: Path) -> None:
             if anchor not in _anchors(dest):
                 broken.append(f"{target} (no such heading in {dest.name})")
     assert not broken, f"broken links in {page.relative_to(ROOT)}: {broken}"
+
+
+def test_the_index_description_links_absolutely_to_files_that_exist() -> None:
+    """A package index shows docs/pypi.md without the repository around it: a relative link
+    there leads nowhere, and a link into the repository must name a file it has."""
+    targets = LINK.findall(INDEX_PAGE.read_text())
+    assert targets
+    relative = [t for t in targets if not t.startswith("https://")]
+    assert not relative, f"docs/pypi.md: make these absolute (https://...): {relative}"
+    missing = [t for t in targets if (m := REPO_URL.match(t)) and not (ROOT / m.group(1)).exists()]
+    assert not missing, f"docs/pypi.md links to files the repository lacks: {missing}"
 
 
 def test_every_test_the_guarantees_cite_exists() -> None:
@@ -138,7 +161,7 @@ def test_readme_names_the_two_commands_and_the_install() -> None:
 def test_every_docs_page_is_linked_from_both_indexes() -> None:
     readme = (ROOT / "README.md").read_text()
     index = (DOCS / "README.md").read_text()
-    pages = [p.name for p in sorted(DOCS.glob("*.md")) if p.name != "README.md"]
+    pages = [p.name for p in sorted(DOCS.glob("*.md")) if p.name != "README.md" and p != INDEX_PAGE]
     unlinked = [f"README.md: {p}" for p in pages if f"(docs/{p}" not in readme]
     unlinked += [f"docs/README.md: {p}" for p in pages if f"({p}" not in index]
     assert not unlinked, f"link these pages: {unlinked}"

@@ -4,7 +4,13 @@
 "use strict";
 const COLORS = ["#3b6fd8", "#e0562b", "#2e8540", "#9c27b0", "#f0a830", "#00838f", "#777"];
 const WINDOW_SECONDS = 300;
+// A poll every POLL_MS; one that has no answer after POLL_MS counts as the server gone (a
+// stopped or wedged server accepts the connection and never answers: without a deadline the
+// page would wait forever, showing its last numbers as if they were live).
+const POLL_MS = 2000;
 let updates = 0;
+let lastAnswer = null; // Date of the last good answer
+let downSince = null; // Date of the first failed poll of the current outage
 
 function el(tag, text, cls) {
   const e = document.createElement(tag);
@@ -112,16 +118,66 @@ function renderPools(pools) {
   }
 }
 
+const clock = (d) => d.toLocaleTimeString([], { hour12: false });
+
+// The server is not answering (refused, timed out, or a 5xx): say so at the top and grey the
+// numbers, keeping them, so nobody reads the last values as current.
+function showDown(reason) {
+  if (downSince === null) downSince = new Date();
+  const banner = document.getElementById("disconnected");
+  banner.textContent = `disconnected since ${clock(downSince)}: ${reason}` +
+    (lastAnswer ? ` · numbers below are from ${clock(lastAnswer)}` : "") +
+    ` · retrying every ${POLL_MS / 1000} s`;
+  banner.hidden = false;
+  document.body.classList.add("stale");
+  const state = document.getElementById("state");
+  state.textContent = "DISCONNECTED";
+  state.className = "badge bad";
+}
+
+function showUp() {
+  downSince = null;
+  lastAnswer = new Date();
+  document.getElementById("disconnected").hidden = true;
+  document.body.classList.remove("stale");
+}
+
+// Why a request failed, in words: fetch reports a refused connection only as a TypeError.
+function why(e) {
+  if (e.name === "TimeoutError" || e.name === "AbortError") return `no answer within ${POLL_MS / 1000} s`;
+  if (e.name === "TypeError") return "cannot reach the server";
+  return String(e.message || e);
+}
+
 async function poll() {
   const error = document.getElementById("error");
+  let r, body;
   try {
     // An absolute URL without user:password: a page opened as http://user:token@host/ui
     // would otherwise resolve "/v1/status" with the credentials in it, which fetch refuses;
     // the browser still sends the Basic credentials it signed in with.
     const url = location.protocol + "//" + location.host + "/v1/status";
-    const r = await fetch(url, { cache: "no-store", credentials: "same-origin" });
-    if (!r.ok) throw new Error("/v1/status answered " + r.status + ": " + (await r.text()));
-    const s = await r.json();
+    const ctl = new AbortController();
+    const timer = setTimeout(() => ctl.abort(new DOMException("timed out", "TimeoutError")), POLL_MS);
+    try {
+      r = await fetch(url, { cache: "no-store", credentials: "same-origin", signal: ctl.signal });
+      if (r.status >= 500) {
+        const text = (await r.text()).slice(0, 200);
+        throw new Error(`/v1/status answered ${r.status}${text ? ": " + text : ""}`);
+      }
+      body = r.ok ? await r.json() : await r.text();
+    } finally {
+      clearTimeout(timer);
+    }
+  } catch (e) {
+    showDown(why(e));
+    return;
+  }
+  // The server answered: it is there, whatever it said.
+  showUp();
+  try {
+    if (!r.ok) throw new Error("/v1/status answered " + r.status + ": " + body);
+    const s = body;
     const srv = s.server;
     document.getElementById("server-line").textContent =
       `${srv.version} · ${s.backend.describe} · up ${Math.round(s.uptime_seconds)} s`;
@@ -138,10 +194,18 @@ async function poll() {
     document.body.dataset.updated = String(++updates);
     error.hidden = true;
   } catch (e) {
+    // Answered, but not with the numbers (a 4xx: say the token is wrong): they are stale.
+    document.body.classList.add("stale");
     error.textContent = String(e);
     error.hidden = false;
   }
 }
 
-poll();
-setInterval(poll, 2000);
+// One poll at a time, every POLL_MS from the start of the last (a poll ends within POLL_MS).
+async function loop() {
+  const started = Date.now();
+  await poll();
+  setTimeout(loop, Math.max(0, POLL_MS - (Date.now() - started)));
+}
+
+loop();
