@@ -20,7 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Generator
 from operator import itemgetter
 from typing import Protocol
 
@@ -60,7 +60,7 @@ from kvmeta.store.codec import (
 from kvmeta.store.epoch import new_epoch
 from kvmeta.store.writeahead import DurableSink, WriteAhead
 
-__all__ = ["ChangeSink", "MemoryBackend", "MemoryStore"]
+__all__ = ["V_EXISTS_STEP", "ChangeSink", "MemoryBackend", "MemoryStore"]
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +71,11 @@ _first = itemgetter(0)
 # must be consistent).
 _CHECK_BATCH_PAGES = 1 << 17
 
+
+# ``MemoryStore.v_exists_steps``: key lookups between two pauses of a completeness walk
+# (about 5 ms of CPU, a few times that on a busy machine: a batch of 65,536 keys stored on
+# 2,048 ranks is 1,024 steps).
+V_EXISTS_STEP = 1 << 17
 
 # ``MemoryStore.dump``: pages looked at per key asked for, and at least, in one call.
 _DUMP_PAGES_PER_KEY = 64
@@ -344,16 +349,50 @@ class MemoryStore:
         return out
 
     def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
-        """A key exists when every required rank has confirmed its shard."""
+        """A key exists when every required rank has confirmed its shard (the whole walk at
+        once: ``v_exists_steps``)."""
+        steps = self.v_exists_steps(keys, tenant)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+
+    def v_exists_steps(
+        self, keys: list[str], tenant: str = ""
+    ) -> Generator[None, None, list[bool]]:
+        """``v_exists`` as a walk that pauses (yields) after about ``V_EXISTS_STEP`` lookups,
+        so a caller on an event loop lets other requests run between steps.
+
+        Rank by rank, each rank is asked only about the keys every rank before it stored, and
+        the walk ends when none is left: O(keys + required ranks) when blocks are missing
+        from the first ranks (the common miss, and any batch of unknown keys), and only keys
+        present on many ranks cost a lookup on each of them. The required ranks are fixed when
+        the walk starts; a pool removed meanwhile is read as it was, and a key reported
+        complete was stored on each required rank when that rank was looked at.
+        """
         required = self.v_required(tenant)
-        if not required or any(p is None for p in required):
+        if not required or None in required:
             return [False] * len(keys)
-        # One C-speed membership pass per rank, then AND: ~4x faster than a per-key all().
-        out: list[bool] = []
-        for i, pool in enumerate(p for p in required if p is not None):
-            here = pool.exists(keys)
-            out = here if i == 0 else [a and b for a, b in zip(out, here, strict=True)]
-        return out
+        left = keys
+        budget = V_EXISTS_STEP
+        for pool in required:
+            assert pool is not None
+            kept: list[str] = []
+            for start in range(0, len(left), V_EXISTS_STEP):
+                if budget <= 0:
+                    yield
+                    budget = V_EXISTS_STEP
+                part = left[start : start + V_EXISTS_STEP] if len(left) > V_EXISTS_STEP else left
+                kept += pool.stored_among(part)
+                budget -= len(part)
+            left = kept
+            if not left:
+                return [False] * len(keys)
+        if len(left) == len(keys):
+            return [True] * len(keys)
+        complete = set(left)
+        return [key in complete for key in keys]
 
     def v_clear(self, tenant: str = "") -> int:
         """Drop every vLLM key of ``tenant``; rank registrations stay so running workers keep
@@ -461,7 +500,9 @@ class MemoryStore:
 
 class MemoryBackend:
     """The async ``Backend`` over a ``MemoryStore``; every call runs to completion on the loop,
-    so calls are atomic without locks."""
+    so calls are atomic without locks. The exception is a ``v_exists`` larger than one step of
+    its walk, which pauses between steps (``MemoryStore.v_exists_steps`` says what its answer
+    then promises)."""
 
     name = "memory"
 
@@ -560,7 +601,16 @@ class MemoryBackend:
         return result
 
     async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
-        return self.store.v_exists(keys, tenant)
+        """The walk runs in steps with a pause (one loop turn) between them, so one large
+        batch never holds the loop for more than a step (``V_EXISTS_STEP``); the other
+        requests run in between."""
+        steps = self.store.v_exists_steps(keys, tenant)
+        while True:
+            try:
+                next(steps)
+            except StopIteration as done:
+                return done.value  # type: ignore[no-any-return]
+            await asyncio.sleep(0)
 
     async def v_clear(self, tenant: str = "") -> int:
         count = self.store.v_clear(tenant)
