@@ -1,5 +1,5 @@
 """The vLLM index at scale, in process: a large ``batch_exists`` lets other requests run while
-it walks the ranks."""
+it walks the ranks, and registering a rank does not walk every pool of every tenant."""
 
 from __future__ import annotations
 
@@ -67,3 +67,47 @@ def test_a_large_batch_exists_lets_other_requests_run(monkeypatch: pytest.Monkey
     assert turns >= ranks - 1
     assert reply.status == 200
     assert msgspec.json.decode(reply.body) == {"exists": [True] * step + [False]}
+
+
+class _CountingPools(dict[PoolId, Any]):
+    """``MemoryStore.pools`` that counts the walks over all its pools."""
+
+    walks = 0
+
+    def __iter__(self) -> Any:
+        type(self).walks += 1
+        return super().__iter__()
+
+    def keys(self) -> Any:
+        type(self).walks += 1
+        return super().keys()
+
+    def items(self) -> Any:
+        type(self).walks += 1
+        return super().items()
+
+    def values(self) -> Any:
+        type(self).walks += 1
+        return super().values()
+
+
+def test_registering_a_rank_does_not_walk_every_pool() -> None:
+    """Each registration reads the tenant's registry (for the ignored-rank warning): from the
+    tenant's own ranks, not by going through every pool of every tenant."""
+    store = MemoryStore()
+    for rank in range(300):  # other pools: SGLang's, another tenant's ranks
+        store.initialize(PoolId("s", rank, "kv"), 4)
+        store.initialize(PoolId("v", rank, "", "other"), 4)
+    store.pools = _CountingPools(store.pools)
+    service = Service(MemoryBackend(store))
+
+    async def scenario() -> list[bool]:
+        for rank in (0, 1, 2, 77):
+            await service.v_register(rank, 4, None)
+        await service.v_remove(77)
+        return await service.v_exists(["k"])
+
+    assert asyncio.run(scenario()) == [False]
+    assert _CountingPools.walks == 0
+    assert store.vllm_ranks() == [0, 1, 2]
+    assert store.vllm_ranks("other") == list(range(300))

@@ -110,6 +110,10 @@ class MemoryStore:
         self.size_conflicts: dict[PoolId, int] = {}
         # Each tenant's pinned vLLM world size (absent: not pinned).
         self.vllm_world_sizes: dict[str, int] = {}
+        # Each tenant's registered vLLM ranks and their pools (kept with ``pools``), so one
+        # tenant's registry and required pools are read without walking every pool of every
+        # tenant, or building a PoolId per rank.
+        self.vllm_rank_pools: dict[str, dict[int, Pool]] = {}
         # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
         self.write_ahead: WriteAhead | None = None
         # Where each change of stored keys goes (``store.changes``), made next to its journal
@@ -187,6 +191,8 @@ class MemoryStore:
             self._count_pages(pid, -old.num_pages)
         pool.withhold = self.write_ahead is not None
         self.pools[pid] = pool
+        if pid.dialect == "v":
+            self.vllm_rank_pools.setdefault(pid.tenant, {})[pid.rank] = pool
         if self.hash_indexes is not None and pid.dialect == "s":
             self.hash_indexes[pid] = HashIndex(pool.stored_keys())
         self._count_pages(pid, pool.num_pages)
@@ -325,8 +331,9 @@ class MemoryStore:
     # ------------------------------------------------------------------ vLLM index
 
     def vllm_ranks(self, tenant: str = "") -> list[int]:
-        """``tenant``'s registered vLLM worker ranks, ascending."""
-        return sorted(pid.rank for pid in self.pools if pid.dialect == "v" and pid.tenant == tenant)
+        """``tenant``'s registered vLLM worker ranks, ascending: O(its ranks), whatever the
+        number of other pools."""
+        return sorted(self.vllm_rank_pools.get(tenant, ()))
 
     def v_register(
         self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
@@ -340,11 +347,12 @@ class MemoryStore:
     def v_required(self, tenant: str = "") -> list[Pool | None]:
         """The pools a key must be stored in to be complete (None: rank not registered yet);
         which ranks is ``store.base.required_ranks``."""
+        ranks = self.vllm_rank_pools.get(tenant, {})
         world_size = self.vllm_world_sizes.get(tenant)
         if world_size is not None:
-            return [self.pools.get(PoolId("v", r, "", tenant)) for r in range(world_size)]
+            return list(map(ranks.get, range(world_size)))
         out: list[Pool | None] = []
-        while (pool := self.pools.get(PoolId("v", len(out), "", tenant))) is not None:
+        while (pool := ranks.get(len(out))) is not None:
             out.append(pool)
         return out
 
@@ -421,6 +429,10 @@ class MemoryStore:
             if until > now:
                 raise RankInUse.for_rank(rank, pool.reserved_count, until - now)
         del self.pools[pid]
+        ranks = self.vllm_rank_pools[tenant]
+        del ranks[rank]
+        if not ranks:
+            del self.vllm_rank_pools[tenant]
         self._count_pages(pid, -pool.num_pages)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
