@@ -245,6 +245,9 @@ _ERRORS = {
     "world_size above --max-world-size; a rank beyond a signed 64-bit integer. `detail` names "
     "the field and the fix; nothing was changed",
     "401": "--auth-token is set and the request lacks it",
+    "403": "the token's scope does not cover the request (--auth-file); on a vLLM initialize, "
+    "also a world_size that would move the tenant's pinned one from a token without the admin "
+    "right. `detail` names the fix; nothing was changed",
     "404": "pool/rank not initialised (detail says how), or unknown path",
     "409": "the rank's pages are in use (reserved, being read, or a released page's grace): "
     "`detail` says for how long; nothing was changed. Retry once the leases end, or pass "
@@ -328,7 +331,7 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         "vLLM: register a worker rank (or acknowledge the scheduler)",
         "VInitialize",
         ("200", "VMessage"),
-        ("400", "401", "413", "422"),
+        ("400", "401", "403", "413", "422"),
     ),
     ("POST", "/keys/batch_allocate"): _op(
         "vLLM: a page per key on one rank (-1: none)", "VAllocate", ("200", "VAllocated"), _V

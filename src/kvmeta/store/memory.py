@@ -34,7 +34,7 @@ from kvmeta.core.invariants import (
     copy_pool,
 )
 from kvmeta.core.pool import Pool
-from kvmeta.errors import NoHashIndex, NotInitialized, RankInUse
+from kvmeta.errors import Forbidden, NoHashIndex, NotInitialized, RankInUse
 from kvmeta.store.base import CheckReport, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
@@ -336,8 +336,19 @@ class MemoryStore:
         return sorted(self.vllm_rank_pools.get(tenant, ()))
 
     def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
+        """Register ``rank`` (``Backend.v_register``); refused whole (``Forbidden``) when
+        ``change_world`` is false and ``world_size`` differs from the tenant's pinned one."""
+        current = self.vllm_world_sizes.get(tenant)
+        if world_size is not None and current is not None and world_size != current:
+            if not change_world:
+                raise Forbidden.world_size_change(rank, current, world_size)
         result = self.initialize(PoolId("v", rank, "", tenant), num_pages)
         if world_size is not None and world_size != self.vllm_world_sizes.get(tenant):
             self._set_world(world_size, tenant)
@@ -606,9 +617,14 @@ class MemoryBackend:
         return count
 
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
-        result = self.store.v_register(rank, num_pages, world_size, tenant)
+        result = self.store.v_register(rank, num_pages, world_size, tenant, change_world)
         await self._durable()
         return result
 

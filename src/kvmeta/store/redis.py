@@ -72,6 +72,7 @@ from kvmeta.errors import (
     BackendMisconfigured,
     BackendUnavailable,
     ConfigError,
+    Forbidden,
     InvalidRequest,
     KvmetaError,
     NoHashIndex,
@@ -255,11 +256,15 @@ def _damaged(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
 
 # Script error code -> the kvmeta error it means (code 0 is success).
 _IN_USE = 5  # v_remove's refusal: the rank's pages are in use (RankInUse)
+_WORLD_LOCKED = 10  # v_register's refusal: the world size is not the caller's to change
 _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
     3: _bad_size,
     4: _damaged,
+    _WORLD_LOCKED: lambda pid, reply, request: Forbidden.world_size_change(
+        pid.rank, int(reply[1]), request
+    ),
 }
 
 
@@ -1254,13 +1259,19 @@ class RedisBackend:
         return prefix + "ranks", prefix + "world"
 
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
         pool = PoolId("v", rank, "", tenant)
         await self._list_tenant(tenant)
         keys = (*self._v_keys(tenant), *pool_keys(pool))
-        args = [rank, num_pages, "" if world_size is None else world_size, self._hold_arg()]
-        reply = _checked(pool, await self._run("v_register", keys, args), None)
+        world = "" if world_size is None else world_size
+        args = [rank, num_pages, world, self._hold_arg(), "1" if change_world else "0"]
+        reply = _checked(pool, await self._run("v_register", keys, args), world_size)
         self._v_known.pop(tenant, None)  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)
 
