@@ -29,7 +29,7 @@ __all__ = ["V_EXISTS_CHUNK", "V_STALE", "VPlan", "walk"]
 
 # Key lookups per script: a few milliseconds of Redis (HMGET fields, the candidates' JSON and
 # a registry check of one SMISMEMBER per 1,000 required ranks); more on a busy machine.
-V_EXISTS_CHUNK = 1 << 13
+V_EXISTS_CHUNK = 1 << 12
 # v_exists.lua's answer when the registry no longer requires the plan's ranks.
 V_STALE = 9
 
