@@ -282,6 +282,20 @@ class Forbidden(KvmetaError):
 
     status = 403
 
+    @classmethod
+    def world_size_change(cls, rank: int, current: int, requested: int) -> Forbidden:
+        """A vLLM initialize whose ``world_size`` would move the tenant's pinned one, from a
+        token without the ``admin`` right (which ranks make a block complete is the tenant's
+        setting, not one worker's); worded the same by every backend. It tells the caller the
+        tenant's own world size, which its workers need to know anyway."""
+        return cls(
+            f"Forbidden: initialize of rank {rank} with `world_size` {requested} would change "
+            f"this tenant's vLLM world size from {current}, which needs the 'admin' right; "
+            f"nothing was registered. Initialize with `world_size` {current} (or without it), "
+            "or have an admin token change it first (POST /v1/vllm/world_size "
+            f'{{"world_size": {requested}}}, or initialize with the admin token)'
+        )
+
 
 class QuotaExceeded(KvmetaError):
     """Raised when a tenant is over its page quota or request rate; ``retry_after`` (seconds)

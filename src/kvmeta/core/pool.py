@@ -240,6 +240,16 @@ class Pool:
         self.counters.exists_misses += len(out) - hits
         return out
 
+    def stored_among(self, keys: list[str]) -> list[str]:
+        """The STORED keys of ``keys``, in order: one step of vLLM's completeness walk, which
+        asks each rank only about the keys every rank before it had. Counts as ``exists``
+        (hits and misses) for each key asked; does not count as a use."""
+        out = list(filter(self._stored.__contains__, keys))
+        counters = self.counters
+        counters.exists_hits += len(out)
+        counters.exists_misses += len(keys) - len(out)
+        return out
+
     def get(self, keys: list[str], now: float) -> list[int | None]:
         """Page of each STORED key (else None); a use for LRU, and a read lease on the page."""
         self._expire(now)

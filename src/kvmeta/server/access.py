@@ -10,7 +10,10 @@ and a rank in the path, before the handler reads or changes anything. The pool a
 ``sglang_pool``/``vllm_pool``, which also put the token's tenant into the ``PoolId``.
 
 A 403 depends only on the token's scope and the request, never on the state, so it is the same
-whether the target exists or not (no existence oracle). Tokens are looked up by SHA-256 digest
+whether the target exists or not (no existence oracle). One exception: a vLLM initialize whose
+``world_size`` would move the tenant's pinned one needs the ``admin`` right, which only the
+store can check atomically (``Forbidden.world_size_change``); it reveals the token's own
+tenant's world size, nothing of another tenant. Tokens are looked up by SHA-256 digest
 (``server.tokens``); the headers of recent good requests are remembered by exact value (a dict
 keyed by the header bytes, whose hash is Python's keyed SipHash: a guess learns nothing from
 its timing), so a request costs one dict lookup, not a hash of the token.
@@ -72,7 +75,8 @@ class Rule:
 # Every route of both dialects and the operator routes. A route missing here is served to the
 # all-access token only (fail closed), and the matrix test (tests/tenants) fails until it is
 # classified. Engines' workers call initialize themselves at start-up, so initialize is a
-# ``write`` right (a worker token needs it; the tenant's page quota bounds what it creates);
+# ``write`` right (a worker token needs it; the tenant's page quota bounds what it creates),
+# though moving the tenant's vLLM world size through it needs ``admin`` (``server.vllm``);
 # clearing a whole pool or registry is ``admin``.
 ROUTE_RULES: dict[tuple[str, str], Rule] = {
     # SGLang HiCache

@@ -251,9 +251,10 @@ _ERRORS = {
     "force=true if the rank's workers are gone for good",
     "413": "a size limit (body bytes, keys per request); `detail` names the flag to raise it",
     "403": "the Host header is not accepted (a loopback-bound server answers loopback names "
-    "only; --allowed-hosts), a POST came from another origin's web page (its Origin), or the "
-    "token's scope (--auth-file) does not cover the request; `detail` names which; nothing was "
-    "changed",
+    "only; --allowed-hosts), a POST came from another origin's web page (its Origin), the "
+    "token's scope (--auth-file) does not cover the request, or, on a vLLM initialize, a "
+    "world_size that would move the tenant's pinned one from a token without the admin right; "
+    "`detail` names which and the fix; nothing was changed",
     "415": "a POST with a Content-Type other than application/json (none is fine): a form or "
     "text body, which another site's web page can make a browser send; nothing was changed",
 }
@@ -335,7 +336,7 @@ CATALOGUE: dict[tuple[str, str], dict[str, Any]] = {
         "vLLM: register a worker rank (or acknowledge the scheduler)",
         "VInitialize",
         ("200", "VMessage"),
-        ("400", "401", "413", "422"),
+        ("400", "401", "403", "413", "422"),
     ),
     ("POST", "/keys/batch_allocate"): _op(
         "vLLM: a page per key on one rank (-1: none)", "VAllocate", ("200", "VAllocated"), _V

@@ -26,7 +26,7 @@ import msgspec
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
-from kvmeta.server.access import tenant_of, vllm_pool
+from kvmeta.server.access import scope_of, tenant_of, vllm_pool
 from kvmeta.server.app import (
     NO_CONTENT,
     App,
@@ -281,8 +281,13 @@ async def initialize(service: Service, req: Request, rank: int) -> Response:
     if worker is None:
         return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
     tenant = tenant_of(req)
+    # Which ranks make a block complete is the tenant's setting: a worker's (write) token may
+    # pin the first world size or repeat it, only an admin token may move it.
+    change_world = "admin" in scope_of(req).rights
     try:
-        result = await service.v_register(rank, worker.num_pages, worker.world_size, tenant)
+        result = await service.v_register(
+            rank, worker.num_pages, worker.world_size, tenant, change_world
+        )
     except InvalidRequest as exc:  # a service limit such as --max-pages
         raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
     if result.conflict:

@@ -263,16 +263,24 @@ class Operations:
         return Outcome(worker_message(rank, result.num_pages, result.requested), done.warnings)
 
     def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> Op[Outcome[InitResult]]:
-        """A worker rank's pool (a validated registration: ``v_initialize`` checks the body)."""
+        """A worker rank's pool (a validated registration: ``v_initialize`` checks the body).
+        ``change_world`` false (a token without the admin right): a ``world_size`` that would
+        move the tenant's pinned one is refused by the store, atomically (``Forbidden``)."""
         limits = self.limits
         limits.check_rank(rank)
         limits.check_num_pages(num_pages)
         limits.check_world_size(world_size)
         pool = PoolId("v", rank, "", tenant)
         yield from self._budget(pool, num_pages)
-        result: InitResult = yield ("v_register", (rank, num_pages, world_size, tenant))
+        call = (rank, num_pages, world_size, tenant, change_world)
+        result: InitResult = yield ("v_register", call)
         if result.created:
             logger.info("Registered %s with %d pages", pool, num_pages)
         index: VIndex = yield ("v_index", (tenant,))

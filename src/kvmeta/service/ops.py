@@ -121,14 +121,28 @@ class Service:
         return await self._creating(op)
 
     async def v_register_outcome(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> Outcome[InitResult]:
-        return await self._creating(self.ops.v_register(rank, num_pages, world_size, tenant))
+        op = self.ops.v_register(rank, num_pages, world_size, tenant, change_world)
+        return await self._creating(op)
 
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
-        return (await self.v_register_outcome(rank, num_pages, world_size, tenant)).value
+        """``change_world`` false: a ``world_size`` other than the tenant's pinned one is
+        refused (``Forbidden``), for a token without the admin right."""
+        outcome = await self.v_register_outcome(rank, num_pages, world_size, tenant, change_world)
+        return outcome.value
 
     async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
         return await run_async(self.ops.v_exists(keys, tenant), self.backend)

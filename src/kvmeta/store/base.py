@@ -222,8 +222,22 @@ class Backend(Protocol):
     # tenant by position keep their meaning).
 
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
-    ) -> InitResult: ...
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
+    ) -> InitResult:
+        """Register a worker rank (create its pool, or keep it) and, when ``world_size`` is
+        given, pin the tenant's world size to it, atomically.
+
+        Raises:
+            Forbidden: ``change_world`` is false (the caller lacks the admin right) and
+                ``world_size`` differs from the tenant's pinned world size; nothing was
+                changed. Pinning the first one, or the same one, is always allowed.
+        """
+        ...
 
     async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]: ...
 

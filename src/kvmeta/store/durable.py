@@ -516,14 +516,19 @@ class DurableBackend(MemoryBackend):
 
     @_refused_while_failed
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
         # A removed rank registered again reuses its page file: not before the removal is on
         # disk, or a crash could bring back its old ``key -> page`` over new bytes.
         journal = self.journal
         if journal is not None and journal.durable_seq < self._drop_seq:
             await journal.wait(self._drop_seq)
-        result = self.store.v_register(rank, num_pages, world_size, tenant)
+        result = self.store.v_register(rank, num_pages, world_size, tenant, change_world)
         await self._created()
         return result
 

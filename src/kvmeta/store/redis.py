@@ -37,7 +37,8 @@ and bump the pool's change counter (``_lib.lua`` ``feed``); ``store.redis_feed``
 pool's changes in the order Redis made them, after the reply and its ``WAIT``.
 
 Whole-pool work (``clear``, ``check``) runs as many short scripts, one bounded chunk each, looped
-from Python: one long script would stall every pool on that Redis for its whole duration.
+from Python: one long script would stall every pool on that Redis for its whole duration. So
+does a vLLM completeness check over many ranks (``store.redis_vexists``).
 """
 
 from __future__ import annotations
@@ -48,7 +49,7 @@ import functools
 import logging
 import secrets
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 from urllib.parse import parse_qs, quote, unquote, urlsplit
 
@@ -71,6 +72,7 @@ from kvmeta.errors import (
     BackendMisconfigured,
     BackendUnavailable,
     ConfigError,
+    Forbidden,
     InvalidRequest,
     KvmetaError,
     NoHashIndex,
@@ -121,6 +123,7 @@ from kvmeta.store.redis_url import (
     parse_target,
     redact_url,
 )
+from kvmeta.store.redis_vexists import V_STALE, VPlan, walk
 from kvmeta.store.resp import Strings, pack, pack_many
 
 # check_url and redact_url live in store.redis_url; importable here too, where callers expect them.
@@ -262,11 +265,15 @@ def _damaged(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
 
 # Script error code -> the kvmeta error it means (code 0 is success).
 _IN_USE = 5  # v_remove's refusal: the rank's pages are in use (RankInUse)
+_WORLD_LOCKED = 10  # v_register's refusal: the world size is not the caller's to change
 _ERRORS: dict[int, Callable[[PoolId, list[Any], Any], KvmetaError]] = {
     1: lambda pid, reply, request: NotInitialized.for_pool(pid.dialect, pid.rank, pid.namespace),
     2: _out_of_range,
     3: _bad_size,
     4: _damaged,
+    _WORLD_LOCKED: lambda pid, reply, request: Forbidden.world_size_change(
+        pid.rank, int(reply[1]), request
+    ),
 }
 
 
@@ -420,9 +427,9 @@ class RedisBackend:
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
         self._replication: dict[str, float] = {}  # see durability_stats
         # What v_exists needs from each tenant's registry as this process last read it (see
-        # ``_v_exists_plan``): where it starts, checked by the script to be current. Several
-        # servers share the registry, so this is a guess, never an answer.
-        self._v_known: dict[str, tuple[tuple[str, ...], bytes]] = {}
+        # ``store.redis_vexists``): where it starts, checked by each script to be current.
+        # Several servers share the registry, so this is a guess, never an answer.
+        self._v_known: dict[str, VPlan] = {}
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
         # The epoch, read again whenever Redis may have lost its data (``store.redis_epoch``);
         # a new one is reported to the change feed's listener, which states every pool again.
@@ -1252,7 +1259,7 @@ class RedisBackend:
     # operation needs are known only from the registry, so it passes the keys of the ranks a
     # registry read (``_v_registry``) found, and a script that finds the registry changed since
     # answers ``_V_STALE`` having changed nothing: the registry is read again and the op retried.
-    _V_STALE = 9
+    _V_STALE = V_STALE
     # Registry changes come from engines starting or an operator, seconds apart: a handful of
     # consecutive ones inside the microseconds between a read and a script means something is
     # rewriting the registry in a loop, and the caller gets a 503 rather than a hung request.
@@ -1265,46 +1272,52 @@ class RedisBackend:
         return prefix + "ranks", prefix + "world"
 
     async def v_register(
-        self, rank: int, num_pages: int, world_size: int | None, tenant: str = ""
+        self,
+        rank: int,
+        num_pages: int,
+        world_size: int | None,
+        tenant: str = "",
+        change_world: bool = True,
     ) -> InitResult:
         pool = PoolId("v", rank, "", tenant)
         await self._list_tenant(tenant)
         keys = (*self._v_keys(tenant), *pool_keys(pool))
-        args = [rank, num_pages, "" if world_size is None else world_size, self._hold_arg()]
-        reply = _checked(pool, await self._run("v_register", keys, args), None)
+        world = "" if world_size is None else world_size
+        args = [rank, num_pages, world, self._hold_arg(), "1" if change_world else "0"]
+        reply = _checked(pool, await self._run("v_register", keys, args), world_size)
         self._v_known.pop(tenant, None)  # changed it: the next v_exists reads it afresh
         return self._init_result(pool, reply, num_pages)
 
     async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
-        """One consistent answer: the required ranks as the registry has them when the script
-        runs. It starts from the last registry read this process made (``_v_known``), so the
-        common case is one script; ``v_exists.lua`` refuses, changing nothing, when other ranks
-        are required by then, and the registry is read again. "Nothing is complete" (a required
-        rank not registered) is answered only from a fresh read, never from a remembered one."""
-        request = _encode(keys)
+        """One consistent answer: the required ranks as the registry has them when the walk
+        runs (``store.redis_vexists``: bounded scripts, rank by rank, each asked only about the
+        keys the ranks before it had). It starts from the last registry read this process made
+        (``_v_known``), so the common case is one script; ``v_exists.lua`` refuses, changing
+        nothing, when other ranks are required by then, and the registry is read again.
+        "Nothing is complete" (a required rank not registered) is answered only from a fresh
+        read, never from a remembered one."""
+        if not keys:
+            return []
         plan, fresh = self._v_known.get(tenant), False
+        registry = self._v_keys(tenant)
+
+        def rank_keys(rank: int) -> tuple[str, ...]:
+            return pool_keys(PoolId("v", rank, "", tenant))
+
+        def run(names: tuple[str, ...], args: list[Any]) -> Awaitable[list[Any]]:
+            return self._run("v_exists", names, args)
+
         for _ in range(self._V_TRIES):
-            if plan is None or not (fresh or plan[1]):
-                plan, fresh = self._v_exists_plan(await self._v_registry(tenant), tenant), True
-            names, ranks = plan
-            if not ranks:  # a required rank is not registered (yet), or Redis lost it
+            if plan is None or not (fresh or plan.count):
+                plan, fresh = VPlan.of(await self._v_registry(tenant)), True
+            if not plan.count:  # a required rank is not registered (yet), or Redis lost it
                 await self._epochs.recheck()
                 return [False] * len(keys)
-            reply = await self._run("v_exists", names, [request, ranks])
-            if int(reply[0]) != self._V_STALE:
-                return [bool(x) for x in reply[1:]]
+            out = await walk(plan, keys, registry, rank_keys, run)
+            if out is not None:
+                return out
             plan = None
         raise self._v_unsettled("exists")
-
-    def _v_exists_plan(self, index: VIndex, tenant: str) -> tuple[tuple[str, ...], bytes]:
-        """v_exists's KEYS and ranks argument for ``index`` (ranks ``b""``: nothing is complete,
-        a required rank is not registered)."""
-        if index.missing or not index.required:
-            return (), b""
-        names = list(self._v_keys(tenant))
-        for rank in index.required:
-            names += pool_keys(PoolId("v", rank, "", tenant))
-        return tuple(names), _encode(index.required)
 
     def _v_unsettled(self, op: str) -> BackendUnavailable:
         return BackendUnavailable(
@@ -1353,7 +1366,7 @@ class RedisBackend:
         world = _text(reply[1])
         ranks = tuple(sorted(int(r) for r in reply[2:]))
         index = VIndex(int(world) if world else None, ranks)
-        self._v_known[tenant] = self._v_exists_plan(index, tenant)
+        self._v_known[tenant] = VPlan.of(index)
         return index
 
     # ------------------------------------------------------------------ stats and check

@@ -59,8 +59,12 @@ LIBRARY_NAME = "kvmeta"
 # end them early by the clock's lag, or late); initialize's ARGV[6] and v_register's ARGV[4],
 # the end of the hold after a data loss (meta hold, which reserve honours), and hold (a
 # format-6 script would create a pool handing out page 0 while a writer of the lost data may
-# still write it)
-LIBRARY_FORMAT = 7
+# still write it); 8: v_exists is one span of ranks of a walk (ARGV[2] the number of required
+# ranks, ARGV[3] whether the world size pins them, KEYS the span's pools, the reply the
+# positions of the keys still complete), and v_register's ARGV[5] says whether the caller may
+# change the world size, refused as [10, world size] (a format-7 server would pass its
+# required ranks as ARGV[2], and its write tokens could change the world size)
+LIBRARY_FORMAT = 8
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

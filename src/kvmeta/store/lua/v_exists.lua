@@ -1,60 +1,69 @@
--- v_exists: a key is complete when every required rank has it STORED. Required (as
--- store.base.required_ranks): ranks 0..world-1 when a world size is known (one not registered
--- yet: nothing is complete), else the contiguous run 0..k-1 of registered ranks (a stray rank
--- such as 77 counts for nothing); each of their pools counts exists hits/misses.
--- The caller read the registry first (v_index) and passes the pool keys of the ranks it found
--- required, so every key is in KEYS; if the registry has changed since, so that other ranks
--- are required now, this script changes nothing and answers "stale": the caller reads again.
--- KEYS[1] the rank registry, KEYS[2] the world size, then each required rank's pool keys
--- (store.redis.pool_keys), in ARGV[2]'s order; ARGV[1] [key, ...], ARGV[2] [rank, ...] the
--- required ranks as the caller read them (not empty).
--- Returns [0, 1|0 ...] or [9] (stale).
+-- v_exists: one step of the completeness walk (store.redis.RedisBackend.v_exists). A key is
+-- complete when every required rank has it STORED. Required (as store.base.required_ranks):
+-- ranks 0..n-1, either pinned by the world size n or, without one, the contiguous run of
+-- registered ranks from 0 (a stray rank such as 77 counts for nothing).
+-- The caller read the registry first (v_index) and walks the required ranks in spans, one
+-- script each, passing the keys still complete so far and the pool keys of the span's ranks,
+-- so every key is in KEYS and no script does more than a bounded number of lookups. Each
+-- script first checks that the registry still requires ranks 0..n-1 (n as the caller read it):
+-- if not, it changes nothing and answers "stale", and the caller reads again.
+-- Each rank is asked only about the keys every rank before it had, and counts exists hits and
+-- misses for those (as MemoryStore.v_exists_steps); the span stops at a rank that has none.
+-- KEYS[1] the rank registry, KEYS[2] the world size, then each of the span's ranks' pool keys
+-- (store.redis.pool_keys), in rank order; ARGV[1] [key, ...] (not empty), ARGV[2] n, ARGV[3]
+-- '1' when n is the world size, '0' when it is the contiguous run.
+-- Returns [0, i, ...]: the positions (from 1) in ARGV[1] of the keys every rank of the span
+-- has; or [9] (stale).
 local STALE = 9
 local keys = cjson.decode(ARGV[1])
-local want = cjson.decode(ARGV[2])
+local n = tonumber(ARGV[2])
+local pinned = ARGV[3] == '1'
 local world = redis.call('GET', KEYS[2])
-local ranks = {}
-if world then
-  for r = 0, tonumber(world) - 1 do
-    if redis.call('SISMEMBER', KEYS[1], string.format('%d', r)) == 0 then
-      return cjson.encode({ STALE }) -- the caller saw them all registered
-    end
-    ranks[#ranks + 1] = r
+if pinned then
+  if not world or tonumber(world) ~= n then
+    return cjson.encode({ STALE })
   end
-else
-  while redis.call('SISMEMBER', KEYS[1], string.format('%d', #ranks)) == 1 do
-    ranks[#ranks + 1] = #ranks
-  end
-end
-if #ranks ~= #want then
+elseif world then
   return cjson.encode({ STALE })
 end
-for i = 1, #ranks do
-  if ranks[i] ~= want[i] then
+-- ranks 0..n-1 registered and, without a world size, rank n not (the run ends there): one
+-- SMISMEMBER per 1000 ranks
+local ranks = {}
+for r = 0, pinned and n - 1 or n do
+  ranks[#ranks + 1] = string.format('%d', r)
+end
+local member = read_many('SMISMEMBER', KEYS[1], ranks)
+for i = 1, n do
+  if member[i] ~= 1 then
     return cjson.encode({ STALE })
   end
 end
--- Like MemoryStore: every required rank's pool counts its exists hits and misses.
-local width = (#KEYS - 2) / #want
-local ok = {}
-for i = 1, #keys do
-  ok[i] = true
+if not pinned and member[n + 1] ~= 0 then
+  return cjson.encode({ STALE })
 end
-for r = 1, #want do
+local width = #PARTS
+local at = {}
+for i = 1, #keys do
+  at[i] = i
+end
+for r = 1, (#KEYS - 2) / width do
   local k = pool_keys_from(KEYS, 3 + (r - 1) * width)
   local pages = hmget(k.stored, keys)
-  local hits = 0
+  local kept, kept_at = {}, {}
   for i = 1, #keys do
     if pages[i] then
-      hits = hits + 1
-    else
-      ok[i] = false
+      kept[#kept + 1] = keys[i]
+      kept_at[#kept_at + 1] = at[i]
     end
   end
-  flush(k, { exists_hits = hits, exists_misses = #keys - hits })
+  flush(k, { exists_hits = #kept, exists_misses = #keys - #kept })
+  keys, at = kept, kept_at
+  if #keys == 0 then
+    break
+  end
 end
 local out = { 0 }
-for i = 1, #keys do
-  out[i + 1] = ok[i] and 1 or 0
+for i = 1, #at do
+  out[i + 1] = at[i]
 end
 return cjson.encode(out)
