@@ -176,6 +176,11 @@ class Journal:
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_from: float | None = None  # loop time the stalled fsync began
         self.stalls = 0
+        # Told after a group is written once ``bytes_written`` has reached ``grow_at`` (0:
+        # never): the owner's size-driven snapshot (``store.compaction``) waits for it. One
+        # comparison per group, so the journal never counts on its own.
+        self.grow_at = 0
+        self.on_grown: Callable[[], None] | None = None
         # Stats, for metrics.
         self.fsyncs = 0
         self.fsync_seconds_total = 0.0
@@ -278,6 +283,8 @@ class Journal:
             return
         self.written_seq = self.seq
         self._request()
+        if self.grow_at and self.bytes_written >= self.grow_at and self.on_grown is not None:
+            self.on_grown()
 
     def rotate(self) -> int:
         """Start a new segment; records appended from now on go to it. Returns its number.
