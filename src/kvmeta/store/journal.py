@@ -26,9 +26,12 @@ gets ``JournalStalled`` (503) at once and ``refusal`` says why, so the owner ref
 meanwhile. Nothing is discarded: when the fsync completes, everything written is durable and
 the stall ends by itself (no snapshot needed; one would wait for the same disk).
 
-The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot) fdatasyncs
-the segment it closes, so that a segment is never torn unless it is the last one (recovery
-cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless stalled).
+The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot: with the
+default journal budget about once a second at most under a full load, ``store.compaction``)
+fdatasyncs the segment it closes, so that a segment is never torn unless it is the last one
+(recovery cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless
+stalled). The helper has fsynced the closing segment up to its last group or two, so that
+fdatasync has little left to write.
 
 Segments: ``journal-<N>.log`` (N zero-padded), created on their first write. ``rotate`` starts
 a new segment at a point the loop chooses, so a snapshot taken at that instant covers exactly
