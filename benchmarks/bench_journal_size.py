@@ -231,15 +231,17 @@ def restart(args: argparse.Namespace, scratch: Path) -> None:
     server_args = ["--reservation-ttl", "5", *args.server_arg]
     server = Server(data, server_args).start()
     rows = []
-    # A full pool keeps up to 1/8 of its pages evicted ahead (store.writeahead): a quarter more
-    # pages than keys leaves ``--keys`` stored.
-    pages = args.keys + args.keys // 4
+    # A full pool keeps a few batches' worth of pages evicted ahead (store.writeahead): with
+    # 1/64 more pages than keys, about ``--keys`` stay stored.
+    pages = args.keys + args.keys // 64
     load: subprocess.Popen[bytes] | None = None
     try:
         for kill in range(args.kills):
             load = _load(server.url, pages, prefill=kill == 0)
             deadline = time.monotonic() + 120
-            while (stored := _stored(server.url)) < args.keys and time.monotonic() < deadline:
+            while (
+                stored := _stored(server.url)
+            ) < args.keys * 0.98 and time.monotonic() < deadline:
                 time.sleep(0.2)
             wait = rng.uniform(args.min_wait, args.max_wait)
             time.sleep(wait)
