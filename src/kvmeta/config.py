@@ -51,6 +51,8 @@ class Settings:
     fsync_timeout: float = _DURABILITY.fsync_timeout
     snapshot_interval: float = _DURABILITY.snapshot_interval
     snapshot_min_records: int = _DURABILITY.snapshot_min_records
+    snapshot_journal_bytes: int = _DURABILITY.snapshot_journal_bytes
+    snapshot_journal_ratio: float = _DURABILITY.snapshot_journal_ratio
     persistence_path: str | None = None
     save_interval: float = _DURABILITY.save_interval
     # scale-out
@@ -183,6 +185,35 @@ def _workers(text: str) -> int:
     return _count(text, 1, MAX_WORKERS)
 
 
+# A journal budget of more than a thousand snapshots is no budget: 0 says "off" plainly.
+MAX_RATIO = 1000.0
+
+
+def _ratio(text: str) -> float:
+    value = float(text)
+    if not 0 <= value <= MAX_RATIO:  # nan fails both comparisons
+        raise ValueError(f"must be a number from 0 (off) to {MAX_RATIO:,.0f}")
+    return value
+
+
+_UNITS = {"": 1, "KiB": 1 << 10, "MiB": 1 << 20, "GiB": 1 << 30}
+
+
+def _bytes(text: str) -> int:
+    """A size: a whole number of bytes, or one followed by KiB, MiB or GiB."""
+    number = text.strip()
+    unit = number[-3:] if number[-3:] in _UNITS else ""
+    try:
+        value = int(number[: len(number) - len(unit)]) * _UNITS[unit]
+    except ValueError:
+        raise ValueError("a whole number of bytes, e.g. 67108864 or 64MiB (0: off)") from None
+    if value < 0:
+        raise ValueError("must be >= 0 (0: off)")
+    if value > MAX_COUNT:
+        raise ValueError(f"must be at most {MAX_COUNT:,}")
+    return value
+
+
 def _port(text: str) -> int:
     value = int(text)
     if not 0 <= value <= 65535:
@@ -285,6 +316,20 @@ OPTIONS: tuple[Option, ...] = (
         "snapshot_min_records",
         "journal records before a periodic snapshot is worth taking",
         _positive_int,
+    ),
+    Option(
+        "snapshot_journal_bytes",
+        "take a snapshot once the journal since the last one holds this many bytes (or the "
+        "snapshot's own size, if larger), bounding the data directory and the replay after a "
+        "crash; a number of bytes or one with KiB, MiB or GiB (0: no byte limit)",
+        _bytes,
+    ),
+    Option(
+        "snapshot_journal_ratio",
+        "take a snapshot once the journal since the last one is this many times that "
+        "snapshot's size (or 16 MiB, if larger); the sooner of this and "
+        "--snapshot-journal-bytes wins (0: no ratio limit)",
+        _ratio,
     ),
     Option(
         "persistence_path",

@@ -47,6 +47,16 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
         (["--max-keys", "1" + "0" * 20], {}, "max_keys", "at most 9,007,199,254,740,992"),
         (["--workers", "5000"], {}, "workers", "at most 1,024"),
         (["--min-replicas-ack", "-1"], {}, "min_replicas_ack", ">= 0"),
+        (
+            ["--snapshot-journal-bytes", "64MB"],
+            {},
+            "snapshot_journal_bytes",
+            "e.g. 67108864 or 64MiB",
+        ),
+        (["--snapshot-journal-bytes=-1MiB"], {}, "snapshot_journal_bytes", "must be >= 0"),
+        (["--snapshot-journal-ratio", "nan"], {}, "snapshot_journal_ratio", "from 0 (off) to"),
+        (["--snapshot-journal-ratio", "1e300"], {}, "snapshot_journal_ratio", "to 1,000"),
+        (["--snapshot-journal-bytes", "1" + "0" * 20], {}, "snapshot_journal_bytes", "at most"),
     ],
 )
 def test_a_bad_setting_is_a_config_error_naming_it(
@@ -63,6 +73,14 @@ def test_the_edges_of_the_ranges_are_accepted() -> None:
     settings = _settings([*edges, "--max-keys", str(1 << 53), "--min-replicas-ack", "0"])
     assert (settings.reservation_ttl, settings.read_lease) == (0.001, 0.0)
     assert settings.idle_timeout == 31536000 and settings.max_keys == 1 << 53
+
+
+def test_the_journal_budget_takes_bytes_with_a_unit() -> None:
+    assert _settings(["--snapshot-journal-bytes", "64MiB"]).snapshot_journal_bytes == 64 << 20
+    assert _settings(["--snapshot-journal-bytes", "1000"]).snapshot_journal_bytes == 1000
+    env = {"KVMETA_SNAPSHOT_JOURNAL_BYTES": "1GiB", "KVMETA_SNAPSHOT_JOURNAL_RATIO": "0"}
+    settings = _settings([], env)
+    assert settings.snapshot_journal_bytes == 1 << 30 and settings.snapshot_journal_ratio == 0.0
 
 
 def test_in_memory_keeps_its_sglang_persistence_file_and_the_default_data_dir() -> None:

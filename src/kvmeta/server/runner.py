@@ -62,6 +62,8 @@ def build_backend(settings: Settings) -> Backend:
         fsync_timeout=settings.fsync_timeout,
         snapshot_interval=settings.snapshot_interval,
         snapshot_min_records=settings.snapshot_min_records,
+        snapshot_journal_bytes=settings.snapshot_journal_bytes,
+        snapshot_journal_ratio=settings.snapshot_journal_ratio,
         persistence_path=legacy,
         save_interval=settings.save_interval,
     )

@@ -36,8 +36,10 @@ makes all of it durable (``store.journal``). No periodic snapshot is taken meanw
 rotation fsyncs on the event loop and would hang every request, reads too.
 
 Snapshots are taken every ``--snapshot-interval`` seconds once ``--snapshot-min-records``
-records have accumulated, and at shutdown; see ``store.snapshot`` for why they never stop the
-server.
+records have accumulated, as soon as the journal since the newest one outgrows its budget
+(``store.compaction``: ``--snapshot-journal-bytes``, ``--snapshot-journal-ratio``), and at
+shutdown; see ``store.snapshot`` for why they never stop the server. A failed size-driven
+snapshot is retried after 1 s, backing off to 8 s: each attempt starts a new segment.
 """
 
 from __future__ import annotations
@@ -58,6 +60,7 @@ from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
+from kvmeta.store.compaction import DEFAULT_JOURNAL_BYTES, DEFAULT_JOURNAL_RATIO, JournalBudget
 from kvmeta.store.epoch import data_dir_epoch
 from kvmeta.store.history import read_head, write_head
 from kvmeta.store.journal import (
@@ -110,6 +113,8 @@ class DurabilityOptions:
     fsync_timeout: float = DEFAULT_FSYNC_TIMEOUT
     snapshot_interval: float = 300.0
     snapshot_min_records: int = 100_000
+    snapshot_journal_bytes: int = DEFAULT_JOURNAL_BYTES  # 0: no byte limit
+    snapshot_journal_ratio: float = DEFAULT_JOURNAL_RATIO  # 0: no ratio limit
     persistence_path: Path | None = None
     save_interval: float = 60.0
 
@@ -129,6 +134,8 @@ class DurableBackend(MemoryBackend):
         self.reserve_wait_seconds = 0.0  # and how long, in all
         self._drop_seq = 0  # journal position of the last vLLM rank removal
         self._snapshot_records = 0
+        self._budget = JournalBudget(options.snapshot_journal_ratio, options.snapshot_journal_bytes)
+        self._grown = asyncio.Event()  # the journal outgrew its budget (``store.compaction``)
         self._snapshot_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._lock_fd = -1
@@ -167,6 +174,8 @@ class DurableBackend(MemoryBackend):
             self._epoch = data_dir_epoch(directory, has_state=not listing.empty)
             state = recover(directory)
             install(self.store, state, directory)
+            self._budget.snapshot_bytes = _size(directory, state.snapshot)
+            self._budget.backlog = state.journal_bytes
             previous = max(list_data_dir(directory).segments, default=0)
             if read_head(directory) is None:  # a directory an older kvmeta wrote
                 write_head(directory, previous)
@@ -194,6 +203,8 @@ class DurableBackend(MemoryBackend):
             )
             self.journal.on_new_segment = functools.partial(write_head, directory)
             self.journal.on_fail = self._retry_wake.set
+            self.journal.on_grown = self._grown.set
+            self.journal.grow_at = self._budget.grow_at()
             self.journal.start()
             self.store.sink = self.journal
             if self._listener is not None:  # set before start: now it waits for the journal
@@ -206,6 +217,10 @@ class DurableBackend(MemoryBackend):
             self._tasks.append(asyncio.create_task(self._recover_when_possible()))
         if opts.data_dir is not None and opts.snapshot_interval > 0:
             self._tasks.append(asyncio.create_task(self._every(opts.snapshot_interval, False)))
+        if self.journal is not None and self._budget.limit() > 0:
+            if self._budget.due(self.journal.bytes_written):
+                self._grown.set()  # the replayed journal alone is over budget: compact it now
+            self._tasks.append(asyncio.create_task(self._when_grown()))
         if opts.persistence_path is not None and opts.save_interval > 0:
             self._tasks.append(asyncio.create_task(self._every(opts.save_interval, True)))
 
@@ -267,6 +282,7 @@ class DurableBackend(MemoryBackend):
                 "import needs about as much as the file) or fix its permissions, then start "
                 "kvmeta again"
             ) from None
+        self._budget.snapshot_bytes = written.stat().st_size
         logger.info("the import is durable in %s", written)
 
     async def close(self) -> None:
@@ -375,6 +391,29 @@ class DurableBackend(MemoryBackend):
             except OSError as exc:
                 logger.error("periodic %s failed: %s", "save" if legacy else "snapshot", exc)
 
+    async def _when_grown(self) -> None:
+        """Snapshot whenever the journal outgrows its budget (``store.compaction``)."""
+        delay = _RETRY_FIRST
+        while True:
+            await self._grown.wait()
+            self._grown.clear()
+            journal = self.journal
+            if journal is None or self.failure is not None or self._closed:
+                continue  # _recover_when_possible's snapshot resets the budget
+            if not self._budget.due(journal.bytes_written):
+                continue  # a snapshot was taken since the journal said so
+            try:
+                await self.snapshot()
+            except OSError as exc:
+                logger.error(
+                    "snapshot for the journal's size failed (retry in %g s): %s", delay, exc
+                )
+                await asyncio.sleep(delay)
+                delay = min(delay * 2, _RETRY_MAX)
+                self._grown.set()
+                continue
+            delay = _RETRY_FIRST
+
     def _records_since_snapshot(self) -> int:
         return 0 if self.journal is None else self.journal.records - self._snapshot_records
 
@@ -406,9 +445,12 @@ class DurableBackend(MemoryBackend):
     async def _snapshot(self, journal: Journal, directory: Path) -> Path:
         # Rotation and capture in one loop step: the image is exactly segments < segment.
         segment = journal.rotate()
+        mark = journal.bytes_written
         image = self._capture()
         self._snapshot_records = journal.records
-        return await self._write_image(directory, segment, image)
+        path = await self._write_image(directory, segment, image)
+        self._snapshotted(journal, path, mark)
+        return path
 
     async def _recovery_snapshot(self, journal: Journal, directory: Path) -> Path:
         """Write the in-memory state at a new segment number, then resume the journal there.
@@ -423,8 +465,14 @@ class DurableBackend(MemoryBackend):
             if journal.seq == seq:
                 journal.recovered(seq)
                 self._snapshot_records = journal.records
+                self._snapshotted(journal, path, journal.bytes_written)
                 return path
         raise JournalFailed(f"the state kept changing while {directory} was being recovered")
+
+    def _snapshotted(self, journal: Journal, path: Path, mark: int) -> None:
+        """The snapshot at ``path`` is durable and covers the journal written before ``mark``."""
+        self._budget.snapshotted(path.stat().st_size, mark, journal.bytes_written)
+        journal.grow_at = self._budget.grow_at()
 
     async def _write_image(self, directory: Path, segment: int, image: StoreImage) -> Path:
         started = time.perf_counter()
@@ -605,6 +653,10 @@ class DurableBackend(MemoryBackend):
             "fsync_stalls": float(j.stalls if j else 0),
             "fsync_pending_seconds": j.fsync_pending_seconds() if j else 0.0,
         }
+
+
+def _size(directory: Path, snapshot: int | None) -> int:
+    return 0 if snapshot is None else snapshot_path(directory, snapshot).stat().st_size
 
 
 def _write_legacy_image(path: Path, image: StoreImage) -> None:

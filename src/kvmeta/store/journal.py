@@ -26,9 +26,12 @@ gets ``JournalStalled`` (503) at once and ``refusal`` says why, so the owner ref
 meanwhile. Nothing is discarded: when the fsync completes, everything written is durable and
 the stall ends by itself (no snapshot needed; one would wait for the same disk).
 
-The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot) fdatasyncs
-the segment it closes, so that a segment is never torn unless it is the last one (recovery
-cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless stalled).
+The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot: with the
+default journal budget about once a second at most under a full load, ``store.compaction``)
+fdatasyncs the segment it closes, so that a segment is never torn unless it is the last one
+(recovery cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless
+stalled). The helper has fsynced the closing segment up to its last group or two, so that
+fdatasync has little left to write.
 
 Segments: ``journal-<N>.log`` (N zero-padded), created on their first write. ``rotate`` starts
 a new segment at a point the loop chooses, so a snapshot taken at that instant covers exactly
@@ -176,6 +179,11 @@ class Journal:
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_from: float | None = None  # loop time the stalled fsync began
         self.stalls = 0
+        # Told after a group is written once ``bytes_written`` has reached ``grow_at`` (0:
+        # never): the owner's size-driven snapshot (``store.compaction``) waits for it. One
+        # comparison per group, so the journal never counts on its own.
+        self.grow_at = 0
+        self.on_grown: Callable[[], None] | None = None
         # Stats, for metrics.
         self.fsyncs = 0
         self.fsync_seconds_total = 0.0
@@ -278,6 +286,8 @@ class Journal:
             return
         self.written_seq = self.seq
         self._request()
+        if self.grow_at and self.bytes_written >= self.grow_at and self.on_grown is not None:
+            self.on_grown()
 
     def rotate(self) -> int:
         """Start a new segment; records appended from now on go to it. Returns its number.

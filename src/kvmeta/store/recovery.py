@@ -88,6 +88,7 @@ class Recovered:
     next_segment: int = 1
     records: int = 0
     segments: int = 0
+    journal_bytes: int = 0  # in the segments replayed (after the snapshot), torn bytes left out
     torn_bytes: int = 0
     seconds: float = 0.0
 
@@ -232,6 +233,7 @@ def _replay_segment(
         decoded = decode_frames(data, last=is_last)
     except FrameError as exc:
         raise corrupt(directory, path, str(exc), in_check=not repair) from None
+    out.journal_bytes += len(data) - decoded.torn_bytes
     if decoded.torn_at is not None:
         if not is_last:
             raise corrupt(
