@@ -72,7 +72,7 @@ class Settings:
     log_level: str = "info"
     log_format: str = "text"
     access_log: bool = False
-    # resource limits on pools (each page costs ~26 bytes of memory once its pool exists)
+    # resource limits on pools (each page costs ~26 bytes of memory once it is first used)
     max_world_size: int = 4096
     max_total_pages: int = 1 << 27
     max_pools_per_tenant: int = 4096
@@ -358,7 +358,9 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_key_length", "longest key accepted, characters", _positive_int),
     Option("max_namespace_length", "longest namespace accepted, characters", _positive_int),
     Option(
-        "max_pages", "largest num_pages of one pool (~26 bytes of memory per page)", _positive_int
+        "max_pages",
+        "largest num_pages of one pool (memory follows the pages used, ~26 bytes each)",
+        _positive_int,
     ),
     Option("log_level", "logging level", str, ("debug", "info", "warning", "error")),
     Option("log_format", "log line format", str, ("text", "json")),
@@ -367,7 +369,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("max_world_size", "largest vLLM world_size accepted", _positive_int),
     Option(
         "max_total_pages",
-        "pages of all pools together (~26 bytes of memory each), checked before a pool is made",
+        "num_pages of all pools together: the most pages they may use (~26 bytes of memory each "
+        "once used), checked before a pool is made",
         _positive_int,
     ),
     Option(

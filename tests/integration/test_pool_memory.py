@@ -1,12 +1,12 @@
-"""A pool the machine cannot hold is refused with a 413 naming the memory and the fix, before
-anything is allocated or created; the server keeps serving. No test allocates much: the size
-asked for (2^48 pages) fails the memory check up front, or, with it out of the way, the first
-allocation at once on any machine, whatever its overcommit setting (its first array alone is
-256 TiB, more than a process's whole address space)."""
+"""A pool's memory follows the pages it uses, so a pool far larger than the machine (an hf3fs
+file of 1-byte marker pages: ~2^40 pages) is created and served in kilobytes. The memory check
+stays as a backstop: a pool whose first pages cannot be had is refused with a 413 naming the
+memory and the fix, before anything is created, and the server keeps serving."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -16,53 +16,93 @@ from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, PayloadTooLarge
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
+from kvmeta.store import headroom
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 
 HUGE = 1 << 48
 LIMITS = RequestLimits(max_pages=HUGE, max_total_pages=HUGE * 4)
 
 
-def _refused_then_served(store: MemoryStore) -> None:
+def test_a_pool_bigger_than_the_memory_is_created_and_serves() -> None:
+    store = MemoryStore()
     service = Service(MemoryBackend(store), LIMITS)
+    pid = PoolId("s", 0, "kv")
 
     async def run() -> None:
+        assert (await service.initialize(pid, HUGE)).created
+        assert (await service.v_register(0, HUGE, None)).created
+        [(stored, page)] = await service.reserve(pid, ["a"])
+        assert not stored and page == 0
+        await service.confirm(pid, [("a", 0)], [])
+        assert await service.exists(pid, ["a", "b"]) == [True, False]
+
+    asyncio.run(run())
+    assert store.pool(pid).capacity == 1025 and store.total_pages == 2 * HUGE
+
+
+def test_a_pool_whose_memory_is_not_there_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The check is of what creating a pool takes (its first pages): refused up front when
+    the machine has less, and a MemoryError that happens anyway is the same 413."""
+    store = MemoryStore()
+    service = Service(MemoryBackend(store), LIMITS)
+    monkeypatch.setattr(headroom, "_CHECK_FROM", 0)
+    monkeypatch.setattr(headroom, "memory_headroom", lambda: 1000)
+
+    async def refused() -> None:
         with pytest.raises(PayloadTooLarge) as err:
             await service.initialize(PoolId("s", 0, "kv"), HUGE)
         assert err.value.status == 413 and err.value.field == "num_pages"
-        for part in (f"`num_pages` {HUGE}", "TiB of memory", "--max-pages"):
+        for part in (f"`num_pages` {HUGE}", "30750 bytes of memory", "1000 bytes available"):
             assert part in str(err.value), str(err.value)
         assert "nothing was created" in str(err.value)
-        with pytest.raises(InvalidRequest, match="TiB of memory"):
+        with pytest.raises(InvalidRequest, match="of memory"):
             await service.v_register(0, HUGE, None)  # a vLLM rank's pool too
-        assert await service.stats() == []
-        assert (await service.initialize(PoolId("s", 0, "kv"), 8)).created
 
-    asyncio.run(run())
+    asyncio.run(refused())
+    monkeypatch.setattr(headroom, "memory_headroom", lambda: None)
+
+    def no_memory(*_: Any, **__: Any) -> Any:
+        raise MemoryError
+
+    monkeypatch.setattr(MemoryStore, "_new_pool", no_memory)
+
+    async def failed() -> None:
+        with pytest.raises(PayloadTooLarge, match="the allocation failed"):
+            await service.initialize(PoolId("s", 0, "kv"), 8)
+        assert await service.stats() == []
+
+    asyncio.run(failed())
+    monkeypatch.undo()
+    assert asyncio.run(service.initialize(PoolId("s", 0, "kv"), 8)).created
     assert sorted(store.pools) == [PoolId("s", 0, "kv")]
     assert store.total_pages == 8 and store.vllm_ranks() == []
 
 
-def test_a_pool_bigger_than_the_memory_is_refused_before_allocating() -> None:
-    _refused_then_served(MemoryStore())
+def _rss_kib(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise AssertionError("no VmRSS")
 
 
-def test_a_failed_allocation_is_the_same_refusal(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Where the available memory cannot be read, the allocation itself fails (MemoryError):
-    the same 413, not a 500."""
-    from kvmeta.store import headroom
-
-    monkeypatch.setattr(headroom, "memory_headroom", lambda: None)
-    _refused_then_served(MemoryStore())
-
-
-def test_over_http_a_413_and_the_server_still_serves(make_server: Any) -> None:
-    server = make_server("--in-memory", "--max-pages", str(HUGE), "--max-total-pages", str(HUGE))
-    url = server.url
-    reply = requests.post(f"{url}/0/initialize", json={"num_pages": HUGE}, timeout=30)
-    assert reply.status_code == 413, reply.text
-    assert "--max-pages" in reply.json()["detail"]
-    reply = requests.post(f"{url}/rank/0/initialize", json={"num_pages": HUGE}, timeout=30)
-    assert reply.status_code == 400 and "memory" in reply.json()["detail"], reply.text
-    assert requests.get(f"{url}/v1/pools", timeout=30).json()["pools"] == []
-    assert requests.get(f"{url}/health", timeout=30).status_code == 200
-    assert requests.post(f"{url}/0/initialize", json={"num_pages": 8}, timeout=30).ok
+def test_over_http_a_2_to_the_40_page_pool_is_created_and_serves(make_server: Any) -> None:
+    pages = 1 << 40
+    server = make_server("--in-memory", "--max-pages", str(pages), "--max-total-pages", str(HUGE))
+    before = _rss_kib(server.pid)
+    assert server.post("/0/initialize", {"num_pages": pages}).status_code == 204
+    reply = server.post("/rank/0/initialize", {"role": "worker", "num_pages": pages})
+    assert reply.ok, reply.text
+    reserved = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
+    assert reserved.status_code == 200, reserved.text
+    assert reserved.json()["indices"] == [[False, 0]]
+    assert server.post("/0/confirm_write", {"written_keys_to_confirm": [["a", 0]]}).ok
+    assert server.post("/0/exists", {"keys": ["a", "b"]}).json() == {"exists": [True, False]}
+    far = server.post("/0/confirm_write", {"written_keys_to_confirm": [["b", pages - 1]]})
+    assert far.ok, far.text  # a page never handed out: refused quietly, as any FREE page
+    assert server.post("/0/exists", {"keys": ["b"]}).json() == {"exists": [False]}
+    pools = requests.get(f"{server.url}/v1/pools", timeout=30).json()["pools"]
+    [pool] = [p for p in pools if p["dialect"] == "s"]
+    assert pool["num_pages"] == pages and pool["stored"] == 1
+    assert pool["free"] == pages - 1 and pool["counters"]["confirms_refused"] == 1
+    # A few hundred KiB for the two pools (the first step of their arrays), not terabytes.
+    assert _rss_kib(server.pid) - before < 64 * 1024

@@ -1,8 +1,9 @@
 """The page invariant, checked in full: for tests after every step and for ``kvmeta check``.
 
-FREE + RESERVED + STORED = num_pages, the three sets are disjoint, key -> page and page -> key
+FREE + RESERVED + STORED = num_pages (pages past the arrays' capacity are FREE and never handed
+out), the three sets are disjoint, key -> page and page -> key
 agree both ways, every FREE page is handed out by the allocator exactly once, and the LRU list
-holds exactly the STORED pages. O(pool): never call it on a request path.
+holds exactly the STORED pages. O(pages ever used): never call it on a request path.
 
 A server checks a ``copy_pool`` instead (``check_copy``): the copy is taken in one step (C-speed
 copies, tens of milliseconds at 10^6 pages) and checked in a thread, so the event loop keeps
@@ -11,7 +12,6 @@ serving while the pool changes under it.
 
 from __future__ import annotations
 
-from array import array
 from collections import Counter
 from typing import Any
 
@@ -43,15 +43,15 @@ class PoolCopy:
         self._reserved = dict(pool._reserved)
         self._holders = dict(pool._holders)
         self._res_deadline = dict(pool._res_deadline)
-        self._free = array("i", pool._free)
+        self._free = pool._free[:]
         self._unused = pool._unused
         self._cooling = list(pool._cooling)
-        self._held = array("i", pool._held)
+        self._held = pool._held[:]
         self._frontier = pool._frontier
         self._withheld = pool._withheld
         self._withheld_new = list(pool._withheld_new)
-        self._prev = array("i", pool._prev)
-        self._next = array("i", pool._next)
+        self._prev = pool._prev[:]
+        self._next = pool._next[:]
         self._head = pool._head
         self._tail = pool._tail
 
@@ -91,8 +91,13 @@ def _check(pool: Any) -> None:
     n = pool.num_pages
     state = pool._state
     page_key = pool._page_key
-    _expect(len(state) == n and len(page_key) == n, "per-page arrays have the wrong length")
-    counts = [state.count(FREE), state.count(RESERVED), state.count(STORED)]
+    cap = len(state)
+    _expect(
+        cap <= n and len(page_key) == cap and len(pool._prev) == cap and len(pool._next) == cap,
+        f"per-page arrays have the wrong length ({cap} states for {n} pages)",
+    )
+    _expect(pool._frontier <= cap, "the frontier is past the capacity")
+    counts = [state.count(FREE) + n - cap, state.count(RESERVED), state.count(STORED)]
     _expect(sum(counts) == n, f"states do not add up: {counts} for {n} pages")
     _expect(counts[STORED] == len(pool._stored), "STORED pages != stored keys")
     _expect(counts[RESERVED] == len(pool._reserved), "RESERVED pages != reserved keys")
@@ -111,7 +116,7 @@ def _check(pool: Any) -> None:
     _expect(all(n >= 2 for n in pool._holders.values()), "holder count below two is implicit")
     _expect(set(pool._res_deadline) == reserved_pages, "lease table != reserved pages")
     _expect(0 <= pool._unused <= n, f"first never-used page {pool._unused} is outside 0..{n}")
-    never_used = range(pool._unused, n)
+    never_used = range(pool._unused, cap)  # and every page past the capacity
     _expect(all(state[p] == FREE for p in never_used), "a never-used page is not FREE")
     _expect(pool._unused <= pool._frontier, f"page {pool._unused} is past the frontier")
     allocatable = [
@@ -121,7 +126,7 @@ def _check(pool: Any) -> None:
         *never_used,
     ]
     _expect(len(allocatable) == len(set(allocatable)), "a page is in the free stack twice")
-    free_pages = {p for p in range(n) if state[p] == FREE}
+    free_pages = {p for p in range(cap) if state[p] == FREE}
     _expect(set(allocatable) <= free_pages, "a page in the free stack is not FREE")
     # FREE pages outside the allocator are exactly the withheld ones (removal not yet durable).
     _expect(

@@ -9,7 +9,7 @@ O(size of the request), never O(pool), and a stored key costs about 200 bytes:
 - ``_stored`` / ``_reserved``: key -> page, one dict per state, so a key is in at most one;
 - ``_free``: a stack of freed page numbers in a C int array (the last freed is handed out
   first), and ``_unused``: pages ``_unused..num_pages-1`` were never used and are free too, so
-  creating a pool costs no per-page work beyond zeroed arrays;
+  creating a pool costs no per-page work at all;
 - LRU of STORED pages: an intrusive doubly linked list over page numbers in two C int arrays,
   so a touch is a handful of array writes and no per-key objects exist;
 - reservation leases: a small dict of the RESERVED pages' deadlines, plus a queue in deadline
@@ -41,6 +41,15 @@ per-key loops of ``get`` and ``confirm`` and in the head eviction of ``reserve``
 measured 2-7 % slower per 64-key call (``kvmeta bench core``). Everywhere else the helpers are
 used.
 
+The per-page arrays (``_state``, ``_page_key``, ``_read_until``, ``_prev``, ``_next``) cover
+only the pages below their *capacity*, which grows (doubling, up to ``num_pages``) as the
+frontier moves up, never ahead of it by more than the pages already handed out: a pool's memory
+is proportional to the pages it ever used, not to ``num_pages`` (an hf3fs file of 1-byte marker
+pages may declare 2^40 pages). A page at or above the capacity is FREE and was never handed
+out. Page numbers are C ints while they fit (``page_typecode``) and C long longs beyond 2^31.
+A capacity that cannot be had (MemoryError) leaves the pool as it is: the reserve evicts or
+answers -1, as in a full pool, never an error.
+
 Time is always passed in (``now``, seconds, monotonic), so the model has no clock and no I/O.
 Durable changes (commits and removals of STORED keys) are returned to the caller, which journals
 them; see ``store``.
@@ -53,7 +62,7 @@ from array import array
 from collections import deque
 from collections.abc import Container, Hashable, Iterable
 from dataclasses import dataclass, field
-from itertools import compress
+from itertools import compress, repeat
 from operator import itemgetter
 
 from kvmeta.errors import InvalidRequest
@@ -66,8 +75,10 @@ __all__ = [
     "ConfirmOutcome",
     "Pool",
     "PoolCounters",
+    "first_capacity",
     "leading_in",
     "lru_order",
+    "page_typecode",
 ]
 
 FREE = 0
@@ -87,13 +98,29 @@ _QUEUE_SLACK = 4096
 # Seconds a page released by a writer stays out of the allocator (see ``Pool.confirm``): longer
 # than the engines' clients spend retrying a request (three retries within about 2 s).
 RELEASE_GRACE = 10.0
-# The frontier moves up by this many pages, or by 1/64 of the pool when that is more: a journaled
-# store records each step, so the step bounds both how often a reserve waits for that record
-# and how many never-used pages a crash holds back (``hold_after_restart``).
+# The frontier moves up by this many pages, or by as many as were handed out before it (up to
+# 1/64 of the pool) when that is more: a journaled store records each step, so the step bounds
+# how often a reserve waits for that record (a few dozen steps over a pool's life), how many
+# never-used pages a crash holds back (``hold_after_restart``: at most as many as were used)
+# and, since the per-page arrays reach the frontier, how far memory runs ahead of use.
 _FRONTIER_STEP = 1024
+# Page numbers below this fit a C int (array typecode "i"); larger pools use "q".
+_INT32_PAGES = 1 << 31
 # bytes.translate table: FREE -> 1, any other state -> 0.
 _FREE_MASK = bytes([1] + [0] * 255)
 _STORED_BYTE = bytes([STORED])
+
+
+def first_capacity(num_pages: int) -> int:
+    """Pages the per-page arrays of a new pool of ``num_pages`` cover once its first page is
+    handed out (none before): what creating a pool commits it to."""
+    return min(num_pages, 1 + _FRONTIER_STEP)
+
+
+def page_typecode(num_pages: int) -> str:
+    """The array typecode of a pool's page numbers: int32 while they fit (half the memory of
+    the LRU links), int64 for pools of more than 2^31 pages."""
+    return "i" if num_pages <= _INT32_PAGES else "q"
 
 
 @dataclass
@@ -168,8 +195,10 @@ class Pool:
         self.reservation_ttl = reservation_ttl
         self.read_lease = read_lease
         self.counters = PoolCounters()
-        self._state = bytearray(num_pages)
-        self._page_key: list[str | None] = [None] * num_pages
+        typecode = page_typecode(num_pages)
+        # Empty until a page is handed out: ``_grow`` extends them (module docstring).
+        self._state = bytearray()
+        self._page_key: list[str | None] = []
         self._stored: dict[str, int] = {}
         self._reserved: dict[str, int] = {}
         self._holders: dict[int, int] = {}  # RESERVED page -> writers, when more than one
@@ -178,13 +207,13 @@ class Pool:
         self._queued = 0  # pages in the queue's entries, live or not
         # Read-lease deadline per page (0.0: never read). An array rather than a dict of live
         # leases: a lease is one C double store, and an expired one needs no clean-up.
-        self._read_until = array("d", bytes(8 * num_pages))
+        self._read_until = array("d")
         # Pages freed while a reader still holds a lease: FREE, but not handed out until then.
         self._cooling: list[tuple[float, int]] = []
-        self._free = array("i")
+        self._free = array(typecode)
         self._unused = 0  # pages from here on were never used (lowest handed out first)
-        self._prev = array("i", bytes(4 * num_pages))
-        self._next = array("i", bytes(4 * num_pages))
+        self._prev = array(typecode)
+        self._next = array(typecode)
         self._head = -1
         self._scan_left = 0
         # With ``withhold`` set (a journaled store), pages freed by removing a STORED key are
@@ -195,7 +224,7 @@ class Pool:
         self._tail = -1
         self._frontier = 0  # pages from here on were never handed out (module docstring)
         self.frontier_raised = False  # set by a reserve that moved it; the store clears it
-        self._held = array("i")  # FREE pages held after a restart until ``_held_until``
+        self._held = array(typecode)  # FREE pages held after a restart until ``_held_until``
         self._held_until = 0.0
 
     # ------------------------------------------------------------------ loading
@@ -214,20 +243,19 @@ class Pool:
         Raises:
             InvalidRequest: a page is out of range or named twice, or a key appears twice.
         """
-        pool = cls(num_pages, reservation_ttl=reservation_ttl, read_lease=read_lease)
-        state, page_key, stored = pool._state, pool._page_key, pool._stored
+        pages: set[int] = set()
+        stored: dict[str, int] = {}
         for key, page in entries:
             if not 0 <= page < num_pages:
                 raise InvalidRequest(f"page {page} of key {key!r} is outside 0..{num_pages - 1}")
-            if state[page] != FREE or key in stored:
+            if page in pages or key in stored:
                 raise InvalidRequest(f"page {page} or key {key!r} appears twice")
-            state[page] = STORED
-            page_key[page] = key
+            pages.add(page)
             stored[key] = page
-            pool._link_tail(page)
-        pool._free = array("i", (p for p in range(num_pages - 1, -1, -1) if state[p] == FREE))
-        pool._unused = pool._frontier = num_pages
-        return pool
+        # No frontier is known: any page may have been handed out (``from_lru``).
+        return cls.from_lru(
+            num_pages, stored, reservation_ttl=reservation_ttl, read_lease=read_lease
+        )
 
     # ------------------------------------------------------------------ queries
 
@@ -304,12 +332,14 @@ class Pool:
         exactly once. The pages are searched in C (``bytearray.find``): O(limit) Python steps."""
         state, page_key = self._state, self._page_key
         end = min(self.num_pages, start + window)
+        # No page at or past the capacity was ever handed out: a walk reaching it is done.
+        done = self.num_pages if end >= len(state) else end
         out: list[str] = []
         page = start
         while len(out) < limit:
             page = state.find(_STORED_BYTE, page, end)
             if page < 0:
-                return out, end
+                return out, done
             key = page_key[page]
             assert key is not None
             out.append(key)
@@ -322,11 +352,17 @@ class Pool:
 
     def state_of(self, page: int) -> int:
         """FREE, RESERVED or STORED."""
-        return self._state[page]
+        return self._state[page] if page < len(self._state) else FREE
 
     def key_at(self, page: int) -> str | None:
         """Key held by a RESERVED or STORED page."""
-        return self._page_key[page]
+        return self._page_key[page] if page < len(self._page_key) else None
+
+    @property
+    def capacity(self) -> int:
+        """Pages the per-page arrays cover (the rest were never handed out): what the pool's
+        memory is proportional to."""
+        return len(self._state)
 
     @property
     def stored_count(self) -> int:
@@ -367,9 +403,9 @@ class Pool:
     def in_use_until(self, now: float) -> float:
         """When the last lease on this pool's pages ends: a reservation, a read lease, a
         released page's grace or a hold after a restart (``now`` or earlier: none is live).
-        The read leases cost one pass over a C array of ``num_pages`` doubles (about 17 ms per
-        million pages): for rare operator actions such as removing a vLLM rank, never for
-        requests."""
+        The read leases cost one pass over a C array of a double per page ever used
+        (about 17 ms per million pages): for rare operator actions such as removing a vLLM
+        rank, never for requests."""
         self._expire(now)
         until = max(self._res_deadline.values(), default=now)
         if self._cooling:
@@ -393,7 +429,7 @@ class Pool:
         Two memcpy-speed copies (milliseconds at 10^6 pages), so a snapshot can take them on
         the event loop and walk them (``lru_order``) in a thread while the pool keeps changing.
         """
-        return self._page_key[:], array("i", self._next), self._head
+        return self._page_key[:], self._next[:], self._head
 
     @classmethod
     def from_lru(
@@ -430,8 +466,10 @@ class Pool:
             else min(num_pages, max(frontier, max(pages) + 1 if pages else 0))
         )
         pool._unused = pool._frontier = top
+        pool._grow(top)
+        typecode = pool._free.typecode
         if not stored:
-            pool._free = array("i", range(top - 1, -1, -1))
+            pool._free = array(typecode, range(top - 1, -1, -1))
             return pool
         page_key, state, nxt, prev = pool._page_key, pool._state, pool._next, pool._prev
         for key, page in stored.items():
@@ -446,7 +484,7 @@ class Pool:
         pool._stored = stored
         # FREE pages below the frontier, highest first (the stack pops the lowest), in C.
         free_mask = state[top - 1 :: -1].translate(_FREE_MASK) if top else b""
-        pool._free = array("i", compress(range(top - 1, -1, -1), free_mask))
+        pool._free = array(typecode, compress(range(top - 1, -1, -1), free_mask))
         return pool
 
     # ------------------------------------------------------------------ mutations
@@ -504,11 +542,11 @@ class Pool:
                 continue
             if free:
                 page = free.pop()
-            elif self._unused < self.num_pages:
+            elif self._unused < self.num_pages and (
+                self._unused < self._frontier or self._raise_frontier(self._unused)
+            ):
                 page = self._unused
                 self._unused = page + 1
-                if page >= self._frontier:
-                    self._raise_frontier(page)
             else:
                 page = self._head
                 if page != -1 and page not in hits and read_until[page] <= now:
@@ -563,15 +601,17 @@ class Pool:
         Raises:
             InvalidRequest: a page is outside ``0..num_pages-1`` (nothing is changed).
         """
-        self._check_pages(pairs, release)
+        top = self._check_pages(pairs, release)
         self._expire(now)
+        outcome = ConfirmOutcome()
+        if top >= len(self._state):
+            pairs, release = self._drop_never_used(pairs, release, outcome)
         state, page_key, stored, reserved = (
             self._state,
             self._page_key,
             self._stored,
             self._reserved,
         )
-        outcome = ConfirmOutcome()
         committed = outcome.committed
         holders, res_deadline = self._holders, self._res_deadline
         prev, nxt = self._prev, self._next
@@ -675,17 +715,53 @@ class Pool:
         Pages past the frontier were never handed out and stay available. Returns how many
         pages are held. O(pool), once at start-up.
         """
-        self._held, self._free = self._free, array("i")
+        self._held, self._free = self._free, array(self._free.typecode)
         self._held_until = now + max(self.reservation_ttl, self.read_lease)
         if self.read_lease > 0:
-            self._read_until = array("d", [now + self.read_lease]) * self.num_pages
+            # Pages past the capacity were never handed out, so never read: no lease needed.
+            self._read_until = array("d", [now + self.read_lease]) * len(self._read_until)
         return len(self._held)
 
-    def _raise_frontier(self, page: int) -> None:
-        """``page`` is the first past the frontier to be handed out: move the frontier a step."""
-        step = max(_FRONTIER_STEP, self.num_pages >> 6)
-        self._frontier = min(self.num_pages, page + 1 + step)
+    def _raise_frontier(self, page: int) -> bool:
+        """``page`` is the first past the frontier to be handed out: move the frontier a step
+        and the per-page arrays with it. False: that memory cannot be had (nothing changed)."""
+        step = max(_FRONTIER_STEP, min(self.num_pages >> 6, page))
+        frontier = min(self.num_pages, page + 1 + step)
+        try:
+            self._grow(frontier)
+        except MemoryError:
+            try:
+                self._grow(page + 1)
+            except MemoryError:
+                return False
+            frontier = page + 1
+        self._frontier = frontier
         self.frontier_raised = True
+        return True
+
+    def _grow(self, need: int) -> None:
+        """Extend the per-page arrays to cover pages ``0..need-1`` (doubling, so the copies are
+        amortised O(1) per page); the new pages are FREE, keyless and unread.
+
+        Raises:
+            MemoryError: the memory cannot be had; the arrays are left as they were.
+        """
+        cap = len(self._state)
+        if need <= cap:
+            return
+        new = min(self.num_pages, max(need, 2 * cap))
+        add = new - cap
+        arrays = (self._state, self._page_key, self._read_until, self._prev, self._next)
+        try:
+            self._prev.frombytes(bytes(self._prev.itemsize * add))
+            self._next.frombytes(bytes(self._next.itemsize * add))
+            self._read_until.frombytes(bytes(8 * add))
+            self._page_key.extend(repeat(None, add))
+            self._state.extend(bytes(add))
+        except MemoryError:
+            for arr in arrays:
+                del arr[cap:]
+            raise
 
     # ------------------------------------------------------------------ withheld pages
 
@@ -767,12 +843,16 @@ class Pool:
 
     # ------------------------------------------------------------------ internals
 
-    def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> None:
+    def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        """Raises for a page outside the pool; returns the highest page named (-1: none)."""
         n = self.num_pages
         pages = list(map(itemgetter(1), pairs))
         pages += release
-        if not pages or (min(pages) >= 0 and max(pages) < n):
-            return  # the common case, checked in C; the loops below name the culprit
+        if not pages:
+            return -1
+        top: int = max(pages)
+        if min(pages) >= 0 and top < n:
+            return top  # the common case, checked in C; the loops below name the culprit
         for _key, page in pairs:
             if not 0 <= page < n:
                 raise InvalidRequest(
@@ -787,6 +867,17 @@ class Pool:
                     f"0..{n - 1}; release only pages returned by reserve",
                     "pages_to_release",
                 )
+        raise AssertionError("unreachable: a page out of range was not found")  # pragma: no cover
+
+    def _drop_never_used(
+        self, pairs: list[tuple[str, int]], release: list[int], outcome: ConfirmOutcome
+    ) -> tuple[list[tuple[str, int]], list[int]]:
+        """A confirm naming pages past the capacity (never handed out, so FREE): their pairs
+        are refused and their releases ignored, as for any FREE page, without growing the
+        arrays to reach them."""
+        cap = len(self._state)
+        outcome.refused.extend(pair for pair in pairs if pair[1] >= cap)
+        return [p for p in pairs if p[1] < cap], [page for page in release if page < cap]
 
     def _evict_one(self, now: float, evicted: list[tuple[str, int]], keep: set[int]) -> int:
         """Remove the coldest STORED page not under a read lease and not in ``keep``; -1 if
@@ -899,7 +990,7 @@ class Pool:
             self._free.append(page)
         if self._held and self._held_until <= now:
             self._free.extend(self._held)
-            self._held = array("i")
+            self._held = array(self._free.typecode)
 
     def _link_tail(self, page: int) -> None:
         tail = self._tail
@@ -940,7 +1031,7 @@ def lru_order(
 ) -> tuple[list[str], array[int]]:
     """STORED keys and their pages, coldest first, from the copies ``Pool.lru_copy`` returns."""
     keys: list[str] = []
-    pages = array("i")
+    pages = array(nxt.typecode)
     add_key, add_page = keys.append, pages.append
     page = head
     while page != -1:

@@ -48,9 +48,10 @@ INT64_MAX = (1 << 63) - 1
 MAX_DUMP_LIMIT = 10000
 MAX_PREFIX_POOLS = 1024
 
-# Memory a fresh in-process pool takes per page (measured with tracemalloc: a state byte, a key
-# slot, a read-lease double and two int32 LRU links, 26 bytes; 30 while it is being built; the
-# free list is lazy). Used to explain --max-pages / --max-total-pages in their errors.
+# Memory an in-process pool takes per page it has used (measured with tracemalloc: a state byte,
+# a key slot, a read-lease double and two int32 LRU links, 26 bytes; the arrays grow with the
+# pages used, ``core.pool``). Used to explain --max-pages / --max-total-pages in their errors:
+# they bound the pages pools may use, so the memory those pages can grow to.
 BYTES_PER_PAGE = 26
 
 # Retry-After of a tenant quota refusal (pages, pools): waiting alone frees nothing (an operator
@@ -122,9 +123,9 @@ def _gib(pages: int) -> str:
 @dataclass(frozen=True)
 class RequestLimits:
     """Defaults fit every engine batch seen in the wild (<= 256 keys of <= 80 characters)
-    with a wide margin, while keeping one request's CPU time bounded. Page limits keep one
-    initialize from taking more memory than a small (2-core, 24 GiB) machine has: a pool costs
-    ``BYTES_PER_PAGE`` bytes per page as soon as it is created."""
+    with a wide margin, while keeping one request's CPU time bounded. Page limits keep pools
+    from growing to more memory than a small (2-core, 24 GiB) machine has: a pool costs
+    ``BYTES_PER_PAGE`` bytes per page it has used, and never uses more than ``num_pages``."""
 
     max_keys: int = 65536
     max_key_length: int = 1024
@@ -250,8 +251,8 @@ class RequestLimits:
         if num_pages > self.max_pages:
             raise InvalidRequest(
                 f"`num_pages` {show_number(num_pages)} exceeds the limit of {self.max_pages} "
-                f"({_gib(self.max_pages)} of memory); check the page size computation or raise "
-                "--max-pages",
+                f"({_gib(self.max_pages)} of memory once used); check the page size computation or "
+                "raise --max-pages",
                 "num_pages",
             )
 
@@ -295,7 +296,7 @@ class RequestLimits:
         raise InvalidRequest(
             f"`num_pages` {num_pages} for a new pool would bring all pools to "
             f"{used + num_pages} pages, more than --max-total-pages {self.max_total_pages} "
-            f"({_gib(self.max_total_pages)} of memory; {used} pages are in use); use "
+            f"({_gib(self.max_total_pages)} of memory once used; {used} pages are in use); use "
             "smaller pools, clear out unused ones, or raise --max-total-pages if the "
             "machine has the memory; nothing was created",
             "num_pages",

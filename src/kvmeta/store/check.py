@@ -145,7 +145,8 @@ def check_data_dir(directory: Path) -> CheckReport:
     )
     for pid, (num_pages, entries) in sorted(state.pools.items()):
         try:
-            pool = Pool.load(num_pages, list(entries.items()))
+            # With the recorded frontier, as a start builds it: memory for the pages used.
+            pool = Pool.from_lru(num_pages, dict(entries), frontier=state.frontiers.get(pid))
             check_pool(pool)
         except (InvalidRequest, InvariantViolation) as exc:
             report.problems.append(

@@ -1,11 +1,12 @@
 """Whether the memory of a new in-process pool can be had, asked before it is allocated.
 
-A pool's arrays are allocated whole when it is created (``core.pool``), so a pool within
---max-pages may still be more than the machine has. Python raises MemoryError only where the
-kernel refuses the allocation outright; where it overcommits, the pool is created and the
-server is killed later, when the pages are touched. So the size is compared with what the
-system says is available first, and a MemoryError that happens anyway becomes the same
-refusal: a 413 that changed nothing, never a 500.
+A pool's arrays grow with the pages it hands out (``core.pool``): creating one commits it to
+its first capacity step only (``first_capacity``, at most 1025 pages), so the check is of that
+and rarely matters; it stays as a backstop. Python raises MemoryError only where the kernel
+refuses the allocation outright; where it overcommits, the server is killed later, when the
+pages are touched. So the size is compared with what the system says is available first, and
+a MemoryError that happens anyway becomes the same refusal: a 413 that changed nothing, never
+a 500. (A pool whose arrays cannot grow later answers its reserves as a full pool does.)
 """
 
 from __future__ import annotations
@@ -13,13 +14,14 @@ from __future__ import annotations
 import os
 import resource
 
+from kvmeta.core.pool import first_capacity
 from kvmeta.errors import PayloadTooLarge
 
 __all__ = ["BUILD_BYTES_PER_PAGE", "check_pool_memory", "memory_headroom", "pool_too_big"]
 
-# Memory a pool takes per page while it is built (26 bytes once built, ``service.limits``):
-# a state byte, a key slot, a read-lease double and two int32 links, and the zeroed bytes the
-# read-lease array is made from.
+# Memory a pool takes per page while its arrays grow (26 bytes once grown, ``service.limits``):
+# a state byte, a key slot, a read-lease double and two int32 links, and the zeroed bytes an
+# array is extended from.
 BUILD_BYTES_PER_PAGE = 30
 # Smaller pools are not checked: the common case reads no file.
 _CHECK_FROM = 64 << 20
@@ -83,24 +85,23 @@ def _size(nbytes: int) -> str:
 def pool_too_big(num_pages: int, available: int | None) -> PayloadTooLarge:
     """The 413 of a pool whose memory cannot be had (``available``: None when the allocation
     itself failed)."""
-    need = _size(num_pages * BUILD_BYTES_PER_PAGE)
+    need = _size(first_capacity(num_pages) * BUILD_BYTES_PER_PAGE)
     have = (
         f"this server has {_size(available)} available"
         if available is not None
         else "the allocation failed (out of memory)"
     )
     return PayloadTooLarge(
-        f"`num_pages` {num_pages}: a pool of that many pages needs {need} of memory to create "
-        f"and {have}; nothing was created. Create a smaller pool (check the page size "
-        "computation), free memory on the machine, or lower --max-pages so that such pools "
-        "are refused up front",
+        f"`num_pages` {num_pages}: a new pool needs {need} of memory to create and {have}; "
+        "nothing was created. Free memory on the machine (this server is out of it), or "
+        "check the page size computation and create a smaller pool",
         "num_pages",
     )
 
 
 def check_pool_memory(num_pages: int) -> None:
     """Raises ``pool_too_big`` when a new pool of ``num_pages`` would not fit in memory."""
-    need = num_pages * BUILD_BYTES_PER_PAGE
+    need = first_capacity(num_pages) * BUILD_BYTES_PER_PAGE
     if need < _CHECK_FROM:
         return
     available = memory_headroom()

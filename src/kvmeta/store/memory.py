@@ -189,7 +189,8 @@ class MemoryStore:
 
     def _allocate(self, num_pages: int) -> Pool:
         """A new empty pool, or a 413 (``store.headroom``) when the memory is not there; either
-        way before anything is changed or journaled."""
+        way before anything is changed or journaled. A pool's memory grows with the pages it
+        hands out (``core.pool``), so the check is of its first step, not of ``num_pages``."""
         headroom.check_pool_memory(num_pages)
         try:
             return self._new_pool(num_pages)

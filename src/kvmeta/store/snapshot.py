@@ -3,7 +3,8 @@
 ``snapshot-<N>.snap`` holds every pool and the vLLM world size as of the start of journal
 segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
 
-    head    = b"KVMS" + u8 version (1, or 2 with tenants) + 3 zero bytes + u64 len(payload)
+    head    = b"KVMS" + u8 version (1, 2 with tenants, 3 with wide pools) + 3 zero bytes
+              + u64 len(payload)
               + u32 crc32(payload)
     payload = u32 len(meta) + meta + blobs
     meta    = msgpack map {"segment": N, "vworld": int|nil,
@@ -11,13 +12,16 @@ segment N; recovery loads it and replays ``journal-<N>.log`` onwards. Layout::
                                       pages_len(, tenant)]],
                            ("tworld": {tenant: int}), ("frontiers": [int, ...]), ("head": 1)}
     blobs   = per pool, in order: its key chunks (each a msgpack array of up to 32768 keys),
-              then its pages (little-endian int32, parallel to the keys, coldest first)
+              then its pages (little-endian int32, parallel to the keys, coldest first; int64
+              in a version 3 file for a pool of more than 2^31 pages)
 
 Tenants (version 2): a pool of a tenant other than the default ``""`` has a seventh element,
 its tenant, and other tenants' vLLM world sizes are in ``tworld``. A snapshot without any of
 them is written as version 1, byte for byte what an older kvmeta writes; one with them is
 version 2, which an older kvmeta refuses ("snapshot format 2 is newer") rather than load a
 tenant's pool as the default tenant's. A version 1 snapshot loads as tenant ``""``.
+A pool of more than 2^31 pages (``core.pool.page_typecode``) has page numbers that need 64 bits:
+a snapshot holding one is version 3, which an older kvmeta refuses rather than misread.
 
 ``frontiers`` holds each pool's frontier (``core.pool``), in the order of ``pools``; an older
 kvmeta ignores it, and a snapshot without it (an older kvmeta's) leaves every pool's frontier
@@ -52,7 +56,7 @@ from typing import Any
 import msgspec
 
 from kvmeta._types import PoolId
-from kvmeta.core.pool import lru_order
+from kvmeta.core.pool import lru_order, page_typecode
 from kvmeta.store.journal import fsync_dir
 from kvmeta.store.memory import MemoryStore
 
@@ -68,7 +72,8 @@ __all__ = [
     "write_snapshot",
 ]
 
-VERSION = 2  # 2: tenants (written only when the state has a tenant's pool or world size)
+VERSION = 3  # 3: a pool of more than 2^31 pages, whose page numbers are written as int64
+_VERSION_TENANTS = 2  # tenants (written only when the state has a tenant's pool or world size)
 _VERSION_DEFAULT_ONLY = 1
 _MAGIC = b"KVMS"
 _HEAD = struct.Struct("<4sB3xQI")
@@ -141,7 +146,7 @@ def capture(store: MemoryStore) -> StoreImage:
 
 def _pages_bytes(pages: array[int]) -> bytes:
     if sys.byteorder != "little":  # pragma: no cover - every supported host is little-endian
-        pages = array("i", pages)
+        pages = array(pages.typecode, pages)
         pages.byteswap()
     return pages.tobytes()
 
@@ -151,7 +156,9 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     pools: list[list[Any]] = []
     blobs: list[bytes] = []
     tenants = bool(image.tworld)
+    wide = False
     for img in image.pools:
+        wide = wide or page_typecode(img.num_pages) != "i"
         keys, pages = img.order()
         chunks = [_encode(keys[i : i + _KEY_CHUNK]) for i in range(0, len(keys), _KEY_CHUNK)]
         page_blob = _pages_bytes(pages)
@@ -175,7 +182,7 @@ def encode_image(image: StoreImage, segment: int) -> list[bytes]:
     for piece in pieces:
         crc = zlib.crc32(piece, crc)
     size = sum(len(piece) for piece in pieces)
-    version = VERSION if tenants else _VERSION_DEFAULT_ONLY
+    version = VERSION if wide else _VERSION_TENANTS if tenants else _VERSION_DEFAULT_ONLY
     return [_HEAD.pack(_MAGIC, version, size, crc), *pieces]
 
 
@@ -199,8 +206,9 @@ def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
     return final
 
 
-def _payload(path: Path) -> tuple[memoryview, int]:
-    """The payload of a snapshot file whose header is sound, and the checksum it gives.
+def _payload(path: Path) -> tuple[memoryview, int, int]:
+    """The payload of a snapshot file whose header is sound, the checksum it gives and the
+    format version.
 
     Raises:
         SnapshotError: the file is too short, of a newer format, or not a snapshot.
@@ -216,7 +224,7 @@ def _payload(path: Path) -> tuple[memoryview, int]:
     payload = memoryview(data)[_HEAD.size :]
     if len(payload) != length:
         raise SnapshotError(f"payload is {len(payload)} bytes, header says {length}")
-    return payload, crc
+    return payload, crc, version
 
 
 def read_snapshot(path: Path) -> SnapshotData:
@@ -225,7 +233,7 @@ def read_snapshot(path: Path) -> SnapshotData:
     Raises:
         SnapshotError: truncated, checksum mismatch, unknown version or malformed content.
     """
-    payload, crc = _payload(path)
+    payload, crc, version = _payload(path)
     if zlib.crc32(payload) != crc:
         raise SnapshotError("checksum mismatch")
     try:
@@ -244,7 +252,8 @@ def read_snapshot(path: Path) -> SnapshotData:
             for length in chunk_lengths:
                 keys.extend(_decode(payload[pos : pos + length]))
                 pos += length
-            pages = array("i")
+            # Formats before 3 wrote every page as int32, whatever the pool's size.
+            pages = array(page_typecode(num_pages) if version >= VERSION else "i")
             pages.frombytes(payload[pos : pos + pages_len])
             pos += pages_len
             if sys.byteorder != "little":  # pragma: no cover
@@ -269,7 +278,7 @@ def read_snapshot_pools(path: Path) -> SnapshotData:
     Raises:
         SnapshotError: the header, the meta or its lengths are damaged.
     """
-    payload, _ = _payload(path)
+    payload, _, _ = _payload(path)
     length = len(payload)
     try:
         (meta_len,) = _U32.unpack_from(payload)
