@@ -12,6 +12,7 @@ import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import pytest
 import requests
@@ -87,39 +88,55 @@ class Driver:
         self.prefix = prefix
         self.acked: dict[str, int] = {}
         self.refusals: list[str] = []
+        self.refused_keys: list[list[str]] = []  # the keys of each refused request
         self.lock = threading.Lock()
         self.counter = 0
 
     def round(self, session: requests.Session, n: int = 32) -> int:
         """One reserve + confirm of ``n`` new keys; returns the confirm's status."""
+        keys = self.new_keys(n)
+        pairs = self.reserve(session, keys)
+        if pairs is None:
+            return 503
+        return self.confirm(session, pairs)
+
+    def new_keys(self, n: int = 32) -> list[str]:
         with self.lock:
             self.counter += 1
             tag = self.counter
-        keys = [f"{self.prefix}-{tag}-{j}" for j in range(n)]
-        url = self.server.url
+        return [f"{self.prefix}-{tag}-{j}" for j in range(n)]
+
+    def reserve(self, session: requests.Session, keys: list[str]) -> list[list[Any]] | None:
+        """Reserve ``keys``; their ``[key, page]`` pairs, or None when refused (503)."""
         resp = session.post(
-            f"{url}/0/reserve_and_allocate_page_indices",
+            f"{self.server.url}/0/reserve_and_allocate_page_indices",
             json={"keys": [[k, None] for k in keys]},
             timeout=30,
         )
         if resp.status_code != 200:
-            self._refused(resp)
-            return resp.status_code
-        pairs = [[k, p] for k, (_, p) in zip(keys, resp.json()["indices"], strict=True)]
+            self._refused(resp, keys)
+            return None
+        return [[k, p] for k, (_, p) in zip(keys, resp.json()["indices"], strict=True)]
+
+    def confirm(self, session: requests.Session, pairs: list[list[Any]]) -> int:
+        """Confirm reserved ``pairs``; returns the status (an acknowledged one is recorded)."""
         resp = session.post(
-            f"{url}/0/confirm_write", json={"written_keys_to_confirm": pairs}, timeout=30
+            f"{self.server.url}/0/confirm_write",
+            json={"written_keys_to_confirm": pairs},
+            timeout=30,
         )
         if resp.status_code == 204 or resp.status_code == 200:
             with self.lock:
                 self.acked.update((k, p) for k, p in pairs)
         else:
-            self._refused(resp)
+            self._refused(resp, [k for k, _ in pairs])
         return resp.status_code
 
-    def _refused(self, resp: requests.Response) -> None:
+    def _refused(self, resp: requests.Response, keys: list[str]) -> None:
         assert resp.status_code == 503, (resp.status_code, resp.text)
         with self.lock:
             self.refusals.append(resp.json()["detail"])
+            self.refused_keys.append(keys)
 
     def until_refused(self, threads: int = 3, limit: float = 120.0) -> None:
         """Drive confirms from ``threads`` threads until one is refused; every request must

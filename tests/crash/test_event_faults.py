@@ -29,6 +29,7 @@ from tests.crash.faults import (
     Driver,
     fill,
     helper_pid,
+    is_ready,
     resume_after_space,
     small_filesystem,
     sync,
@@ -162,20 +163,36 @@ def test_disk_full_announces_no_refused_change_and_resumes_when_space_returns(
         try:
             with _subscribed(server) as sub:
                 assert server.post("/0/initialize", {"num_pages": PAGES}).status_code in (200, 204)
+                late = Driver(server, "late")  # reserved now, confirmed once the journal failed
+                with requests.Session() as session:
+                    reserved = late.reserve(session, late.new_keys())
+                assert reserved is not None
                 filler = fill(fs)
                 driver = Driver(server)
                 driver.until_refused()
                 assert "No space left on device" in driver.refusals[0]
+                assert not is_ready(server)
+                # A change that arrives while the journal is failed is refused before it is
+                # applied: it changes nothing and is never announced.
+                with requests.Session() as session:
+                    assert late.confirm(session, reserved) == 503
+                assert not is_ready(server)
                 time.sleep(1.0)  # time for a wrong announcement to reach the subscriber
                 sub.wait_for(server)
                 # What the store holds now is what the index holds: no refused confirm was
                 # announced, and every acknowledged one is there (announced once durable).
-                held = _held(server, _all_keys(driver))
+                held = _held(server, _all_keys(driver, late))
                 assert set(driver.acked) <= held
+                assert not held & set(_all_keys(late))
                 assert _index(sub.messages) <= _blocks(held)
-                refused = set(_all_keys(driver)) - held
-                assert refused, "no confirm was refused"
+                refused = set(_all_keys(driver, late)) - held
                 assert not _index(sub.messages) & _blocks(refused)
+                # A request refused by the write that failed was applied before it (``always``:
+                # a confirm waits for its group): it stays applied, all of it, unannounced until
+                # the recovery makes it durable (docs/durability.md, journal failures). With
+                # ``batch`` no confirm waits: each was refused before it was applied.
+                for keys in driver.refused_keys:
+                    assert len(held & set(keys)) in ((0, len(keys)) if fsync == "always" else (0,))
 
                 resume_after_space(server, driver, filler)
                 sub.wait_for(server)
