@@ -107,7 +107,7 @@ def test_check_of_big_pools_does_not_stall_serving(make_server: Make) -> None:
 
 @pytest.mark.slow
 def test_metrics_of_20k_pools_is_capped_and_does_not_stall_serving(make_server: Make) -> None:
-    server = make_server("--in-memory", "--read-lease", "0")
+    server = make_server("--in-memory", "--read-lease", "0", "--max-pools-per-tenant", "20000")
 
     def init(ranks: range) -> None:
         with requests.Session() as session:
