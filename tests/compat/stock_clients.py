@@ -47,7 +47,11 @@ EVENT_MODULES = {
 SGLANG_HASH_MODULE = "sglang/srt/mem_cache/utils.py"
 _MEMBERS = {
     STOCK["sglang"][0]: (STOCK["sglang"][1], EVENT_MODULES["sglang"], SGLANG_HASH_MODULE),
-    STOCK["vllm"][0]: (STOCK["vllm"][1], EVENT_MODULES["vllm"]),
+    STOCK["vllm"][0]: (
+        STOCK["vllm"][1],
+        EVENT_MODULES["vllm"],
+        "vllm/distributed/kv_transfer/kv_connector/v1/hf3fs/hf3fs_connector.py",
+    ),
 }
 
 

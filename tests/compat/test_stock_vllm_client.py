@@ -9,8 +9,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import requests
 
 from tests.compat.stock_clients import load
+from tests.compat.stock_connector import SaveRig, load_connector
 from tests.integration.test_vllm_clients import vllm_cycle
 from tests.support import ServerProcess
 
@@ -64,3 +66,49 @@ def test_stock_client_errors_are_4xx_not_retried_500s(
     assert client.get_key_locations(0, ["a", "b"]) == [0, None]
     with pytest.raises(RuntimeError, match="404"):
         client.get_key_locations(1, ["a"])
+
+
+def _v_pool(server: ServerProcess, rank: int) -> dict[str, Any]:
+    reply = requests.get(f"{server.url}/v1/pools", timeout=10)
+    reply.raise_for_status()
+    (pool,) = [p for p in reply.json()["pools"] if p["dialect"] == "v" and p["rank"] == rank]
+    return dict(pool)
+
+
+def test_a_batch_that_does_not_fit_reserves_nothing(
+    stock: types.ModuleType, server: ServerProcess, made: list[Any]
+) -> None:
+    """The stock client gives up a batch with any -1 and releases nothing: a refused batch
+    must leave no reservation behind (else its pages wait out --reservation-ttl)."""
+    client = stock_client(stock, server, made)
+    client.initialize(0, 4)
+    keys = [(f"k{i}", "") for i in range(6)]
+    assert [page for _, page in client.allocate_pages_for_keys(0, keys)] == [-1] * 6
+    pool = _v_pool(server, 0)
+    assert (pool["reserved"], pool["free"]) == (0, 4)
+    # The caller is told why, and the refusal is counted.
+    reply = server.post("/keys/batch_allocate", {"rank": 0, "keys": keys})
+    assert reply.status_code == 200
+    assert reply.headers["X-Kvmeta-Warning"].startswith("batch_refused: rank 0 has no room")
+    metrics = requests.get(f"{server.url}/metrics", timeout=10).text
+    assert 'kvmeta_refused_batches_total{dialect="v"} 2.0' in metrics
+    # Every page is still there for a batch that fits.
+    assert sorted(page for _, page in client.allocate_pages_for_keys(0, keys[:4])) == [0, 1, 2, 3]
+
+
+def test_the_connectors_save_path_strands_no_pages(
+    stock: types.ModuleType, server: ServerProcess, made: list[Any]
+) -> None:
+    """vLLM's released ``_handle_save_task``: a save too big for the rank fails, and after it
+    no page is reserved; the next save that fits is stored whole."""
+    client = stock_client(stock, server, made)
+    client.initialize(0, 4)
+    rig = SaveRig(load_connector(), client, rank=0)
+    assert rig.save("too-big", [f"block{i}" for i in range(6)]) is False
+    assert rig.file.offsets == []  # nothing was written
+    assert _v_pool(server, 0)["reserved"] == 0
+    blocks = [f"block{i}" for i in range(4)]
+    assert rig.save("fits", blocks) is True
+    assert client.batch_key_exists(blocks) == [True] * 4
+    pool = _v_pool(server, 0)
+    assert (pool["reserved"], pool["stored"]) == (0, 4)

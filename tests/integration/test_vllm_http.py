@@ -97,7 +97,8 @@ def test_initialize_is_idempotent_and_keeps_size(server: ServerProcess) -> None:
     assert "requested 9 is ignored" in message
     server.wait_for_log("vllm rank 0 re-initialised with num_pages=9 but has 4 pages")
     pages = allocate(server, 0, [f"k{i}" for i in range(6)])
-    assert pages == [0, 1, 2, 3, -1, -1]
+    assert pages == [-1] * 6  # the 4 pages it kept cannot hold 6 keys: all or nothing
+    assert allocate(server, 0, [f"k{i}" for i in range(4)]) == [0, 1, 2, 3]
 
 
 BAD_INITS: list[tuple[Any, str]] = [
@@ -246,9 +247,11 @@ def test_full_pool_evicts_lru_never_a_page_being_read(
     init(server, 0, 4)
     save(server, 0, ["k0", "k1", "k2", "k3"])
     assert locations(server, 0, ["k0"]) == [0]  # k0 is being read: leased
-    pages = allocate(server, 0, ["n0", "n1", "n2", "n3", "n4"])
-    assert pages[:3] == [1, 2, 3]  # k1..k3 evicted, coldest first
-    assert pages[3:] == [-1, -1]  # never k0's page, never an error
+    # Room for three (k1..k3), not five: never k0's page, never an error, and nothing evicted.
+    assert allocate(server, 0, ["n0", "n1", "n2", "n3", "n4"]) == [-1] * 5
+    exists = server.post("/keys/batch_exists", {"keys": ["k0", "k1", "k2", "k3"]}).json()
+    assert exists == {"exists": [True] * 4}
+    assert allocate(server, 0, ["n0", "n1", "n2"]) == [1, 2, 3]  # k1..k3, coldest first
     assert locations(server, 0, ["k0", "k1"]) == [0, None]
 
 

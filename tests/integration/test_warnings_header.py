@@ -27,6 +27,7 @@ def test_clean_requests_carry_no_warning(server: ServerProcess) -> None:
     assert resp.json() == {"exists": [False]}
     assert "x-kvmeta-warning" not in resp.headers
     assert warnings_metric(server) == {
+        "batch_refused": 0,
         "confirm_refused": 0,
         "size_conflict": 0,
         "unknown_field": 0,

@@ -183,7 +183,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         plain = [_key(k) for k in keys]
-        out = self._run(self._ops.reserve(PoolId("v", rank, ""), plain))
+        out = self._warned(self._ops.v_allocate(PoolId("v", rank, ""), plain))
         return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
 
     def confirm_write_for_keys(

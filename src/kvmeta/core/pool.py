@@ -490,15 +490,27 @@ class Pool:
     # ------------------------------------------------------------------ mutations
 
     def reserve(
-        self, keys: list[str], now: float, evicted: list[tuple[str, int]]
+        self,
+        keys: list[str],
+        now: float,
+        evicted: list[tuple[str, int]],
+        whole: bool = False,
     ) -> list[tuple[bool, int]]:
         """Per key: ``(True, page)`` if STORED, ``(False, page)`` to write, ``(False, -1)`` if none.
 
         A key already RESERVED (by another writer, a retry or earlier in this batch) gets the
         same page back and its lease renewed. STORED keys evicted to make room are appended to
         ``evicted``; the caller must make their removal durable before replying.
+
+        ``whole`` (vLLM's batches): the new keys get a page each or none does. vLLM's connector
+        gives up a whole batch when one key gets -1 and never releases the pages the others
+        got, so a partial grant only strands pages until their lease ends. When the pages are
+        not there (``fits``), every key but the STORED ones answers -1 and nothing changes: no
+        reservation, no eviction, no LRU touch, no joined lease.
         """
         self._expire(now)
+        if whole and not self.fits(keys, now):
+            return self._refuse_batch(keys)
         stored, reserved, state, page_key = (
             self._stored,
             self._reserved,
@@ -585,6 +597,44 @@ class Pool:
         counters.reservations += len(reserved) - reserved_before
         counters.reservations_refused += refused
         counters.evictions += evictions
+        return out
+
+    def fits(self, keys: list[str], now: float) -> bool:
+        """Whether a reserve of ``keys`` at ``now`` (leases expired) gets every new key a page.
+
+        Counts the allocatable pages, then walks the LRU from its cold end for evictable ones
+        (not read-leased, not STORED for a key of this batch) within the scan allowance a
+        reserve has, each page looked at using one step of it. A reserve spends no more steps
+        than that walk (its common eviction spends none) and finds its pages in the same
+        order, so whenever this answers True the reserve places every key. O(request).
+        """
+        free = self.allocatable_count
+        if free >= len(keys):  # the common case, in O(1)
+            return True
+        short = self.new_keys(keys) - free
+        if short <= 0:
+            return True
+        stored, read_until, nxt = self._stored, self._read_until, self._next
+        batch = {page for key in keys if (page := stored.get(key)) is not None}
+        steps = _SCAN_ALLOWANCE + 2 * len(keys)
+        page = self._head
+        while page != -1 and steps > 0:
+            steps -= 1
+            if page not in batch and read_until[page] <= now:
+                short -= 1
+                if short == 0:
+                    return True
+            page = nxt[page]
+        return False
+
+    def _refuse_batch(self, keys: list[str]) -> list[tuple[bool, int]]:
+        """The answer to a whole batch that does not fit: STORED keys keep their pages (the
+        engine may write them again: a confirm of a STORED key succeeds), every other key -1."""
+        stored = self._stored
+        out = [
+            (True, page) if (page := stored.get(key)) is not None else (False, -1) for key in keys
+        ]
+        self.counters.reservations_refused += sum(1 for hit, _ in out if not hit)
         return out
 
     def confirm(

@@ -132,7 +132,7 @@ def default_error(exc: Exception, usage: str) -> InvalidRequest:
 # Caller mistakes that keep their compatible reply (204/200) but are worth seeing: each adds an
 # ``X-Kvmeta-Warning`` header to the reply and counts in ``kvmeta_caller_warnings_total{kind}``.
 WARNING_HEADER = b"x-kvmeta-warning"
-WARNING_KINDS = ("size_conflict", "unknown_field", "confirm_refused")
+WARNING_KINDS = ("size_conflict", "unknown_field", "confirm_refused", "batch_refused")
 CALLER_WARNINGS: dict[str, int] = dict.fromkeys(WARNING_KINDS, 0)
 CallerWarning = tuple[str, str]  # (kind, text)
 _MAX_WARNING_CHARS = 512

@@ -46,6 +46,7 @@ __all__ = [
     "OTHER",
     "PREFIX_BUCKETS",
     "PREFIX_HITS",
+    "REFUSED_BATCHES",
     "PrefixHits",
     "RequestMetrics",
     "RouteStats",
@@ -272,6 +273,12 @@ class PrefixHits:
 # The server's one instance: the dialect handlers record, ``/metrics`` renders (per process,
 # like every other series with --workers).
 PREFIX_HITS = PrefixHits()
+
+
+# Batches refused whole, by dialect: vLLM's batch_allocate gives every new key of a batch a
+# page or none (``core.pool.Pool.reserve``); SGLang's batches are per key, so only "v" counts.
+# Per process, like ``PREFIX_HITS``.
+REFUSED_BATCHES: dict[str, int] = {"v": 0}
 
 
 def _prefix_metrics(
@@ -538,7 +545,8 @@ def new_snapshot(**fields: Any) -> _Snapshot:
 
 class _CallerWarnings:
     """``kvmeta_caller_warnings_total{kind}``: replies that carried an ``X-Kvmeta-Warning``
-    (kinds are a fixed set, see ``server.app.WARNING_KINDS``)."""
+    (kinds are a fixed set, see ``server.app.WARNING_KINDS``), and
+    ``kvmeta_refused_batches_total{dialect}`` (``REFUSED_BATCHES``)."""
 
     def collect(self) -> Iterator[Metric]:
         from kvmeta.server.app import CALLER_WARNINGS
@@ -552,6 +560,15 @@ class _CallerWarnings:
         for kind, count in sorted(CALLER_WARNINGS.items()):
             family.add_metric([kind], count)
         yield family
+        refused = CounterMetricFamily(
+            "kvmeta_refused_batches",
+            "vLLM batch_allocate calls whose new keys did not all fit, so none got a page "
+            "(all or nothing), by dialect",
+            labels=["dialect"],
+        )
+        for dialect, count in sorted(REFUSED_BATCHES.items()):
+            refused.add_metric([dialect], count)
+        yield refused
 
 
 # The KV event publisher's counters (``events.publisher.EventStats``) while ``--events`` is on;

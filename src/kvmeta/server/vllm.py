@@ -41,7 +41,7 @@ from kvmeta.server.app import (
     unknown_fields_warning,
 )
 from kvmeta.server.http import Request, Response
-from kvmeta.server.metrics import PREFIX_HITS
+from kvmeta.server.metrics import PREFIX_HITS, REFUSED_BATCHES
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import (
     INIT_ERROR,
@@ -301,8 +301,11 @@ async def batch_allocate(service: Service, req: Request, _: int) -> Response:
     keys = body.keys
     if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
         keys = [k if isinstance(k, str) else k[0] for k in keys]
-    out = await service.reserve(vllm_pool(req, body.rank), keys)  # type: ignore[arg-type]
-    results = list(zip(keys, map(_second, out), strict=True))
+    done = await service.v_allocate(vllm_pool(req, body.rank), keys)  # type: ignore[arg-type]
+    results = list(zip(keys, map(_second, done.value), strict=True))
+    if done.warnings:
+        REFUSED_BATCHES["v"] += 1
+        warnings += done.warnings
     return reply(json_response({"rank": body.rank, "results": results}), warnings)
 
 

@@ -41,7 +41,12 @@ from kvmeta.service.vllm import (
     ignored_rank_warning,
     worker_message,
 )
-from kvmeta.service.warnings import CallerWarning, confirm_refused, size_conflict
+from kvmeta.service.warnings import (
+    CallerWarning,
+    batch_refused,
+    confirm_refused,
+    size_conflict,
+)
 from kvmeta.store.base import Budget, InitResult, PoolStats, VIndex
 
 __all__ = [
@@ -288,6 +293,14 @@ class Operations:
         if warning:
             warn_limited(logger, "ignored_rank", "%s", warning)
         return Outcome(result, [size_conflict(pool, result)] if result.conflict else [])
+
+    def v_allocate(self, pool: PoolId, keys: list[str]) -> Op[Outcome[list[tuple[bool, int]]]]:
+        """vLLM's batch_allocate: a reserve on a vLLM pool, which every store grants whole or
+        not at all (``core.pool.Pool.reserve``); a refused batch earns a caller warning, as
+        its reply (-1 per new key) looks like the reference server's partial one."""
+        out: list[tuple[bool, int]] = yield from self.reserve(pool, keys)
+        refused = sum(1 for _, page in out if page < 0)
+        return Outcome(out, [batch_refused(refused, pool.rank)] if refused else [])
 
     def v_exists(self, keys: list[str], tenant: str = "") -> Op[list[bool]]:
         self.limits.check_keys(keys)

@@ -71,6 +71,10 @@ class Service:
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         return await run_async(self.ops.reserve(pool, keys), self.backend)
 
+    async def v_allocate(self, pool: PoolId, keys: list[str]) -> Outcome[list[tuple[bool, int]]]:
+        """vLLM's batch_allocate (all or nothing), with the warning of a refused batch."""
+        return await run_async(self.ops.v_allocate(pool, keys), self.backend)
+
     async def confirm_outcome(
         self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]
     ) -> Outcome[int]:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from kvmeta._types import PoolId
 from kvmeta.store.base import InitResult
 
-__all__ = ["CallerWarning", "confirm_refused", "size_conflict"]
+__all__ = ["CallerWarning", "batch_refused", "confirm_refused", "size_conflict"]
 
 CallerWarning = tuple[str, str]  # (kind, text)
 
@@ -33,4 +33,16 @@ def confirm_refused(count: int) -> CallerWarning:
         "expired after --reservation-ttl, or the page is another key's); the data written there "
         "is not mapped: write it again after a new reserve, or raise --reservation-ttl if "
         "writes take that long",
+    )
+
+
+def batch_refused(refused: int, rank: int) -> CallerWarning:
+    """A vLLM batch that did not fit whole (``core.pool.Pool.reserve``): the reply keeps the
+    reference shape, -1 per key without a page; the header says nothing was reserved."""
+    return (
+        "batch_refused",
+        f"rank {rank} has no room for all {refused} new key(s) of this batch (free pages plus "
+        "pages that can be evicted), so none got a page (-1 each) and nothing was reserved or "
+        "evicted; keys already stored kept theirs. Send a smaller batch, give the rank a larger "
+        "page file (num_pages), or wait for reservations and read leases to end",
     )

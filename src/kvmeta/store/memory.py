@@ -273,7 +273,9 @@ class MemoryStore:
             rule.catch_up()
         evicted: list[tuple[str, int]] = []
         refused = pool.counters.reservations_refused
-        out = pool.reserve(keys, self.clock(), evicted)
+        # vLLM's batches are all or nothing (``Pool.reserve``, docs/guarantees.md); SGLang writes
+        # the pages it gets, so its batches are per key.
+        out = pool.reserve(keys, self.clock(), evicted, pid.dialect == "v")
         if pool.frontier_raised:
             # Pages past the recorded frontier go out only once its new place is journaled
             # (the reply waits for it: ``WriteAhead.wait_after``).

@@ -1213,7 +1213,8 @@ class RedisBackend:
         return [bool(x) for x in reply[1:]]
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        request = (self.reservation_ttl, keys)
+        # vLLM's batches are all or nothing (reserve.lua, as ``core.pool.Pool.reserve``).
+        request = (self.reservation_ttl, keys, 1 if pool.dialect == "v" else 0)
         reply = await self._changing_op("reserve", pool, request, REMOVED, REASON_CAPACITY)
         return [(bool(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
 

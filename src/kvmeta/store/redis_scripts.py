@@ -63,8 +63,10 @@ LIBRARY_NAME = "kvmeta"
 # ranks, ARGV[3] whether the world size pins them, KEYS the span's pools, the reply the
 # positions of the keys still complete), and v_register's ARGV[5] says whether the caller may
 # change the world size, refused as [10, world size] (a format-7 server would pass its
-# required ranks as ARGV[2], and its write tokens could change the world size)
-LIBRARY_FORMAT = 8
+# required ranks as ARGV[2], and its write tokens could change the world size); 9: reserve's
+# request carries a third element, 1 for a vLLM batch that is all or nothing (a format-8
+# script would grant part of such a batch)
+LIBRARY_FORMAT = 9
 _FUNCTION_PREFIX = "kvmeta_"
 _VERSION_FUNCTION = "kvmeta_version"
 # Ops that never change what a caller was promised, so a caller need not wait for replicas

@@ -1,7 +1,8 @@
 -- reserve: per key (1, page) if STORED, (0, page) to write, (0, -1) if no page is free and
 -- nothing can be evicted. A key already RESERVED (another writer, a retry, a duplicate in the
 -- batch) gets the same page; the first time per call it gains a holder and its lease renews.
--- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...]].
+-- KEYS the pool's keys; ARGV[1] [reservation lease seconds, [key, ...], whole] (whole 1: all
+-- or nothing, below).
 -- ARGV[2] '1': report evictions (the change feed, see _lib.lua feed); ARGV[3] the clock-step
 -- bound and ARGV[4] (tests only, absent in production) the time in seconds: see pool_now.
 -- Returns [0, hit, page, hit, page, ..., [change counter, evicted key, ...] when ARGV[2] is
@@ -64,9 +65,6 @@ local function pop_free(count)
   else
     free_more = false
   end
-end
-if need > 0 then
-  pop_free(need)
 end
 
 -- The LRU's cold end, read by rank in chunks: cand (pages), cand_key (their keys),
@@ -136,6 +134,54 @@ local function leased(page)
     cand_leased[page] = l
   end
   return l
+end
+
+-- req[3] 1 (vLLM's batches): the new keys get a page each or none does (core.pool Pool.fits:
+-- the same count and walk, the same guarantee). Refused, every key but the STORED ones
+-- answers -1 and nothing else changes (lease expiry aside, which any call applies).
+if req[3] == 1 and need > 0 then
+  local short = need - redis.call('LLEN', k.free)
+  if st.next < st.n and not (st.hold and now < st.hold) then
+    short = short - (st.n - st.next)
+  end
+  local batch = {}
+  for i = 1, #keys do
+    if stored_p[i] then
+      batch[stored_p[i]] = true
+    end
+  end
+  local steps, at = scan_left, 1
+  while short > 0 and steps > 0 do
+    if at > #cand and not cand_done then
+      read_cold(math.max(short, 16))
+    end
+    if at > #cand then
+      break
+    end
+    local page = cand[at]
+    at, steps = at + 1, steps - 1
+    if not batch[page] and not leased(page) then
+      short = short - 1
+    end
+  end
+  if short > 0 then
+    local out, refused = {}, 0
+    for i = 1, #keys do
+      if stored_p[i] then
+        out[#out + 1] = '1,' .. stored_p[i]
+      else
+        refused = refused + 1
+        out[#out + 1] = '0,-1'
+      end
+    end
+    bump(c, 'reservations_refused', refused)
+    save_state(k, st)
+    flush(k, c)
+    return '[0,' .. table.concat(out, ',') .. ']'
+  end
+end
+if need > 0 then
+  pop_free(need)
 end
 
 local w_pk, w_res, w_resq = {}, { KEEP, '' }, { '+inf', KEEP }
