@@ -89,6 +89,7 @@ class _Supervisor:
         self.workers: dict[int, tuple[BaseProcess, float]] = {}
         self.stopping = False
         self.fast_fails = 0
+        self.gave_up = False
         self.announced = False
 
     def spawn(self, index: int) -> None:
@@ -137,14 +138,16 @@ class _Supervisor:
                 status = max(status, abs(code))
                 if not self.stopping:
                     self._restart(index, code, started)
-        return status
+        # Workers that ended cleanly but at once still failed to serve: a service manager must
+        # see a failure to restart the server.
+        return max(status, 1) if self.gave_up else status
 
     def _restart(self, index: int, code: int, started: float) -> None:
         fast = time.monotonic() - started < _FAST_FAIL_SECONDS
         self.fast_fails = self.fast_fails + 1 if fast else 0
         if self.fast_fails >= _MAX_FAST_FAILS:
             logger.error("workers keep failing at start-up (exit %d): stopping", code)
-            self.stopping = True
+            self.stopping = self.gave_up = True
             self.signal_workers(signal.SIGINT)  # no drain: they are not serving
             return
         logger.warning("worker %d exited with %d: restarting it", index, code)
