@@ -16,7 +16,6 @@ from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, PayloadTooLarge
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store import headroom
 from kvmeta.store.memory import MemoryBackend, MemoryStore
 
 HUGE = 1 << 48
@@ -40,26 +39,12 @@ def test_a_pool_bigger_than_the_memory_is_created_and_serves() -> None:
     assert store.pool(pid).capacity == 1025 and store.total_pages == 2 * HUGE
 
 
-def test_a_pool_whose_memory_is_not_there_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The check is of what creating a pool takes (its first pages): refused up front when
-    the machine has less, and a MemoryError that happens anyway is the same 413."""
+def test_a_pool_whose_first_pages_cannot_be_had_is_a_413(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A MemoryError while creating a pool is a 413 that created nothing, never a 500."""
     store = MemoryStore()
     service = Service(MemoryBackend(store), LIMITS)
-    monkeypatch.setattr(headroom, "_CHECK_FROM", 0)
-    monkeypatch.setattr(headroom, "memory_headroom", lambda: 1000)
-
-    async def refused() -> None:
-        with pytest.raises(PayloadTooLarge) as err:
-            await service.initialize(PoolId("s", 0, "kv"), HUGE)
-        assert err.value.status == 413 and err.value.field == "num_pages"
-        for part in (f"`num_pages` {HUGE}", "30750 bytes of memory", "1000 bytes available"):
-            assert part in str(err.value), str(err.value)
-        assert "nothing was created" in str(err.value)
-        with pytest.raises(InvalidRequest, match="of memory"):
-            await service.v_register(0, HUGE, None)  # a vLLM rank's pool too
-
-    asyncio.run(refused())
-    monkeypatch.setattr(headroom, "memory_headroom", lambda: None)
 
     def no_memory(*_: Any, **__: Any) -> Any:
         raise MemoryError
@@ -67,8 +52,12 @@ def test_a_pool_whose_memory_is_not_there_is_refused(monkeypatch: pytest.MonkeyP
     monkeypatch.setattr(MemoryStore, "_new_pool", no_memory)
 
     async def failed() -> None:
-        with pytest.raises(PayloadTooLarge, match="the allocation failed"):
+        with pytest.raises(PayloadTooLarge, match="the allocation") as err:
             await service.initialize(PoolId("s", 0, "kv"), 8)
+        assert err.value.status == 413 and err.value.field == "num_pages"
+        assert "nothing was created" in str(err.value)
+        with pytest.raises(InvalidRequest, match="out of memory"):
+            await service.v_register(0, HUGE, None)  # a vLLM rank's pool too
         assert await service.stats() == []
 
     asyncio.run(failed())

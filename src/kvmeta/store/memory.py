@@ -34,9 +34,8 @@ from kvmeta.core.invariants import (
     copy_pool,
 )
 from kvmeta.core.pool import Pool
-from kvmeta.errors import Forbidden, NoHashIndex, NotInitialized, RankInUse
+from kvmeta.errors import Forbidden, NoHashIndex, NotInitialized, PayloadTooLarge, RankInUse
 from kvmeta.lograte import warn_limited
-from kvmeta.store import headroom
 from kvmeta.store.base import (
     STATS_CHUNK,
     Budget,
@@ -188,14 +187,18 @@ class MemoryStore:
         return InitResult(created=True, num_pages=num_pages, requested=num_pages)
 
     def _allocate(self, num_pages: int) -> Pool:
-        """A new empty pool, or a 413 (``store.headroom``) when the memory is not there; either
-        way before anything is changed or journaled. A pool's memory grows with the pages it
-        hands out (``core.pool``), so the check is of its first step, not of ``num_pages``."""
-        headroom.check_pool_memory(num_pages)
+        """A new empty pool, or a 413 when even its first pages cannot be had; either way
+        before anything is changed or journaled. A pool's memory grows with the pages it hands
+        out (``core.pool``), so creating one commits only its first step, whatever
+        ``num_pages`` is: nothing to check up front, but no MemoryError may become a 500."""
         try:
             return self._new_pool(num_pages)
         except MemoryError:
-            raise headroom.pool_too_big(num_pages, None) from None
+            raise PayloadTooLarge(
+                f"`num_pages` {num_pages}: the allocation of a new pool's first pages failed "
+                "(out of memory); nothing was created. Free memory on the machine",
+                "num_pages",
+            ) from None
 
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
         if entries:
