@@ -19,6 +19,8 @@ from typing import Any
 
 import requests
 
+from kvmeta.bench import procstat
+
 SRC = Path(__file__).resolve().parents[1] / "src"
 _LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\d+)")
 
@@ -136,10 +138,8 @@ class ServerProcess:
             self.proc.wait(10)
 
     def cpu_seconds(self) -> float:
-        """User + system CPU time of the server process so far, from /proc."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        ticks = int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        """CPU time of the server (and the processes it started) so far."""
+        return procstat.cpu_seconds(self.pid)
 
 
 def until_released(server: ServerProcess, timeout: float = 60.0) -> None:
