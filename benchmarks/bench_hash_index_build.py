@@ -33,7 +33,7 @@ from compare_lua import read_lua  # noqa: E402
 from tests.redis_support import REDIS_SERVER, RedisServer  # noqa: E402
 
 from kvmeta._types import PoolId  # noqa: E402
-from kvmeta.store.redis import BUILD_CHUNK, POOL_PARTS, RedisBackend, pool_keys  # noqa: E402
+from kvmeta.store.redis.backend import BUILD_CHUNK, POOL_PARTS, RedisBackend, pool_keys  # noqa: E402
 
 POOL = PoolId("s", 0, "bench")
 

@@ -5,7 +5,7 @@
 
 ``disk``: ``kvmeta bench --launch durable`` drives the engine cycle while this script samples
 the launched server's data directory every 20 ms: its largest total size, the largest snapshot,
-the journal budget (``store.compaction``) and the target ``2 x snapshot + budget``, plus the
+the journal budget (``store.disk.compaction``) and the target ``2 x snapshot + budget``, plus the
 bench's own CPU per request, req/s and p99.
 
 ``restart``: a server on a data directory of ``--keys`` stored keys, under ``kvmeta bench
@@ -39,8 +39,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
-from kvmeta.store.compaction import JournalBudget  # noqa: E402
-from kvmeta.store.durable import DurabilityOptions  # noqa: E402
+from kvmeta.store.disk.compaction import JournalBudget  # noqa: E402
+from kvmeta.store.disk.durable import DurabilityOptions  # noqa: E402
 
 _LISTEN_RE = re.compile(r"kvmeta listening on http://([^\s:]+):(\d+)")
 _RECOVERED_RE = re.compile(r"recovered .* (\d+) keys .* in ([\d.]+) s")
@@ -61,7 +61,7 @@ def _flag(args: list[str], name: str, default: float) -> float:
 
 
 def budget(server_args: list[str], snapshot_bytes: int) -> int:
-    """The journal budget the server applies (``store.compaction``), 0: none."""
+    """The journal budget the server applies (``store.disk.compaction``), 0: none."""
     cap = int(_flag(server_args, "--snapshot-journal-bytes", _DEFAULTS.snapshot_journal_bytes))
     ratio = _flag(server_args, "--snapshot-journal-ratio", _DEFAULTS.snapshot_journal_ratio)
     return JournalBudget(ratio, cap, snapshot_bytes).limit()
@@ -227,11 +227,11 @@ def restart(args: argparse.Namespace, scratch: Path) -> None:
     data = scratch / "data"
     rng = random.Random(args.seed)
     # A restart holds the free pages below each pool's frontier for one reservation TTL
-    # (store.recovery): a short one lets the load fill them again between two kills.
+    # (store.disk.recovery): a short one lets the load fill them again between two kills.
     server_args = ["--reservation-ttl", "5", *args.server_arg]
     server = Server(data, server_args).start()
     rows = []
-    # A full pool keeps a few batches' worth of pages evicted ahead (store.writeahead): with
+    # A full pool keeps a few batches' worth of pages evicted ahead (store.disk.writeahead): with
     # 1/64 more pages than keys, about ``--keys`` stay stored.
     pages = args.keys + args.keys // 64
     load: subprocess.Popen[bytes] | None = None

@@ -71,8 +71,8 @@ from kvmeta.bench.workload import (  # noqa: E402
 )
 from kvmeta.core.hash_index import hash_field  # noqa: E402
 from kvmeta.events.wire import sglang_hashes  # noqa: E402
-from kvmeta.store.redis import POOL_PARTS, pool_keys  # noqa: E402
-from kvmeta.store.resp import pack  # noqa: E402
+from kvmeta.store.redis.backend import POOL_PARTS, pool_keys  # noqa: E402
+from kvmeta.store.redis.resp import pack  # noqa: E402
 
 ROUTE = "/v1/prefix_match"
 _BUCKET_RE = re.compile(r"^kvmeta_http_request_duration_seconds_bucket\{(.*)\} (\S+)$", re.M)
@@ -148,7 +148,7 @@ def within(
 class DirectRedis:
     """The same lookups sent straight to the private redis-server, without kvmeta: one plain
     ``HMGET`` of the pool's hash per call, on a connection of its own, packed and parsed as
-    kvmeta's worker does (``store.resp``, hiredis). Its latency at the same load is what Redis
+    kvmeta's worker does (``store.redis.resp``, hiredis). Its latency at the same load is what Redis
     itself answers in: kvmeta's route cannot answer faster than that."""
 
     def __init__(self, url: str, commands: list[bytes], expect: int) -> None:

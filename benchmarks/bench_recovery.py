@@ -21,12 +21,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.core.pool import Pool  # noqa: E402
-from kvmeta.store.codec import HEADER, encode_record  # noqa: E402
-from kvmeta.store.durable import DurabilityOptions, DurableBackend  # noqa: E402
-from kvmeta.store.history import write_head  # noqa: E402
-from kvmeta.store.memory import MemoryStore  # noqa: E402
-from kvmeta.store.recovery import install, recover  # noqa: E402
-from kvmeta.store.snapshot import capture, write_snapshot  # noqa: E402
+from kvmeta.store.disk.codec import HEADER, encode_record  # noqa: E402
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend  # noqa: E402
+from kvmeta.store.disk.history import write_head  # noqa: E402
+from kvmeta.store.disk.memory import MemoryStore  # noqa: E402
+from kvmeta.store.disk.recovery import install, recover  # noqa: E402
+from kvmeta.store.disk.snapshot import capture, write_snapshot  # noqa: E402
 
 PID = PoolId("s", 0, "kv")
 
@@ -53,7 +53,7 @@ def bench_recovery(n: int, scratch: Path) -> None:
     started = time.perf_counter()
     write_snapshot(snap_dir, 1, image)
     write_s = time.perf_counter() - started
-    write_head(snap_dir, 0)  # as a server's data directory has (store.history)
+    write_head(snap_dir, 0)  # as a server's data directory has (store.disk.history)
     stall_ms = image.capture_seconds * 1e3
     print(f"snapshot of {n:,} keys: event loop paused {stall_ms:.1f} ms to copy;")
     print(f"  walk+encode+write+fsync in a thread {write_s:.2f} s, file {_mb(snap_dir)} MB")

@@ -32,7 +32,7 @@ from tests.support import ServerProcess  # noqa: E402
 
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.bench.driver import BenchConfig, BenchResult, _setup, run_bench  # noqa: E402
-from kvmeta.store.redis import pool_keys  # noqa: E402
+from kvmeta.store.redis.backend import pool_keys  # noqa: E402
 
 
 @dataclass

@@ -28,7 +28,7 @@ from kvmeta.server.runner import build_app  # noqa: E402
 from kvmeta.server.status_page import StatusState  # noqa: E402
 from kvmeta.service.limits import RequestLimits  # noqa: E402
 from kvmeta.service.ops import Service  # noqa: E402
-from kvmeta.store.memory import MemoryBackend, MemoryStore  # noqa: E402
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore  # noqa: E402
 
 
 def _spread(times: list[float]) -> str:

@@ -1,5 +1,5 @@
 """CPU per Redis round trip in this process: redis-py's asyncio connection against kvmeta's
-``Link`` (``store/redis_link.py``), on one private valkey-server, under uvloop.
+``Link`` (``store/redis/link.py``), on one private valkey-server, under uvloop.
 
 Each side sends the same command (``ECHO`` of a 5,000-byte value: about a 64-key script call
 and its reply) from N concurrent tasks: redis-py with one connection per task (it carries one
@@ -24,9 +24,9 @@ from redis.asyncio.connection import Connection
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
-from kvmeta.store.redis_nodes import Node  # noqa: E402
-from kvmeta.store.redis_url import parse_target  # noqa: E402
-from kvmeta.store.resp import pack  # noqa: E402
+from kvmeta.store.redis.nodes import Node  # noqa: E402
+from kvmeta.store.redis.resp import pack  # noqa: E402
+from kvmeta.store.redis.url import parse_target  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_support import RedisServer  # noqa: E402

@@ -240,7 +240,7 @@ def _add_events(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-a
 def _cmd_check(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from kvmeta.store.check import check_data_dir
+    from kvmeta.store.disk.check import check_data_dir
 
     directory = Path(args.data_dir)
     report = check_data_dir(directory)
@@ -251,7 +251,7 @@ def _cmd_check(args: argparse.Namespace) -> int:
     print(report.summary)
     if not args.repair:
         return report.exit_code
-    from kvmeta.store.repair import repair_data_dir
+    from kvmeta.store.disk.repair import repair_data_dir
 
     print(f"repairing {directory}: keeping every pool, dropping every key")
     for line in repair_data_dir(directory).lines:

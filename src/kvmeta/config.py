@@ -17,8 +17,8 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvmeta.errors import ConfigError
-from kvmeta.store.durable import DurabilityOptions
-from kvmeta.store.redis_url import redact_url
+from kvmeta.store.disk.durable import DurabilityOptions
+from kvmeta.store.redis.url import redact_url
 
 __all__ = [
     "OPTIONS",
@@ -83,7 +83,7 @@ class Settings:
     metrics_max_pools: int = 256
     # shutdown: /ready answers 503 this long after SIGTERM while requests are still served
     drain_seconds: float = 5.0
-    # Redis high availability (see store/redis.py)
+    # Redis high availability (see store/redis/backend.py)
     failover_timeout: float = 5.0
     min_replicas_ack: int = 0
     replica_ack_timeout: float = 1.0

@@ -20,8 +20,8 @@ import pytest
 
 from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.store.base import Backend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.redis.backend import RedisBackend
 
 T = TypeVar("T")
 

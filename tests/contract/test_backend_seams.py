@@ -12,9 +12,9 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.store.base import Backend, CheckReport
-from kvmeta.store.durable import DurableBackend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.disk.durable import DurableBackend
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.redis.backend import RedisBackend
 from tests.contract.conftest import Sync
 from tests.unit.store.durable_support import crash, open_backend
 

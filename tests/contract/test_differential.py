@@ -42,8 +42,8 @@ from kvmeta.core.pool import RELEASE_GRACE
 from kvmeta.errors import KvmetaError
 from kvmeta.store.base import Backend
 from kvmeta.store.changes import CLEARED, LOST, REMOVED, STORED, Change
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.redis import POOL_PARTS, RedisBackend, pool_keys
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.redis.backend import POOL_PARTS, RedisBackend, pool_keys
 from tests.redis_support import RedisCluster, RedisServer, SentinelGroup
 
 T = TypeVar("T")

@@ -15,8 +15,8 @@ import redis
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, NotInitialized
-from kvmeta.store.redis import RedisBackend
-from kvmeta.store.resp import Strings
+from kvmeta.store.redis.backend import RedisBackend
+from kvmeta.store.redis.resp import Strings
 from tests.contract.conftest import Sync
 from tests.unit.store.durable_support import crash, cycle, open_backend
 

@@ -18,9 +18,16 @@ from importlib import resources
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import _SCRIPTS, _TIMED, POOL_PARTS, RedisBackend, pool_keys, pool_prefix
+from kvmeta.store.redis.backend import (
+    _SCRIPTS,
+    _TIMED,
+    POOL_PARTS,
+    RedisBackend,
+    pool_keys,
+    pool_prefix,
+)
 
-_LUA = resources.files("kvmeta.store").joinpath("lua")
+_LUA = resources.files("kvmeta.store.redis").joinpath("lua")
 _KEY_ARG = re.compile(r"^(k\.\w+|k\[\w+\]|KEYS\[\d+\]|key|unpack\(KEYS)$")
 _NO_KEY = {"TIME"}
 # redis.call('CMD', first-argument ...

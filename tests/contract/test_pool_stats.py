@@ -17,9 +17,9 @@ import requests
 
 from kvmeta._types import PoolId
 from kvmeta.store.base import Backend, PoolStats
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.redis.backend import RedisBackend
 from tests.contract.conftest import Sync
 from tests.support import ServerProcess
 

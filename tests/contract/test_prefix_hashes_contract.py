@@ -23,8 +23,8 @@ from kvmeta.config import Settings
 from kvmeta.errors import NoHashIndex, NotInitialized
 from kvmeta.events.wire import sglang_hash
 from kvmeta.server.runner import build_backend
-from kvmeta.store.redis import POOL_PARTS, WALK_STALE, RedisBackend, pool_keys
-from kvmeta.store.redis_scripts import ScriptLibrary
+from kvmeta.store.redis.backend import POOL_PARTS, WALK_STALE, RedisBackend, pool_keys
+from kvmeta.store.redis.scripts import ScriptLibrary
 from tests.contract.conftest import REDIS_SERVERS, Sync
 
 S0 = PoolId("s", 0, "kv")
@@ -866,7 +866,7 @@ def test_a_redis_that_does_not_answer_does_not_hold_up_close(
     first.backend._run = silent  # type: ignore[method-assign]
     first.backend.failover_timeout = 0.3
     started = time.monotonic()
-    with caplog.at_level("WARNING", logger="kvmeta.store.redis"):
+    with caplog.at_level("WARNING", logger="kvmeta.store.redis.backend"):
         first._run(first.backend.close())
     assert time.monotonic() - started < 5
     assert _claim(plain, request, S0) == held

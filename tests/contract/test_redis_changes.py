@@ -17,7 +17,6 @@ import redis
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotReplicated
-from kvmeta.store import redis as redis_store
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -29,7 +28,8 @@ from kvmeta.store.changes import (
     UNSURE,
     Change,
 )
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis import backend as redis_store
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import ReplicaPair
 
 POOL = PoolId("s", 0, "feed")

@@ -18,9 +18,9 @@ from kvmeta.errors import QuotaExceeded
 from kvmeta.service.limits import NO_CAPS, TenantCaps
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryStore
-from kvmeta.store.redis import pool_prefix
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryStore
+from kvmeta.store.redis.backend import pool_prefix
 from tests.contract.conftest import BACKENDS
 
 T = TypeVar("T")

@@ -17,8 +17,8 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.store.base import PoolStats
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryStore
 from tests.contract.conftest import BACKENDS, Sync
 
 V0 = PoolId("v", 0, "")

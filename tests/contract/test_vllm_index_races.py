@@ -18,7 +18,7 @@ import pytest
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable
 from kvmeta.store.base import Backend, VIndex
-from kvmeta.store.redis import CLEAR_CHUNK, RedisBackend
+from kvmeta.store.redis.backend import CLEAR_CHUNK, RedisBackend
 from tests.contract.conftest import Sync
 
 V = [PoolId("v", r, "") for r in range(3)]

@@ -22,8 +22,8 @@ import requests
 
 from kvmeta._types import PoolId
 from kvmeta.bench.procstat import children
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.recovery import list_data_dir, recover
 from tests.support import SRC, ServerProcess
 
 BIG = PoolId("s", 0, "kv")  # never evicts: every acknowledged confirm must survive

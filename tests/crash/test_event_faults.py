@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import requests
 
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.crash.faults import (
     PAGES,
     Driver,

@@ -24,7 +24,7 @@ import pytest
 import requests
 
 from kvmeta.bench.procstat import children
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.crash.faults import (
     PAGES,
     Driver,

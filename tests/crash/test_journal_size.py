@@ -8,7 +8,7 @@ from pathlib import Path
 
 import requests
 
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.support import ServerProcess
 
 LIMIT = 32 * 1024  # --snapshot-journal-bytes

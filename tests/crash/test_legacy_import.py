@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import requests
 
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.crash.faults import fill, small_filesystem
 from tests.support import ServerProcess, child_env, kvmeta_check
 

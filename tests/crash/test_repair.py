@@ -12,8 +12,8 @@ from pathlib import Path
 
 import requests
 
-from kvmeta.store.codec import HEADER
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.codec import HEADER
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.support import ServerProcess, child_env, kvmeta_check, until_released
 
 SMALL = 8  # pages of the pool that evicts

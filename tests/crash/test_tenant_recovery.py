@@ -17,8 +17,8 @@ import pytest
 import requests
 
 from kvmeta._types import PoolId
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.recovery import recover
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.recovery import recover
 from tests.support import SRC, ServerProcess
 
 TENANTS = ("", "team-a", "team-b")
@@ -31,8 +31,8 @@ import asyncio, sys
 from pathlib import Path
 from kvmeta._types import PoolId
 from kvmeta.service.ops import Service
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 async def main():
     backend = DurableBackend(

@@ -18,7 +18,7 @@ from kvmeta.store.changes import (
     STORED,
     Change,
 )
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 from tests.unit.store.durable_support import crash, open_backend
 
 S0 = PoolId("s", 0, "kv")

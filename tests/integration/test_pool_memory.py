@@ -16,7 +16,7 @@ from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, PayloadTooLarge
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 HUGE = 1 << 48
 LIMITS = RequestLimits(max_pages=HUGE, max_total_pages=HUGE * 4)

@@ -16,9 +16,9 @@ from typing import Any
 import pytest
 import redis
 
-import kvmeta.store.redis as redis_store
+import kvmeta.store.redis.backend as redis_store
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend, pool_prefix
+from kvmeta.store.redis.backend import RedisBackend, pool_prefix
 from tests.redis_support import RedisServer
 
 POOL = PoolId("s", 0, "kv")

@@ -14,7 +14,7 @@ import requests
 
 from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized, PoolDamaged
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import RedisServer
 from tests.support import ServerProcess
 
@@ -123,7 +123,7 @@ def test_a_new_connection_reads_the_policy_again(
         finally:
             await backend.close()
 
-    with caplog.at_level("WARNING", logger="kvmeta.store.redis"):
+    with caplog.at_level("WARNING", logger="kvmeta.store.redis.backend"):
         _run(go())
     errors = [r.getMessage() for r in caplog.records if r.levelname == "ERROR"]
     assert len(errors) == 1 and "maxmemory-policy allkeys-lfu" in errors[0], errors

@@ -13,7 +13,7 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import RedisServer
 
 POOL = PoolId("s", 0, "bound")

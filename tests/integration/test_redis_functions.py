@@ -1,4 +1,4 @@
-"""kvmeta's Lua code as one Redis Functions library (``store.redis_scripts.ScriptLibrary``),
+"""kvmeta's Lua code as one Redis Functions library (``store.redis.scripts.ScriptLibrary``),
 on a real server: loaded once per primary and replicated with the data, so a promoted replica
 already has it; versioned, so an older library is replaced and a newer one is never clobbered;
 with the EVALSHA fallback for servers without FUNCTION."""
@@ -23,8 +23,8 @@ from redis.exceptions import NoScriptError, ResponseError
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable
-from kvmeta.store.redis import RedisBackend
-from kvmeta.store.redis_scripts import LIBRARY_FORMAT, LIBRARY_NAME, ScriptLibrary
+from kvmeta.store.redis.backend import RedisBackend
+from kvmeta.store.redis.scripts import LIBRARY_FORMAT, LIBRARY_NAME, ScriptLibrary
 from tests.redis_support import RedisServer
 
 T = TypeVar("T")
@@ -120,7 +120,7 @@ class _LibraryBackend(RedisBackend):
 
 
 def _op_files() -> set[str]:
-    lua = resources.files("kvmeta.store").joinpath("lua")
+    lua = resources.files("kvmeta.store.redis").joinpath("lua")
     return {p.name[:-4] for p in lua.iterdir() if p.name.endswith(".lua") and p.name[0] != "_"}
 
 
@@ -284,7 +284,7 @@ def test_another_older_library_is_replaced(
         finally:
             await conn.disconnect()
 
-    with caplog.at_level(logging.WARNING, logger="kvmeta.store.redis_scripts"):
+    with caplog.at_level(logging.WARNING, logger="kvmeta.store.redis.scripts"):
         text = _run(main())
     assert "replaced" in text
     assert _version(fresh) == library.version
@@ -379,7 +379,7 @@ def test_command_shapes() -> None:
     fcall = ScriptLibrary().command("reserve", keys, ["x"])
     assert fcall == ("FCALL", "kvmeta_reserve", 2, "k1", "k2", "x")
     evalsha = ScriptLibrary(functions=False).command("reserve", keys, ["x"])
-    lua = resources.files("kvmeta.store").joinpath("lua")
+    lua = resources.files("kvmeta.store.redis").joinpath("lua")
     source = lua.joinpath("_lib.lua").read_text() + "\n" + lua.joinpath("reserve.lua").read_text()
     sha = hashlib.sha1(source.encode()).hexdigest()  # the script EVALSHA has always run
     assert evalsha == ("EVALSHA", sha, 2, "k1", "k2", "x")

@@ -13,7 +13,7 @@ import logging
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import RedisServer
 
 
@@ -36,7 +36,7 @@ def test_pools_of_an_earlier_layout_are_invisible_and_named_at_start(
         finally:
             await backend.close()
 
-    with caplog.at_level(logging.WARNING, logger="kvmeta.store.redis"):
+    with caplog.at_level(logging.WARNING, logger="kvmeta.store.redis.backend"):
         exists, reserved = asyncio.run(run())
     assert exists == [False]
     assert reserved == [(False, 0)]

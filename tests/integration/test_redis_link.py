@@ -1,4 +1,4 @@
-"""``store.redis_link``: many calls in flight on one connection, each getting its own reply,
+"""``store.redis.link``: many calls in flight on one connection, each getting its own reply,
 against a real Redis-protocol server; a caller that gives up, a node that stops answering, a
 node that closes the connection, and error replies named as redis-py names them."""
 
@@ -19,10 +19,10 @@ from redis.exceptions import (
     TimeoutError,
 )
 
-from kvmeta.store.redis_link import reply_error
-from kvmeta.store.redis_nodes import Node
-from kvmeta.store.redis_url import parse_target
-from kvmeta.store.resp import pack
+from kvmeta.store.redis.link import reply_error
+from kvmeta.store.redis.nodes import Node
+from kvmeta.store.redis.resp import pack
+from kvmeta.store.redis.url import parse_target
 from tests.redis_support import RedisServer
 
 T = TypeVar("T")
@@ -225,7 +225,7 @@ def test_a_blocking_call_gets_a_connection_of_its_own(redis_server: RedisServer)
 def test_blocking_calls_beyond_the_link_cap_queue_on_the_least_busy_link(
     redis_server: RedisServer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("kvmeta.store.redis_nodes.MAX_LINKS", 2)
+    monkeypatch.setattr("kvmeta.store.redis.nodes.MAX_LINKS", 2)
 
     async def go() -> tuple[list[Any], int]:
         node = _node(redis_server)

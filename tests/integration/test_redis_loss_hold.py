@@ -13,7 +13,7 @@ from collections.abc import Callable
 import pytest
 import requests
 
-from kvmeta.store.redis import STEP_BOUND
+from kvmeta.store.redis.backend import STEP_BOUND
 from tests.redis_support import RedisServer
 from tests.support import ServerProcess
 

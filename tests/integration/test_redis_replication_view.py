@@ -8,7 +8,7 @@ from __future__ import annotations
 import asyncio
 
 from kvmeta.server.status_page import _role
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.redis.backend import RedisBackend
 
 
 async def _view(url: str) -> dict[str, float]:

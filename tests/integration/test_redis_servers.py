@@ -22,7 +22,7 @@ import pytest
 import requests
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.redis.backend import RedisBackend
 from tests.redis_support import RedisServer
 from tests.support import ServerProcess
 

@@ -18,7 +18,7 @@ from redis.crc import key_slot
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotInitialized
-from kvmeta.store.redis import RedisBackend, pool_keys
+from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import Node, RedisCluster, RedisServer, free_port
 
 pytestmark = pytest.mark.slow

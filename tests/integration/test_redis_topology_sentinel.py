@@ -16,7 +16,7 @@ import requests
 
 from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotReplicated
-from kvmeta.store.redis import RedisBackend
+from kvmeta.store.redis.backend import RedisBackend
 from tests.redis_support import RedisServer, ReplicaPair, SentinelGroup, free_port
 from tests.support import ServerProcess
 

@@ -14,9 +14,9 @@ from typing import Any
 import msgspec
 import pytest
 
-import kvmeta.store.redis_vexists as redis_vexists
+import kvmeta.store.redis.vexists as redis_vexists
 from kvmeta._types import PoolId
-from kvmeta.store.redis import POOL_PARTS, RedisBackend
+from kvmeta.store.redis.backend import POOL_PARTS, RedisBackend
 
 CHUNK = 64
 

@@ -21,7 +21,7 @@ from kvmeta.config import Settings
 from kvmeta.server.access import ROUTE_RULES
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 from tests.support import ServerProcess
 from tests.tenants.conftest import TOKENS, Client, token
 

@@ -16,7 +16,7 @@ from kvmeta.cli import main
 from kvmeta.config import Settings, add_arguments, settings_from_args
 from kvmeta.errors import ConfigError, InvalidPathParameter, InvalidRequest, error_for_status
 from kvmeta.server.app import parse_rank
-from kvmeta.store.redis import RedisBackend, check_url
+from kvmeta.store.redis.backend import RedisBackend, check_url
 from tests.support import SRC
 
 

@@ -12,7 +12,7 @@ import pytest
 from kvmeta.config import Settings
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"

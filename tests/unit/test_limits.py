@@ -14,7 +14,7 @@ from kvmeta.server.app import BodyDecoder, parse_rank, reply
 from kvmeta.server.http import Response
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 S, V = CONFIRM_FIELDS["s"], CONFIRM_FIELDS["v"]
 

@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import kvmeta
-import kvmeta.store
+import kvmeta.store.redis
 from kvmeta.core.pool import RELEASE_GRACE, PoolCounters
 
-LIB = Path(kvmeta.store.__file__).with_name("lua") / "_lib.lua"
+LIB = Path(kvmeta.store.redis.__file__).with_name("lua") / "_lib.lua"
 
 
 def test_release_grace_is_the_same_in_lua() -> None:
@@ -47,7 +47,7 @@ def test_redis_reports_every_pool_counter_without_a_list_of_its_own() -> None:
         "class Counters(pool.PoolCounters):\n"
         "    brand_new: int = 0\n"
         "pool.PoolCounters = Counters\n"
-        "from kvmeta.store import redis\n"
+        "from kvmeta.store.redis import backend as redis\n"
         "assert 'brand_new' in redis._COUNTERS, redis._COUNTERS\n"
     )
     src = str(Path(kvmeta.__file__).parents[1])
@@ -56,6 +56,6 @@ def test_redis_reports_every_pool_counter_without_a_list_of_its_own() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    from kvmeta.store import redis
+    from kvmeta.store.redis import backend as redis
 
     assert set(redis._COUNTERS) == _COUNTER_NAMES

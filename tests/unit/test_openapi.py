@@ -11,7 +11,7 @@ from kvmeta.config import Settings
 from kvmeta.server.openapi import CATALOGUE, SCHEMAS, build_document
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 
 def served_routes() -> list[tuple[str, str]]:

@@ -16,7 +16,7 @@ from kvmeta.service.core import Op, Operations, run_async, run_sync
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_ERROR, SCHEDULER_MESSAGE
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 from tests.unit.store.durable_support import open_backend
 
 S0, S1 = PoolId("s", 0, "kv"), PoolId("s", 1, "kv")

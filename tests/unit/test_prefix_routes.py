@@ -16,7 +16,7 @@ from kvmeta.server import prefix_routes
 from kvmeta.server.http import Request, Response
 from kvmeta.service.limits import MAX_DUMP_LIMIT, RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 S0 = PoolId("s", 0, "kv")
 V1 = PoolId("v", 1, "")

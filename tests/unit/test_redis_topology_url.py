@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 
 from kvmeta.errors import ConfigError
-from kvmeta.store.redis import RedisBackend
-from kvmeta.store.redis import check_url as check_url_reexported
-from kvmeta.store.redis_url import check_url, parse_target, redact_url
+from kvmeta.store.redis.backend import RedisBackend
+from kvmeta.store.redis.backend import check_url as check_url_reexported
+from kvmeta.store.redis.url import check_url, parse_target, redact_url
 
 
 def test_cluster_seeds_with_and_without_ports_and_credentials() -> None:

@@ -11,7 +11,7 @@ import pytest
 from kvmeta._types import PoolId
 from kvmeta.config import add_arguments, settings_from_args
 from kvmeta.errors import InvalidRequest
-from kvmeta.store.redis import RedisBackend, check_url, pool_prefix, redact_url
+from kvmeta.store.redis.backend import RedisBackend, check_url, pool_prefix, redact_url
 
 
 def _settings(argv: list[str], env: dict[str, str]) -> object:

@@ -18,7 +18,7 @@ from kvmeta.server.guard import bound_to_loopback
 from kvmeta.server.http import Request, Response
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 OWN = b"127.0.0.1:18000"
 

@@ -19,7 +19,7 @@ from kvmeta.server.app import App, Route
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_FIELDS
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 
 def call(route: Route, ctx: Any, body: Any = b"", rank: int = 0) -> Response:

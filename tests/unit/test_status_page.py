@@ -25,7 +25,7 @@ from kvmeta.server.status_page import (
 from kvmeta.server.tokens import ALL_ACCESS
 from kvmeta.service.ops import Service
 from kvmeta.store.base import PoolId, PoolStats
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 
 def _route(method: str, pattern: str, count: int, seconds: float) -> RouteStats:

@@ -17,7 +17,7 @@ from kvmeta.service.vllm import (
     check_initialize,
     worker_message,
 )
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.memory import MemoryStore
 from tests.unit.store.durable_support import crash, cycle, open_backend
 
 

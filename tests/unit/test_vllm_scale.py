@@ -9,13 +9,13 @@ from typing import Any
 import msgspec
 import pytest
 
-import kvmeta.store.memory as memory
+import kvmeta.store.disk.memory as memory
 from kvmeta._types import PoolId
 from kvmeta.config import Settings
 from kvmeta.server.http import Request
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 
 def _stored_everywhere(store: MemoryStore, ranks: int, keys: list[str]) -> None:

@@ -19,7 +19,7 @@ import msgspec
 from kvmeta._types import PoolId
 from kvmeta.core.hash_index import HashIndex
 from kvmeta.core.pool import Pool
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.memory import MemoryStore
 
 __all__ = ["app_caller", "format_report", "memory_per_key", "run", "sglang_script"]
 

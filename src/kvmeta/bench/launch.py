@@ -26,7 +26,7 @@ from typing import Any
 from kvmeta.bench.driver import BenchConfig, run_bench
 from kvmeta.client.urls import REDACTED
 from kvmeta.errors import KvmetaError
-from kvmeta.store.redis_url import redact_url
+from kvmeta.store.redis.url import redact_url
 
 __all__ = [
     "LAUNCH_MODES",

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 from urllib.parse import parse_qs, unquote
 
 from kvmeta.errors import InvalidRequest, KvmetaError, MissingExtra
-from kvmeta.store.redis_url import RESP, redact_url
+from kvmeta.store.redis.url import RESP, redact_url
 
 if TYPE_CHECKING:
     import redis

@@ -17,8 +17,8 @@ from typing import TypeVar
 from kvmeta.lograte import warn_limited
 from kvmeta.service.core import Op, Operations, Outcome, run_sync
 from kvmeta.service.limits import RequestLimits
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.epoch import new_epoch
-from kvmeta.store.memory import MemoryStore
 
 __all__ = ["LocalState"]
 

@@ -20,7 +20,7 @@ from kvmeta.server.ops_routes import Drain
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 
 __all__ = ["build_app", "build_backend", "run", "serve"]
 
@@ -33,7 +33,7 @@ def build_backend(settings: Settings) -> Backend:
     """The backend the settings ask for."""
     if settings.backend:
         try:
-            from kvmeta.store.redis import RedisBackend
+            from kvmeta.store.redis.backend import RedisBackend
         except ImportError as exc:
             raise MissingExtra("`--backend`", "redis", exc, "backend") from None
         return RedisBackend(
@@ -52,7 +52,7 @@ def build_backend(settings: Settings) -> Backend:
     )
     if settings.in_memory and not settings.persistence_path:
         return MemoryBackend(store)
-    from kvmeta.store.durable import DurabilityOptions, DurableBackend
+    from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
 
     legacy = Path(settings.persistence_path) if settings.persistence_path else None
     options = DurabilityOptions(

@@ -1,7 +1,7 @@
 """What a backend must provide: the async interface the service layer calls.
 
-Two implementations: ``store.memory`` (the core in this process, optionally journaled to a
-data directory) and ``store.redis`` (state in Redis/Valkey, shared by many servers). Both keep
+Two implementations: ``store.disk.memory`` (the core in this process, optionally journaled to a
+data directory) and ``store.redis.backend`` (state in Redis/Valkey, shared by many servers). Both keep
 exactly the semantics of ``core.pool``; the shared behavioural test suite runs against each.
 """
 
@@ -294,7 +294,7 @@ class Backend(Protocol):
         """Return once every change of ``pool`` made before this call has been reported (or
         reported ``UNSURE``), so that a ``dump`` begun now is not followed by an older change.
         Immediate where changes are reported in the order they are made (this process's
-        state); the Redis backend waits for its calls in flight (``store.redis_feed``)."""
+        state); the Redis backend waits for its calls in flight (``store.redis.feed``)."""
         ...
 
     async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:

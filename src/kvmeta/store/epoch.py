@@ -26,7 +26,7 @@ import uuid
 from pathlib import Path
 
 from kvmeta.errors import StorageError
-from kvmeta.store.journal import fsync_dir
+from kvmeta.store.disk.journal import fsync_dir
 
 __all__ = ["EPOCH_FILE", "data_dir_epoch", "new_epoch", "renew_epoch"]
 

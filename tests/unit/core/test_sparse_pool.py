@@ -13,8 +13,8 @@ import pytest
 from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_pool
 from kvmeta.core.pool import FREE, STORED, Pool, first_capacity
-from kvmeta.store import snapshot
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk import snapshot
+from kvmeta.store.disk.memory import MemoryStore
 
 HUGE = 1 << 40
 KIB = 1024

@@ -6,8 +6,8 @@ import os
 from pathlib import Path
 
 from kvmeta._types import PoolId
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 S0 = PoolId("s", 0, "kv")
 

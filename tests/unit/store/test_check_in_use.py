@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvmeta.store.check import IN_USE, check_data_dir
+from kvmeta.store.disk.check import IN_USE, check_data_dir
 from tests.support import kvmeta_check
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 

@@ -11,7 +11,7 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.codec import (
+from kvmeta.store.disk.codec import (
     HEADER,
     Clear,
     Commit,
@@ -24,7 +24,7 @@ from kvmeta.store.codec import (
     decode_frames,
     encode_record,
 )
-from kvmeta.store.recovery import recover
+from kvmeta.store.disk.recovery import recover
 
 S0 = PoolId("s", 0, "kv")
 V1 = PoolId("v", 1, "")

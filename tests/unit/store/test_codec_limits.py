@@ -9,8 +9,8 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store import codec
-from kvmeta.store.codec import (
+from kvmeta.store.disk import codec
+from kvmeta.store.disk.codec import (
     HEADER,
     Commit,
     NewPool,

@@ -6,9 +6,9 @@ import asyncio
 import time
 from pathlib import Path
 
-from kvmeta.store.compaction import RATIO_FLOOR, JournalBudget
-from kvmeta.store.durable import DurableBackend
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.compaction import RATIO_FLOOR, JournalBudget
+from kvmeta.store.disk.durable import DurableBackend
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 LIMIT = 64 * 1024  # --snapshot-journal-bytes in these tests

@@ -11,8 +11,8 @@ import pytest
 from kvmeta._types import PoolId
 from kvmeta.core import check_pool
 from kvmeta.errors import JournalCorrupt
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.recovery import list_data_dir, recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 MAMBA = PoolId("s", 0, "mamba")
@@ -122,7 +122,7 @@ def test_torn_tail_is_cut_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptu
     assert not check_data_dir(tmp_path).problems  # check reports, start-up repairs
 
     async def main() -> None:
-        with caplog.at_level(logging.WARNING, logger="kvmeta.store.recovery"):
+        with caplog.at_level(logging.WARNING, logger="kvmeta.store.disk.recovery"):
             b = await open_backend(tmp_path)
         try:
             assert state(b) == before

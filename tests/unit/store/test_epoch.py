@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.recovery import list_data_dir
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.recovery import list_data_dir
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_pool
-from kvmeta.store.codec import Record, Remove
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.codec import Record, Remove
+from kvmeta.store.disk.memory import MemoryStore
 
 P = PoolId("s", 0, "kv")
 

@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvmeta.errors import StorageError
-from kvmeta.store import journal as journal_module
-from kvmeta.store.recovery import recover
+from kvmeta.store.disk import journal as journal_module
+from kvmeta.store.disk.recovery import recover
 from tests.unit.store.durable_support import S0, open_backend, state
 
 

@@ -15,8 +15,8 @@ from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.errors import NoHashIndex
 from kvmeta.events.wire import sglang_hash
-from kvmeta.store.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 from tests.unit.store.durable_support import crash
 from tests.unit.store.test_evict_ahead import Sink
 

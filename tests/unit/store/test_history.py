@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from kvmeta.errors import JournalCorrupt, JournalFailed
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.codec import HEADER, Commit, NewPool, encode_record, predecessor
-from kvmeta.store.history import HEAD_FILE, read_head
-from kvmeta.store.journal import segment_path
-from kvmeta.store.recovery import list_data_dir, recover
-from kvmeta.store.repair import repair_data_dir
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.codec import HEADER, Commit, NewPool, encode_record, predecessor
+from kvmeta.store.disk.history import HEAD_FILE, read_head
+from kvmeta.store.disk.journal import segment_path
+from kvmeta.store.disk.recovery import list_data_dir, recover
+from kvmeta.store.disk.repair import repair_data_dir
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 
 

@@ -12,10 +12,10 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
-from kvmeta.store import journal as journal_module
-from kvmeta.store.codec import Clear
-from kvmeta.store.journal import Journal
-from kvmeta.store.recovery import recover
+from kvmeta.store.disk import journal as journal_module
+from kvmeta.store.disk.codec import Clear
+from kvmeta.store.disk.journal import Journal
+from kvmeta.store.disk.recovery import recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 
@@ -220,7 +220,7 @@ def test_the_gc_runs_while_a_snapshot_is_written(
     """gc.disable is process-wide: it may cover the synchronous capture, never the await."""
     import gc
 
-    from kvmeta.store.durable import DurableBackend
+    from kvmeta.store.disk.durable import DurableBackend
 
     seen: list[bool] = []
     real = DurableBackend._write_and_compact

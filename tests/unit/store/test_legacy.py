@@ -12,8 +12,8 @@ import pytest
 
 from kvmeta._types import PoolId, normalize_namespace
 from kvmeta.errors import StorageError
-from kvmeta.store.legacy import read_legacy, write_legacy
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.disk.legacy import read_legacy, write_legacy
+from kvmeta.store.disk.recovery import list_data_dir, recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
 LEGACY = {
@@ -64,7 +64,7 @@ def test_a_pool_under_both_names_imports_the_enum_form(
     old = ("0:kv", {"num_pages": 4, "key_to_index": [["old", 2], ["older", 3]]})
     path = tmp_path / "state.json"
     path.write_text(json.dumps(dict([current, old] if enum_first else [old, current])))
-    with caplog.at_level(logging.WARNING, logger="kvmeta.store.legacy"):
+    with caplog.at_level(logging.WARNING, logger="kvmeta.store.disk.legacy"):
         assert read_legacy(path) == [(S0, 4, [("new", 2)])]
     (warning,) = [r.getMessage() for r in caplog.records]
     assert "'0:kv'" in warning and "'0:PoolName.KV'" in warning and "2 keys" in warning
@@ -141,8 +141,8 @@ def test_the_import_is_one_snapshot_written_before_any_journal_record(tmp_path: 
 
 
 def test_in_memory_mode_imports_at_every_start_and_writes_back(tmp_path: Path) -> None:
-    from kvmeta.store.durable import DurabilityOptions, DurableBackend
-    from kvmeta.store.memory import MemoryStore
+    from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+    from kvmeta.store.disk.memory import MemoryStore
 
     legacy = tmp_path / "state.json"
     legacy.write_text(json.dumps(LEGACY))

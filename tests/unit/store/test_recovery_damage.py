@@ -11,10 +11,10 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import JournalCorrupt
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.codec import HEADER, Commit, FrameError, decode_frames, encode_record
-from kvmeta.store.journal import segment_path
-from kvmeta.store.recovery import list_data_dir, recover
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.codec import HEADER, Commit, FrameError, decode_frames, encode_record
+from kvmeta.store.disk.journal import segment_path
+from kvmeta.store.disk.recovery import list_data_dir, recover
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 
 PID = PoolId("s", 0, "kv")

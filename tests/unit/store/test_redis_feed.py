@@ -1,4 +1,4 @@
-"""``store.redis_feed.ChangeSequencer``: a pool's changes in Redis's counter order whatever
+"""``store.redis.feed.ChangeSequencer``: a pool's changes in Redis's counter order whatever
 order the replies arrive in; a call that failed after it was sent reported ``UNSURE``; and
 ``settle``, which a pool's resync waits on, so that no older change follows it."""
 
@@ -8,7 +8,7 @@ import asyncio
 
 from kvmeta._types import PoolId
 from kvmeta.store.changes import REMOVED, STORED, UNSURE, Change
-from kvmeta.store.redis_feed import ChangeSequencer
+from kvmeta.store.redis.feed import ChangeSequencer
 
 POOL = PoolId("s", 0, "kv")
 OTHER = PoolId("s", 1, "kv")

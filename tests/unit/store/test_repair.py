@@ -12,13 +12,13 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import StorageError
-from kvmeta.store.check import check_data_dir
-from kvmeta.store.codec import HEADER, Commit, NewPool, encode_record
+from kvmeta.store.disk.check import check_data_dir
+from kvmeta.store.disk.codec import HEADER, Commit, NewPool, encode_record
+from kvmeta.store.disk.journal import segment_path
+from kvmeta.store.disk.recovery import list_data_dir, recover
+from kvmeta.store.disk.repair import repair_data_dir
+from kvmeta.store.disk.snapshot import snapshot_path
 from kvmeta.store.epoch import EPOCH_FILE
-from kvmeta.store.journal import segment_path
-from kvmeta.store.recovery import list_data_dir, recover
-from kvmeta.store.repair import repair_data_dir
-from kvmeta.store.snapshot import snapshot_path
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 
 T0 = PoolId("s", 0, "kv", "team-a")

@@ -1,10 +1,10 @@
-"""``store.resp``: requests packed for one send are byte-for-byte what Redis expects."""
+"""``store.redis.resp``: requests packed for one send are byte-for-byte what Redis expects."""
 
 from __future__ import annotations
 
 import pytest
 
-from kvmeta.store.resp import Strings, pack
+from kvmeta.store.redis.resp import Strings, pack
 
 
 def _plain(args: list[bytes]) -> bytes:

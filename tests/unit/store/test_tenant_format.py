@@ -14,7 +14,7 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.codec import (
+from kvmeta.store.disk.codec import (
     HEADER,
     Clear,
     Commit,
@@ -27,11 +27,11 @@ from kvmeta.store.codec import (
     decode_frames,
     encode_record,
 )
-from kvmeta.store.history import write_head
-from kvmeta.store.journal import Journal, segment_path
-from kvmeta.store.memory import MemoryStore
-from kvmeta.store.recovery import install, recover
-from kvmeta.store.snapshot import capture, encode_image, read_snapshot, write_snapshot
+from kvmeta.store.disk.history import write_head
+from kvmeta.store.disk.journal import Journal, segment_path
+from kvmeta.store.disk.memory import MemoryStore
+from kvmeta.store.disk.recovery import install, recover
+from kvmeta.store.disk.snapshot import capture, encode_image, read_snapshot, write_snapshot
 
 S0 = PoolId("s", 0, "kv")
 T0 = PoolId("s", 0, "kv", "team-a")
@@ -138,7 +138,9 @@ def _journal(directory: Path, records: list[list[Record]]) -> bytes:
 def test_a_journal_without_tenants_says_format_2(tmp_path: Path) -> None:
     data = _journal(tmp_path, [[NewPool(S0, 8), Commit(S0, [("a", 0)])], [WorldSize(1)]])
     assert data[:5] == HEADER[:5] and data[4] == 2
-    assert data[5:8] == bytes([1, 0, 0])  # the chain (store.history): segment 0 before it, none
+    assert data[5:8] == bytes(
+        [1, 0, 0]
+    )  # the chain (store.disk.history): segment 0 before it, none
 
 
 def test_the_first_tenant_record_makes_the_segment_say_format_3(tmp_path: Path) -> None:

@@ -12,7 +12,7 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 from kvmeta.core import check_pool
-from kvmeta.store.durable import DurableBackend
+from kvmeta.store.disk.durable import DurableBackend
 from tests.unit.store.durable_support import S0, cycle, open_backend
 
 

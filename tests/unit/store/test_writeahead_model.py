@@ -21,9 +21,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvmeta._types import PoolId
 from kvmeta.core import Pool, check_pool
 from kvmeta.core.pool import RELEASE_GRACE
-from kvmeta.store.codec import Record
-from kvmeta.store.memory import MemoryStore
-from kvmeta.store.recovery import Recovered, _apply
+from kvmeta.store.disk.codec import Record
+from kvmeta.store.disk.memory import MemoryStore
+from kvmeta.store.disk.recovery import Recovered, _apply
 
 P = PoolId("s", 0, "kv")
 PAGES = 2

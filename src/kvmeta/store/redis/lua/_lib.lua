@@ -358,7 +358,7 @@ end
 
 -- The hold after Redis lost its data (a restart without persistence, a flush): writers and
 -- readers of the lost pools may still use the pages they were given, and a pool created anew
--- starts its allocator at page 0. The first kvmeta server to notice the loss (store.redis_epoch)
+-- starts its allocator at page 0. The first kvmeta server to notice the loss (store.redis.epoch)
 -- sets key (kvmeta:2:hold_until) to Valkey's time + seconds (the longest lease plus the clock-step
 -- bound), keeping a later end already there; every server reads it with the epoch and passes it
 -- to init_pool. Valkey's time, not a pool's lease clock: no pool exists yet. Returns the end.

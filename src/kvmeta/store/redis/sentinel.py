@@ -19,11 +19,11 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from kvmeta.errors import BackendUnavailable
-from kvmeta.store.redis_url import RESP, RedisTarget
+from kvmeta.store.redis.url import RESP, RedisTarget
 
 __all__ = ["resolve_primary", "watch_switches"]
 
-logger = logging.getLogger("kvmeta.store.redis")
+logger = logging.getLogger("kvmeta.store.redis.backend")
 
 
 SWITCH_CHANNEL = "+switch-master"

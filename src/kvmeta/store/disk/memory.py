@@ -5,7 +5,7 @@ async face the server uses, which is also where a reply waits for its journal gr
 durable (docs/durability.md, the write-ahead rule: a page that held a removed key is handed to a
 new writer only after the removal is on disk).
 
-Journal records are the typed records of ``store.codec`` (``NewPool``, ``Commit``, ``Remove``
+Journal records are the typed records of ``store.disk.codec`` (``NewPool``, ``Commit``, ``Remove``
 for deletes and evictions, ``Clear``, ``WorldSize``/``TenantWorldSize``, ``Drop`` for a vLLM
 rank removed).
 
@@ -56,7 +56,7 @@ from kvmeta.store.changes import (
     Change,
     ChangeListener,
 )
-from kvmeta.store.codec import (
+from kvmeta.store.disk.codec import (
     Clear,
     Commit,
     Drop,
@@ -66,8 +66,8 @@ from kvmeta.store.codec import (
     TenantWorldSize,
     WorldSize,
 )
+from kvmeta.store.disk.writeahead import DurableSink, WriteAhead
 from kvmeta.store.epoch import new_epoch
-from kvmeta.store.writeahead import DurableSink, WriteAhead
 
 __all__ = ["V_EXISTS_STEP", "ChangeSink", "MemoryBackend", "MemoryStore"]
 
@@ -237,7 +237,7 @@ class MemoryStore:
             self.tenant_pages.pop(tenant, None)
 
     def set_withhold(self, sink: DurableSink | None) -> None:
-        """Keep the write-ahead rule for ``sink`` (``store.writeahead``); None: stop.
+        """Keep the write-ahead rule for ``sink`` (``store.disk.writeahead``); None: stop.
 
         Deletes, clears and evictions ahead of need withhold their pages until the removal is
         durable, so reserves rarely wait; a page evicted on the spot is marked, and the

@@ -24,7 +24,7 @@ from kvmeta.errors import ConfigError
 __all__ = ["REDACTED", "RESP", "RedisTarget", "check_url", "parse_target", "redact_url"]
 
 # The protocol version every connection kvmeta opens asks for. kvmeta reads replies itself
-# (``store.redis_link``) and its scripts' replies are shaped for RESP2; redis-py 8 and later
+# (``store.redis.link``) and its scripts' replies are shaped for RESP2; redis-py 8 and later
 # would otherwise say HELLO 3 and get maps, doubles and booleans back.
 RESP = 2
 

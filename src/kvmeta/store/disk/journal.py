@@ -3,7 +3,7 @@
 ``append`` encodes a record into an in-memory buffer (no syscall) and ``wait`` parks a reply
 on a future. The first record of a group arms a timer (``call_later(interval)``; ``call_soon``
 in ``always`` mode); when it fires, the loop writes the group to the segment file (a copy into
-the page cache, cheap per KB) and asks the fsync helper (``store.fsync_helper``, a small
+the page cache, cheap per KB) and asks the fsync helper (``store.disk.fsync_helper``, a small
 separate process) to fdatasync it. The helper's reply wakes the waiting replies.
 
 Why a process: a Python thread returning from fdatasync must take the GIL back from the busy
@@ -14,7 +14,7 @@ group: with a writer thread the journal added CPU to every request even with ``-
 Failure (disk full, out of file descriptors, fsync failing, the helper dying over and over):
 the journal stops writing at once (a half-written group must never be followed by more), every
 waiter gets ``JournalFailed`` and so does every later ``wait``; ``failed`` says why. Records
-appended meanwhile are only counted. The owner (``store.durable``) then refuses changes and,
+appended meanwhile are only counted. The owner (``store.disk.durable``) then refuses changes and,
 once the cause is gone, writes a snapshot of the state in memory into a new segment number and
 calls ``recovered``: everything up to then is durable again, and writing resumes in a fresh
 segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
@@ -27,7 +27,7 @@ meanwhile. Nothing is discarded: when the fsync completes, everything written is
 the stall ends by itself (no snapshot needed; one would wait for the same disk).
 
 The loop blocks on the disk in two rare places only: ``rotate`` (once per snapshot: with the
-default journal budget about once a second at most under a full load, ``store.compaction``)
+default journal budget about once a second at most under a full load, ``store.disk.compaction``)
 fdatasyncs the segment it closes, so that a segment is never torn unless it is the last one
 (recovery cuts only a last torn segment), and ``close`` fdatasyncs the final group (unless
 stalled). The helper has fsynced the closing segment up to its last group or two, so that
@@ -38,7 +38,7 @@ a new segment at a point the loop chooses, so a snapshot taken at that instant c
 the segments before it and recovery replays only the segments from N on. Each segment's header
 names the segment created before it (``codec.segment_header``), and ``on_new_segment`` is told
 of each new segment once its header and directory entry are durable, before anything in it is
-written or acknowledged (the owner records it in ``HEAD``, ``store.history``): the third place
+written or acknowledged (the owner records it in ``HEAD``, ``store.disk.history``): the third place
 the loop waits for the disk, once per segment.
 
 fsync modes:
@@ -65,7 +65,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from kvmeta.errors import JournalFailed, JournalStalled
-from kvmeta.store.codec import (
+from kvmeta.store.disk.codec import (
     HEADER_TENANTS,
     Clear,
     Record,
@@ -75,7 +75,7 @@ from kvmeta.store.codec import (
     has_tenant,
     segment_header,
 )
-from kvmeta.store.mounts import describe_disk
+from kvmeta.store.disk.mounts import describe_disk
 
 __all__ = [
     "DEFAULT_FSYNC_INTERVAL",
@@ -180,7 +180,7 @@ class Journal:
         self._stalled_from: float | None = None  # loop time the stalled fsync began
         self.stalls = 0
         # Told after a group is written once ``bytes_written`` has reached ``grow_at`` (0:
-        # never): the owner's size-driven snapshot (``store.compaction``) waits for it. One
+        # never): the owner's size-driven snapshot (``store.disk.compaction``) waits for it. One
         # comparison per group, so the journal never counts on its own.
         self.grow_at = 0
         self.on_grown: Callable[[], None] | None = None
@@ -190,7 +190,7 @@ class Journal:
         self.fsync_seconds_max = 0.0
         self.bytes_written = 0
         self.records = 0
-        # A tenant's record was appended: segments say format 3 from then on (store.codec).
+        # A tenant's record was appended: segments say format 3 from then on (store.disk.codec).
         self._tenants = False
 
     # ------------------------------------------------------------------ records

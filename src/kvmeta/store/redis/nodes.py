@@ -1,7 +1,7 @@
 """Where a Redis key lives: one endpoint, a Cluster's slot map, or the primary a Sentinel group
 names; and which failures are worth a retry.
 
-Each node keeps its own links (``store.redis_link``): a request costs one packed write and
+Each node keeps its own links (``store.redis.link``): a request costs one packed write and
 its reply, with no client object, pool or lock in between, and concurrent requests share a
 connection. A topology answers ``route(key)`` from memory; ``refresh()``
 re-learns it after a failure (a Cluster's slot map from any reachable node, a Sentinel group's
@@ -31,10 +31,10 @@ from redis.exceptions import (
 )
 
 from kvmeta.errors import BackendUnavailable
-from kvmeta.store.redis_link import Link, open_link
-from kvmeta.store.redis_sentinel import resolve_primary, watch_switches
-from kvmeta.store.redis_url import RESP, RedisTarget
-from kvmeta.store.resp import pack
+from kvmeta.store.redis.link import Link, open_link
+from kvmeta.store.redis.resp import pack
+from kvmeta.store.redis.sentinel import resolve_primary, watch_switches
+from kvmeta.store.redis.url import RESP, RedisTarget
 
 __all__ = [
     "ClusterTopology",
@@ -46,7 +46,7 @@ __all__ = [
     "retriable",
 ]
 
-logger = logging.getLogger("kvmeta.store.redis")
+logger = logging.getLogger("kvmeta.store.redis.backend")
 
 MAX_LINKS = 64  # connections per node and server process (see ``Node``)
 # Connection timeouts unless the URL sets its own (?socket_timeout=...): a node that stops
@@ -74,7 +74,7 @@ def retriable(exc: BaseException) -> bool:
 
 
 class Node:
-    """One Redis node and this process's links to it (``store.redis_link``).
+    """One Redis node and this process's links to it (``store.redis.link``).
 
     Calls share a link: each is one write, and the replies come back in order. Only a call
     that ends with a WAIT holds its link alone until the replicas answer (Redis serves nothing
@@ -110,7 +110,7 @@ class Node:
         return self._pool.connection_class(**kwargs)
 
     async def request(self, payload: bytes, replies: int, blocking: bool = False) -> list[Any]:
-        """Send ``payload`` (``replies`` commands packed by ``store.resp``) and return their
+        """Send ``payload`` (``replies`` commands packed by ``store.redis.resp``) and return their
         replies, error replies as exception objects. ``blocking``: it ends with a WAIT."""
         for link in self.links:
             if not link.blocking:

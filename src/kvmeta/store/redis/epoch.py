@@ -22,7 +22,7 @@ from kvmeta.store.epoch import new_epoch
 
 __all__ = ["EPOCH_COMMANDS", "RedisEpoch"]
 
-logger = logging.getLogger("kvmeta.store.redis")
+logger = logging.getLogger("kvmeta.store.redis.backend")
 
 # The commands a read sends (``hold``: the script that sets the hold after a loss): a call of
 # these settles no doubt (it is the read).

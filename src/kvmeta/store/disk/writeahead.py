@@ -32,7 +32,7 @@ from collections.abc import Callable
 from typing import Protocol
 
 from kvmeta.core.pool import Pool
-from kvmeta.store.codec import Record
+from kvmeta.store.disk.codec import Record
 
 __all__ = ["DurableSink", "WriteAhead"]
 

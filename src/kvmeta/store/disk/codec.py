@@ -43,7 +43,7 @@ the disk before a crash, the record itself is still refused by that reader's dec
 The chain (bytes 5-7 of the header): a segment says how far back the segment written before it
 in this directory is: segment N with distance d follows segment N - d (N itself: nothing was
 written before it). Recovery uses it to find a segment that went missing between a snapshot and
-the last segment (``store.history``). Older kvmeta wrote those bytes as zeros ("not said"), and
+the last segment (``store.disk.history``). Older kvmeta wrote those bytes as zeros ("not said"), and
 reads a segment that says it without looking at them: the bytes were reserved, so no version
 bump was needed, and a directory without tenants stays readable by an older kvmeta. A distance
 that does not fit 24 bits (16 million rotations without a record: never in practice) is

@@ -1,10 +1,10 @@
 """State in Redis/Valkey, shared by any number of stateless kvmeta servers.
 
-Every operation on a pool is ONE Lua function (``store/lua/<op>.lua``, loaded as one Functions
-library by ``store.redis_scripts``; EVALSHA where a server lacks FUNCTION), so servers never
+Every operation on a pool is ONE Lua function (``store/redis/lua/<op>.lua``, loaded as one Functions
+library by ``store.redis.scripts``; EVALSHA where a server lacks FUNCTION), so servers never
 race on a read-modify-write: Redis runs each atomically. The functions keep exactly the
-semantics of ``core.pool`` + ``store.memory``; the contract suite runs against both. Where the
-keys live (one node, a Cluster's slots, a Sentinel group's primary) is ``store.redis_nodes``.
+semantics of ``core.pool`` + ``store.disk.memory``; the contract suite runs against both. Where the
+keys live (one node, a Cluster's slots, a Sentinel group's primary) is ``store.redis.nodes``.
 
 Key layout (see ``_lib.lua`` for the per-pool structures): each SGLang pool lives under its own
 hash tag ``kvmeta:2:{s:RANK:NS}:``, so on a Redis Cluster pools spread over shards while one
@@ -33,12 +33,12 @@ script takes to run in Redis.
 
 The change feed (``set_change_listener``): the scripts that change stored keys take a last
 argument of their own, '1' when a listener is set, and only then collect the keys they changed
-and bump the pool's change counter (``_lib.lua`` ``feed``); ``store.redis_feed`` delivers each
+and bump the pool's change counter (``_lib.lua`` ``feed``); ``store.redis.feed`` delivers each
 pool's changes in the order Redis made them, after the reply and its ``WAIT``.
 
 Whole-pool work (``clear``, ``check``) runs as many short scripts, one bounded chunk each, looped
 from Python: one long script would stall every pool on that Redis for its whole duration. So
-does a vLLM completeness check over many ranks (``store.redis_vexists``).
+does a vLLM completeness check over many ranks (``store.redis.vexists``).
 """
 
 from __future__ import annotations
@@ -102,9 +102,9 @@ from kvmeta.store.changes import (
     Change,
     ChangeListener,
 )
-from kvmeta.store.redis_epoch import EPOCH_COMMANDS, RedisEpoch
-from kvmeta.store.redis_feed import ChangeSequencer
-from kvmeta.store.redis_nodes import (
+from kvmeta.store.redis.epoch import EPOCH_COMMANDS, RedisEpoch
+from kvmeta.store.redis.feed import ChangeSequencer
+from kvmeta.store.redis.nodes import (
     READ_TIMEOUT,
     ClusterTopology,
     Node,
@@ -112,10 +112,11 @@ from kvmeta.store.redis_nodes import (
     Topology,
     retriable,
 )
-from kvmeta.store.redis_policy import EvictionWatch, eviction_problem
-from kvmeta.store.redis_policy import parse_info as _info
-from kvmeta.store.redis_scripts import ScriptLibrary
-from kvmeta.store.redis_url import (
+from kvmeta.store.redis.policy import EvictionWatch, eviction_problem
+from kvmeta.store.redis.policy import parse_info as _info
+from kvmeta.store.redis.resp import Strings, pack, pack_many
+from kvmeta.store.redis.scripts import ScriptLibrary
+from kvmeta.store.redis.url import (
     DB_HINT,
     RESP,
     RedisTarget,
@@ -123,10 +124,9 @@ from kvmeta.store.redis_url import (
     parse_target,
     redact_url,
 )
-from kvmeta.store.redis_vexists import V_STALE, VPlan, walk
-from kvmeta.store.resp import Strings, pack, pack_many
+from kvmeta.store.redis.vexists import V_STALE, VPlan, walk
 
-# check_url and redact_url live in store.redis_url; importable here too, where callers expect them.
+# check_url and redact_url live in store.redis.url; importable here too, where callers expect them.
 __all__ = ["POOL_PARTS", "RedisBackend", "check_url", "pool_keys", "redact_url"]
 
 logger = logging.getLogger(__name__)
@@ -141,7 +141,7 @@ _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
 # The end of the hold after a data loss (``_lib.lua`` ``hold_after_loss``).
 _HOLD_KEY = f"{_PREFIX}:hold_until"
-# Commands whose head (name, function, key count and keys) repeats and is packed once (store.resp).
+# Commands whose head (name, function, key count and keys) repeats and is packed once (store.redis.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
 _TENANTS = f"{_PREFIX}:tenants"
@@ -341,7 +341,7 @@ class RedisBackend:
     """The ``Backend`` over Redis/Valkey: one endpoint (``redis://[:password@]host:port/db``,
     ``rediss://`` for TLS, ``unix:///path/redis.sock?db=0``), a Cluster
     (``redis+cluster://h:p[,h:p...]``, or a plain URL naming a Cluster node) or a Sentinel group
-    (``redis+sentinel://s:p[,s:p...]/primary-name``); see ``store.redis_url``."""
+    (``redis+sentinel://s:p[,s:p...]/primary-name``); see ``store.redis.url``."""
 
     name = "redis"
 
@@ -427,17 +427,17 @@ class RedisBackend:
         self._ack: tuple[Any, ...] | None = None  # the WAIT/WAITAOF pipelined after a write
         self._replication: dict[str, float] = {}  # see durability_stats
         # What v_exists needs from each tenant's registry as this process last read it (see
-        # ``store.redis_vexists``): where it starts, checked by each script to be current.
+        # ``store.redis.vexists``): where it starts, checked by each script to be current.
         # Several servers share the registry, so this is a guess, never an answer.
         self._v_known: dict[str, VPlan] = {}
         self._feed = ChangeSequencer()  # the change feed: its listener, calls in flight
-        # The epoch, read again whenever Redis may have lost its data (``store.redis_epoch``);
+        # The epoch, read again whenever Redis may have lost its data (``store.redis.epoch``);
         # a new one is reported to the change feed's listener, which states every pool again.
         # With a test clock there is no hold after a data loss: its end is Valkey's time,
         # which such a backend's scripts never compare with.
         hold = self._set_hold if clock is None else None
         self._epochs = RedisEpoch(_EPOCH_KEY, self._command, self._feed.lost, _HOLD_KEY, hold)
-        # Whether a primary may evict kvmeta's keys (``store.redis_policy``).
+        # Whether a primary may evict kvmeta's keys (``store.redis.policy``).
         self._eviction = EvictionWatch(self._primaries)
         self._started = False  # start-up's own checks done: new links are watched from now
 
@@ -467,7 +467,7 @@ class RedisBackend:
     @property
     def epoch(self) -> str:
         """The ``kvmeta:2:epoch`` key's value: created when absent (a new or emptied Redis), read
-        again before the next reply whenever Redis may have lost its data (``store.redis_epoch``:
+        again before the next reply whenever Redis may have lost its data (``store.redis.epoch``:
         a new link, kvmeta's code missing, a failed-over call, a pool or rank found missing, a
         ``/ready`` probe), so it changes exactly when Redis lost data."""
         return self._epochs.value
@@ -475,7 +475,7 @@ class RedisBackend:
     def set_change_listener(self, listener: ChangeListener | None) -> None:
         """Report each change once its script answered (and its ``WAIT``, with
         ``--min-replicas-ack``: a write answered ``NotReplicated`` is never announced), per pool
-        in Redis's order (``store.redis_feed``). Each server reports what it executed: a
+        in Redis's order (``store.redis.feed``). Each server reports what it executed: a
         subscriber listens to every kvmeta server on the Redis. Not reported: a change whose
         reply was lost (a dropped connection, a failover, ``NotReplicated``) and whose retry
         found nothing left to do (an idempotent repeat changes nothing). None: the scripts do
@@ -621,7 +621,7 @@ class RedisBackend:
             self._eviction.linked(node)
 
     async def _refuse_eviction(self, primaries: list[Node]) -> None:
-        """Refuse to start on primaries that may evict kvmeta's keys (``store.redis_policy``),
+        """Refuse to start on primaries that may evict kvmeta's keys (``store.redis.policy``),
         before kvmeta changes anything on them.
 
         Raises:
@@ -1001,8 +1001,8 @@ class RedisBackend:
     async def _send(
         self, node: Node, command: tuple[Any, ...], wait: tuple[Any, ...] | None, asking: bool
     ) -> tuple[Any, Any]:
-        """One write and its replies, on a link of ``node`` (``store.redis_link``), the request
-        packed by ``store.resp``: redis-py's client and its connection pool cost well over
+        """One write and its replies, on a link of ``node`` (``store.redis.link``), the request
+        packed by ``store.redis.resp``: redis-py's client and its connection pool cost well over
         twice the CPU per call (benchmarks/README.md, "Implementation costs")."""
         head = 3 + int(command[2]) if command[0] in _SCRIPT_CALLS else 0
         if wait is None and not asking:
@@ -1291,7 +1291,7 @@ class RedisBackend:
 
     async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
         """One consistent answer: the required ranks as the registry has them when the walk
-        runs (``store.redis_vexists``: bounded scripts, rank by rank, each asked only about the
+        runs (``store.redis.vexists``: bounded scripts, rank by rank, each asked only about the
         keys the ranks before it had). It starts from the last registry read this process made
         (``_v_known``), so the common case is one script; ``v_exists.lua`` refuses, changing
         nothing, when other ranks are required by then, and the registry is read again.

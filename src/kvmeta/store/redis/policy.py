@@ -26,11 +26,11 @@ from typing import Any
 from redis.exceptions import RedisError
 
 from kvmeta.errors import BackendUnavailable
-from kvmeta.store.redis_nodes import Node
+from kvmeta.store.redis.nodes import Node
 
 __all__ = ["SAFE_POLICIES", "EvictionWatch", "eviction_problem", "parse_info"]
 
-logger = logging.getLogger("kvmeta.store.redis")
+logger = logging.getLogger("kvmeta.store.redis.backend")
 
 # A policy is safe when it is one of these or starts with ``volatile-``.
 SAFE_POLICIES = ("noeviction",)

@@ -6,7 +6,7 @@ operation, while the EVALSHA script cache is per process and empty on a new prim
 server has no ``FUNCTION`` command (Redis < 7, or an ACL that refuses it) the same code runs as
 one EVALSHA script per operation, loaded again on ``NOSCRIPT``.
 
-The sources stay one file per operation in ``store/lua/`` plus ``_lib.lua`` (helpers every
+The sources stay one file per operation in ``store/redis/lua/`` plus ``_lib.lua`` (helpers every
 operation uses). An op file is a script body: it reads ``KEYS``/``ARGV`` and ends with a
 ``return``. As a script it runs as ``_lib.lua`` + the op file; in the library ``_lib.lua`` comes
 once at the top and each op file becomes the body of ``function(KEYS, ARGV) ... end``, so the
@@ -94,7 +94,7 @@ def _parse_version(value: str) -> tuple[int, str]:
 
 
 def _read_sources() -> tuple[str, dict[str, str]]:
-    lua = resources.files("kvmeta.store").joinpath("lua")
+    lua = resources.files("kvmeta.store.redis").joinpath("lua")
     ops = {
         item.name[: -len(".lua")]: item.read_text()
         for item in lua.iterdir()

@@ -1,6 +1,6 @@
 """The journal's fsync process: makes segment files durable on request, nothing else.
 
-Run by ``store.journal`` as ``python -I -S fsync_helper.py`` (standard library only, so it
+Run by ``store.disk.journal`` as ``python -I -S fsync_helper.py`` (standard library only, so it
 starts quickly). Protocol, one line per message on stdin/stdout:
 
 - request ``<seq> <path>``: records up to ``seq`` are written to ``path``; make them durable;

@@ -14,7 +14,7 @@ directory, is a problem, not an empty state: "ok" for a mistyped path (or ``/etc
 the operator their state is sound when nothing of it was looked at. A server creates ``LOCK``
 and ``EPOCH`` on its first start, so a directory one has used passes even with no pools.
 
-Every problem names the way to start again, ``kvmeta check --repair`` (``store.repair``).
+Every problem names the way to start again, ``kvmeta check --repair`` (``store.disk.repair``).
 """
 
 from __future__ import annotations
@@ -26,9 +26,9 @@ from pathlib import Path
 
 from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
+from kvmeta.store.disk.history import HEAD_FILE, moved
+from kvmeta.store.disk.recovery import DataDirListing, corrupt, list_data_dir, recover
 from kvmeta.store.epoch import EPOCH_FILE
-from kvmeta.store.history import HEAD_FILE, moved
-from kvmeta.store.recovery import DataDirListing, corrupt, list_data_dir, recover
 
 __all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
 

@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmeta.errors import JournalCorrupt
-from kvmeta.store.codec import HEADER, predecessor
-from kvmeta.store.journal import fsync_dir, segment_path
+from kvmeta.store.disk.codec import HEADER, predecessor
+from kvmeta.store.disk.journal import fsync_dir, segment_path
 
 __all__ = ["HEAD_FILE", "Head", "check_history", "moved", "read_head", "write_head"]
 

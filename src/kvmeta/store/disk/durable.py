@@ -32,13 +32,13 @@ confirms and deletes of up to one group before the failure; ``always``: nothing 
 Journal stall (an fsync older than ``--fsync-timeout``: the disk stopped answering): the same
 refusals and the same not-ready, but the replies waiting for that fsync are answered 503 too
 (their changes stay applied in memory), and it ends by itself when the fsync completes, which
-makes all of it durable (``store.journal``). No periodic snapshot is taken meanwhile: its
+makes all of it durable (``store.disk.journal``). No periodic snapshot is taken meanwhile: its
 rotation fsyncs on the event loop and would hang every request, reads too.
 
 Snapshots are taken every ``--snapshot-interval`` seconds once ``--snapshot-min-records``
 records have accumulated, as soon as the journal since the newest one outgrows its budget
-(``store.compaction``: ``--snapshot-journal-bytes``, ``--snapshot-journal-ratio``), and at
-shutdown; see ``store.snapshot`` for why they never stop the server. A failed size-driven
+(``store.disk.compaction``: ``--snapshot-journal-bytes``, ``--snapshot-journal-ratio``), and at
+shutdown; see ``store.disk.snapshot`` for why they never stop the server. A failed size-driven
 snapshot is retried after 1 s, backing off to 8 s: each attempt starts a new segment.
 """
 
@@ -60,19 +60,19 @@ from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
 from kvmeta.store.base import InitResult
 from kvmeta.store.changes import Change, ChangeListener
-from kvmeta.store.compaction import DEFAULT_JOURNAL_BYTES, DEFAULT_JOURNAL_RATIO, JournalBudget
-from kvmeta.store.epoch import data_dir_epoch
-from kvmeta.store.history import read_head, write_head
-from kvmeta.store.journal import (
+from kvmeta.store.disk.compaction import DEFAULT_JOURNAL_BYTES, DEFAULT_JOURNAL_RATIO, JournalBudget
+from kvmeta.store.disk.history import read_head, write_head
+from kvmeta.store.disk.journal import (
     DEFAULT_FSYNC_INTERVAL,
     DEFAULT_FSYNC_TIMEOUT,
     Journal,
     segment_path,
 )
-from kvmeta.store.legacy import LegacyPool, read_legacy, write_legacy
-from kvmeta.store.memory import MemoryBackend, MemoryStore
-from kvmeta.store.recovery import gc_paused, install, list_data_dir, lock_data_dir, recover
-from kvmeta.store.snapshot import StoreImage, capture, snapshot_path, write_snapshot
+from kvmeta.store.disk.legacy import LegacyPool, read_legacy, write_legacy
+from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.recovery import gc_paused, install, list_data_dir, lock_data_dir, recover
+from kvmeta.store.disk.snapshot import StoreImage, capture, snapshot_path, write_snapshot
+from kvmeta.store.epoch import data_dir_epoch
 
 __all__ = ["DurabilityOptions", "DurableBackend"]
 
@@ -135,7 +135,7 @@ class DurableBackend(MemoryBackend):
         self._drop_seq = 0  # journal position of the last vLLM rank removal
         self._snapshot_records = 0
         self._budget = JournalBudget(options.snapshot_journal_ratio, options.snapshot_journal_bytes)
-        self._grown = asyncio.Event()  # the journal outgrew its budget (``store.compaction``)
+        self._grown = asyncio.Event()  # the journal outgrew its budget (``store.disk.compaction``)
         self._snapshot_lock = asyncio.Lock()
         self._tasks: list[asyncio.Task[None]] = []
         self._lock_fd = -1
@@ -392,7 +392,7 @@ class DurableBackend(MemoryBackend):
                 logger.error("periodic %s failed: %s", "save" if legacy else "snapshot", exc)
 
     async def _when_grown(self) -> None:
-        """Snapshot whenever the journal outgrows its budget (``store.compaction``)."""
+        """Snapshot whenever the journal outgrows its budget (``store.disk.compaction``)."""
         delay = _RETRY_FIRST
         while True:
             await self._grown.wait()
@@ -596,7 +596,7 @@ class DurableBackend(MemoryBackend):
 
     @_refused_while_failed
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        """A reserve, with the waits of the write-ahead rule (``store.writeahead``)."""
+        """A reserve, with the waits of the write-ahead rule (``store.disk.writeahead``)."""
         rule, journal = self.store.write_ahead, self.journal
         if rule is None or journal is None:  # no journal, or ``--fsync never``
             return self.store.reserve(pool, keys)

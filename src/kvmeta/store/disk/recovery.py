@@ -7,7 +7,7 @@ twice. Reservations and leases are not durable: every page not STORED comes back
 (``Pool.hold_after_restart``), because a writer or reader of the old process may still use them.
 
 A torn last record (the process died mid-append) is cut off with a WARNING. Every other kind of
-damage, a missing segment included (``store.history``), raises ``JournalCorrupt`` naming the
+damage, a missing segment included (``store.disk.history``), raises ``JournalCorrupt`` naming the
 file, the offset and the options: kvmeta never starts empty over a data directory it could not
 read, because its next snapshot would destroy the evidence.
 """
@@ -29,7 +29,7 @@ from pathlib import Path
 from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt, StorageError
-from kvmeta.store.codec import (
+from kvmeta.store.disk.codec import (
     HEADER,
     Clear,
     Commit,
@@ -42,9 +42,9 @@ from kvmeta.store.codec import (
     WorldSize,
     decode_frames,
 )
-from kvmeta.store.history import check_history
-from kvmeta.store.memory import MemoryStore
-from kvmeta.store.snapshot import SnapshotError, read_snapshot
+from kvmeta.store.disk.history import check_history
+from kvmeta.store.disk.memory import MemoryStore
+from kvmeta.store.disk.snapshot import SnapshotError, read_snapshot
 
 __all__ = [
     "DataDirListing",
@@ -135,7 +135,7 @@ def corrupt(directory: Path, file: Path, reason: str, *, in_check: bool = False)
     The way forward is never an older state: a restored backup, or the journal cut before the
     damage, undoes every eviction and delete after that point while their pages were handed to
     other keys and rewritten since. ``kvmeta check --repair`` keeps the pools and drops the
-    keys (``store.repair``)."""
+    keys (``store.disk.repair``)."""
     details = "" if in_check else f"Run `kvmeta check --data-dir {directory}` for details. "
     return JournalCorrupt(
         f"{file}: {reason}. kvmeta will not start on a data directory it cannot read to its "

@@ -28,8 +28,8 @@ from pathlib import Path
 
 from kvmeta._types import PoolId
 from kvmeta.errors import StorageError
-from kvmeta.store import codec, snapshot
-from kvmeta.store.codec import (
+from kvmeta.store.disk import codec, snapshot
+from kvmeta.store.disk.codec import (
     Drop,
     FrameError,
     NewPool,
@@ -38,12 +38,11 @@ from kvmeta.store.codec import (
     WorldSize,
     salvage_records,
 )
-from kvmeta.store.epoch import renew_epoch
-from kvmeta.store.history import read_head, write_head
-from kvmeta.store.journal import fsync_dir, segment_path
-from kvmeta.store.memory import MemoryStore
-from kvmeta.store.recovery import list_data_dir, lock_data_dir
-from kvmeta.store.snapshot import (
+from kvmeta.store.disk.history import read_head, write_head
+from kvmeta.store.disk.journal import fsync_dir, segment_path
+from kvmeta.store.disk.memory import MemoryStore
+from kvmeta.store.disk.recovery import list_data_dir, lock_data_dir
+from kvmeta.store.disk.snapshot import (
     SnapshotData,
     SnapshotError,
     capture,
@@ -52,6 +51,7 @@ from kvmeta.store.snapshot import (
     snapshot_path,
     write_snapshot,
 )
+from kvmeta.store.epoch import renew_epoch
 
 __all__ = ["RepairReport", "repair_data_dir"]
 
@@ -108,7 +108,7 @@ def _lock(directory: Path) -> int:
 def _repair(directory: Path) -> RepairReport:
     report = RepairReport()
     listing = list_data_dir(directory)
-    if listing.empty:  # starts empty anyway (``store.history``)
+    if listing.empty:  # starts empty anyway (``store.disk.history``)
         report.lines.append(f"{directory} holds no journal and no snapshot: nothing to repair")
         return report
     found = salvage(directory)

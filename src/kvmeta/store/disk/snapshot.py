@@ -27,7 +27,7 @@ a snapshot holding one is version 3, which an older kvmeta refuses rather than m
 kvmeta ignores it, and a snapshot without it (an older kvmeta's) leaves every pool's frontier
 unrecorded, so recovery holds all its free pages after the restart.
 ``"head": 1`` says the kvmeta that wrote it keeps a ``HEAD`` file in the data directory
-(``store.history``): a directory holding such a snapshot without HEAD had its files restored
+(``store.disk.history``): a directory holding such a snapshot without HEAD had its files restored
 or copied without it. An older kvmeta ignores the key.
 
 Taking one never stops the server: ``capture`` runs on the event loop and only copies each
@@ -57,8 +57,8 @@ import msgspec
 
 from kvmeta._types import PoolId
 from kvmeta.core.pool import lru_order, page_typecode
-from kvmeta.store.journal import fsync_dir
-from kvmeta.store.memory import MemoryStore
+from kvmeta.store.disk.journal import fsync_dir
+from kvmeta.store.disk.memory import MemoryStore
 
 __all__ = [
     "PoolImage",
@@ -126,7 +126,7 @@ class SnapshotData:
     pools: list[tuple[PoolId, int, list[str], array[int]]] = field(default_factory=list)
     tworld: dict[str, int] = field(default_factory=dict)  # other tenants' vLLM world sizes
     frontiers: dict[PoolId, int] = field(default_factory=dict)  # recorded frontiers only
-    head: bool = False  # written by a kvmeta that keeps HEAD (``store.history``)
+    head: bool = False  # written by a kvmeta that keeps HEAD (``store.disk.history``)
 
 
 class SnapshotError(Exception):
