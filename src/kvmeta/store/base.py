@@ -1,7 +1,7 @@
 """What a backend must provide: the async interface the service layer calls.
 
-Two implementations: ``store.disk.memory`` (the core in this process, optionally journaled to a
-data directory) and ``store.redis.backend`` (state in Redis/Valkey, shared by many servers). Both keep
+Two implementations: ``store.disk`` (the core in this process, optionally journaled to a
+data directory) and ``store.redis`` (state in Redis/Valkey, shared by many servers). Both keep
 exactly the semantics of ``core.pool``; the shared behavioural test suite runs against each.
 """
 

@@ -141,7 +141,8 @@ _S_REGISTRY = f"{_PREFIX}:pools"
 _EPOCH_KEY = f"{_PREFIX}:epoch"
 # The end of the hold after a data loss (``_lib.lua`` ``hold_after_loss``).
 _HOLD_KEY = f"{_PREFIX}:hold_until"
-# Commands whose head (name, function, key count and keys) repeats and is packed once (store.redis.resp).
+# Commands whose head (name, function, key count and keys) repeats and is packed once
+# (store.redis.resp).
 _SCRIPT_CALLS = frozenset({"FCALL", "EVALSHA"})
 _V_PREFIX = f"{_PREFIX}:{{v}}:"
 _TENANTS = f"{_PREFIX}:tenants"
