@@ -13,7 +13,7 @@ import tempfile
 import threading
 import time
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +23,19 @@ from kvmeta.bench import procstat
 
 SRC = Path(__file__).resolve().parents[1] / "src"
 _LISTEN_RE = re.compile(r"kvmeta listening on (https?)://([^\s:]+|\[[^\]]+\]):(\d+)")
+
+
+def wait_until(
+    predicate: Callable[[], object], timeout: float = 30.0, what: str = "", interval: float = 0.01
+) -> None:
+    """Poll ``predicate`` until it is true: a test waits exactly as long as the condition takes,
+    never a fixed sleep that is too long on a quiet machine and too short on a loaded one."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, (
+            f"timed out after {timeout} s waiting for {what or predicate}"
+        )
+        time.sleep(interval)
 
 
 def child_env() -> dict[str, str]:

@@ -18,17 +18,14 @@ import pytest
 import requests
 
 from kvmeta.bench.procstat import children
-from tests.support import ServerProcess, kvmeta_check
+from tests.support import ServerProcess, kvmeta_check, wait_until
 
 PAGES = 1 << 16
 KEY_PAD = "k" * 160  # long keys fill the journal quickly
 
 
 def until(predicate: Callable[[], bool], timeout: float = 60.0, what: str = "") -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.05)
+    wait_until(predicate, timeout, what, interval=0.05)
 
 
 @contextlib.contextmanager
