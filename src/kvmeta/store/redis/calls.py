@@ -1,5 +1,6 @@
 """The call loop: one script or command to the node that serves its key, until it succeeds or
-``--failover-timeout`` runs out.
+``--failover-timeout`` runs out; and a pool operation's call on it (its request as one JSON
+argument, its reply's code checked, the change it made handed to the change feed).
 
 Time (reservation and read leases) is Redis ``TIME``, read inside each script, so servers with
 skewed clocks still agree, through each pool's lease clock, which a step of Valkey's clock
