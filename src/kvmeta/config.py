@@ -83,7 +83,7 @@ class Settings:
     metrics_max_pools: int = 256
     # shutdown: /ready answers 503 this long after SIGTERM while requests are still served
     drain_seconds: float = 5.0
-    # Redis high availability (see store/redis/backend.py)
+    # Redis high availability (see store/redis/calls.py and probes.py)
     failover_timeout: float = 5.0
     min_replicas_ack: int = 0
     replica_ack_timeout: float = 1.0

@@ -18,14 +18,8 @@ from importlib import resources
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.store.redis.backend import (
-    _SCRIPTS,
-    _TIMED,
-    POOL_PARTS,
-    RedisBackend,
-    pool_keys,
-    pool_prefix,
-)
+from kvmeta.store.redis.backend import POOL_PARTS, RedisBackend, pool_keys, pool_prefix
+from kvmeta.store.redis.calls import SCRIPTS, TIMED
 
 _LUA = resources.files("kvmeta.store.redis").joinpath("lua")
 _KEY_ARG = re.compile(r"^(k\.\w+|k\[\w+\]|KEYS\[\d+\]|key|unpack\(KEYS)$")
@@ -81,7 +75,7 @@ def _lib_pool_functions() -> str:
     return lib[:start] + lib[end:]
 
 
-@pytest.mark.parametrize("name", sorted(_SCRIPTS))
+@pytest.mark.parametrize("name", sorted(SCRIPTS))
 def test_scripts_touch_only_keys_passed_in_keys(name: str) -> None:
     assert _undeclared(_source(name)) == []
 
@@ -113,7 +107,7 @@ def test_stale_code_is_the_one_the_backend_retries_on() -> None:
 
 def test_vllm_index_scripts_are_checked() -> None:
     """No script is exempt: the vLLM index scripts take every rank's keys in KEYS too."""
-    assert {"v_register", "v_exists", "v_remove", "v_world", "v_index"} <= set(_SCRIPTS)
+    assert {"v_register", "v_exists", "v_remove", "v_world", "v_index"} <= set(SCRIPTS)
 
 
 def test_pool_keys_are_the_parts_lua_expects_in_order() -> None:
@@ -128,15 +122,16 @@ def test_pool_keys_are_the_parts_lua_expects_in_order() -> None:
 def test_every_script_that_reads_time_takes_the_test_clock() -> None:
     """A script reading the time does so through ``pool_now(k, ARGV[i], ARGV[i + 1], ...)``
     (the pool's lease clock: the clock-step bound, then the test clock), i one past its own
-    arguments as ``store.redis._TIMED`` says, so every server's bound and a backend's test clock
-    (the differential test) reach every one; a script not listed there never reads the time."""
-    for name in _SCRIPTS:
+    arguments as ``store.redis.calls.TIMED`` says, so every server's bound and a backend's test
+    clock (the differential test) reach every one; a script not listed there never reads the
+    time."""
+    for name in SCRIPTS:
         source = _source(name)
         assert "'TIME'" not in source, f"{name}.lua reads TIME directly; use pool_now"
         assert "valkey_time(" not in source, f"{name}.lua reads TIME directly; use pool_now"
         calls = re.findall(r"\bpool_now\(k, ([^,)]*, [^,)]*)", source)
-        if name in _TIMED:
-            i = _TIMED[name]
+        if name in TIMED:
+            i = TIMED[name]
             assert calls == [f"ARGV[{i}], ARGV[{i + 1}]"], f"{name}.lua: {calls}"
         else:
-            assert not calls, f"{name}.lua reads the time but is not in store.redis._TIMED"
+            assert not calls, f"{name}.lua reads the time but is not in store.redis.calls.TIMED"

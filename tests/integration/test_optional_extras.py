@@ -22,11 +22,15 @@ OPTIONAL = ("redis", "hiredis", "zmq", "matplotlib", "uvicorn", "valkey", "valke
 # Modules that are the optional features themselves: they import their extra at the top.
 NEEDS_AN_EXTRA = (
     "kvmeta.store.redis.backend",  # the Redis backend and its connections, [redis]
+    "kvmeta.store.redis.calls",
+    "kvmeta.store.redis.hidx_build",
     "kvmeta.store.redis.link",
     "kvmeta.store.redis.nodes",
     "kvmeta.store.redis.policy",
+    "kvmeta.store.redis.probes",
     "kvmeta.store.redis.scripts",
     "kvmeta.store.redis.sentinel",
+    "kvmeta.store.redis.stats",
     "kvmeta.events.listen",
     "kvmeta.events.publisher",
     "kvmeta.events.reader",

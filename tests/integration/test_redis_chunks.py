@@ -17,6 +17,7 @@ import pytest
 import redis
 
 import kvmeta.store.redis.backend as redis_store
+import kvmeta.store.redis.stats as redis_stats
 from kvmeta._types import PoolId
 from kvmeta.store.redis.backend import RedisBackend, pool_prefix
 from tests.redis_support import RedisServer
@@ -101,8 +102,8 @@ def test_clear_and_check_of_a_million_page_pool_hold_redis_briefly(
     # pool's entries each (~5-10 ms on an idle 2-core machine), never one call doing it all.
     # The bound allows two chunks per call on average: HSCAN's COUNT is only a hint.
     assert clear_calls >= n // (2 * redis_store.CLEAR_CHUNK)
-    assert check_calls >= n // (2 * redis_store.CHECK_CHUNK)
-    assert recheck_calls >= n // (2 * redis_store.CHECK_CHUNK)
+    assert check_calls >= n // (2 * redis_stats.CHECK_CHUNK)
+    assert recheck_calls >= n // (2 * redis_stats.CHECK_CHUNK)
 
 
 async def _check(b: RedisBackend) -> list[str]:
@@ -125,7 +126,7 @@ def test_writers_served_between_clear_chunks_stay_correct(
     every key stored before the clear is gone, no page is handed to two keys, and what the
     writer confirms after the clear is kept."""
     monkeypatch.setattr(redis_store, "CLEAR_CHUNK", 20)
-    monkeypatch.setattr(redis_store, "CHECK_CHUNK", 13)
+    monkeypatch.setattr(redis_stats, "CHECK_CHUNK", 13)
 
     async def run(b: RedisBackend) -> None:
         await b.initialize(POOL, 3000)
@@ -221,7 +222,7 @@ def test_check_finds_each_kind_of_damage_in_any_chunk_size(
     message: str,
     chunk: int,
 ) -> None:
-    monkeypatch.setattr(redis_store, "CHECK_CHUNK", chunk)
+    monkeypatch.setattr(redis_stats, "CHECK_CHUNK", chunk)
 
     async def run(b: RedisBackend) -> list[str]:
         await b.initialize(POOL, 8)

@@ -47,8 +47,8 @@ def test_redis_reports_every_pool_counter_without_a_list_of_its_own() -> None:
         "class Counters(pool.PoolCounters):\n"
         "    brand_new: int = 0\n"
         "pool.PoolCounters = Counters\n"
-        "from kvmeta.store.redis import backend as redis\n"
-        "assert 'brand_new' in redis._COUNTERS, redis._COUNTERS\n"
+        "from kvmeta.store.redis import stats as redis\n"
+        "assert 'brand_new' in redis.COUNTERS, redis.COUNTERS\n"
     )
     src = str(Path(kvmeta.__file__).parents[1])
     env = {**os.environ, "PYTHONPATH": src + os.pathsep + os.environ.get("PYTHONPATH", "")}
@@ -56,6 +56,6 @@ def test_redis_reports_every_pool_counter_without_a_list_of_its_own() -> None:
         [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
     )
     assert done.returncode == 0, done.stderr
-    from kvmeta.store.redis import backend as redis
+    from kvmeta.store.redis import stats as redis
 
-    assert set(redis._COUNTERS) == _COUNTER_NAMES
+    assert set(redis.COUNTERS) == _COUNTER_NAMES

@@ -170,8 +170,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     server.add_argument(
         "--backend-url",
         metavar="URL",
-        help="the --url server's Redis (redis://, rediss://, unix://, redis+cluster://H:P[,H:P] "
-        "or redis+sentinel://H:P[,H:P]/MASTER), for redis-server CPU per request from INFO cpu "
+        help="the --url server's Redis, in any form kvmeta serve --backend takes (redis://, "
+        "rediss://, unix://, redis+cluster://H:P[,H:P] or redis+sentinel://H:P[,H:P]/MASTER, "
+        "read the same way), for redis-server CPU per request from INFO cpu "
         "of every primary, per primary on a cluster; --backend-pid wins when both are given "
         "(default: the Redis the server reports in /v1/pools, when it shows no password)",
     )

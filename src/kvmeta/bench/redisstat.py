@@ -6,21 +6,20 @@ microsecond resolution) works for a Redis anywhere and for each primary of a clu
 sharded run shows where the CPU went. Replicas are not counted: they replay writes, they do
 not run the scripts.
 
-URLs are split here, minimally (hosts, credentials, TLS): the benchmark only needs to reach
-each node, not the server's full ``--backend`` parsing.
+A ``--backend-url`` is read by ``store.redis.url`` (as the server reads its ``--backend``) and
+each node is reached with the URL the server's own connections use (``RedisTarget.node_url``):
+the benchmark reaches Redis exactly as the server it measures does.
 """
 
 from __future__ import annotations
 
 import logging
 import re
-from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
-from urllib.parse import parse_qs, unquote
 
-from kvmeta.errors import InvalidRequest, KvmetaError, MissingExtra
-from kvmeta.store.redis.url import RESP, redact_url
+from kvmeta.errors import KvmetaError, MissingExtra
+from kvmeta.store.redis.url import RESP, RedisTarget, parse_target
 
 if TYPE_CHECKING:
     import redis
@@ -29,71 +28,19 @@ __all__ = ["RedisCpu", "backend_url_of", "check_backend_url", "primaries_of"]
 
 logger = logging.getLogger(__name__)
 
-_SCHEMES = ("redis", "rediss", "unix", "redis+cluster", "rediss+cluster", "redis+sentinel")
+_FLAG = "--backend-url"
 _TIMEOUT = 10.0
 # The URL inside a server's backend description ("redis at redis://h:p/0").
 _URL_IN_TEXT = re.compile(r"\b((?:rediss?(?:\+cluster|\+sentinel)?|unix)://\S+)")
-
-
-@dataclass(frozen=True)
-class _Target:
-    scheme: str
-    hosts: tuple[tuple[str, int], ...]  # (host, port); (path, 0) for a unix socket
-    username: str | None
-    password: str | None
-    tls: bool
-    master: str  # the Sentinel master name
 
 
 def check_backend_url(url: str) -> None:
     """Refuse a ``--backend-url`` the benchmark cannot read before anything runs.
 
     Raises:
-        InvalidRequest: naming the flag and the forms accepted.
+        ConfigError: naming the flag, the part of the URL and the fix.
     """
-    _parse(url)
-
-
-def _parse(url: str) -> _Target:
-    scheme, sep, rest = url.partition("://")
-    if not sep or scheme not in _SCHEMES:
-        raise InvalidRequest(
-            f"--backend-url {redact_url(url)!r} is not a Redis URL: give "
-            "redis://[:PASSWORD@]HOST:PORT, rediss://..., unix:///PATH, "
-            "redis+cluster://HOST:PORT[,HOST:PORT...] or "
-            "redis+sentinel://HOST:PORT[,...]/MASTERNAME",
-            "backend_url",
-        )
-    rest = rest.split("?", 1)[0] if scheme != "unix" else rest
-    userinfo, _, rest = rest.rpartition("@")
-    username = password = None
-    if userinfo:  # as redis-py reads it: USER:PASSWORD, :PASSWORD, or USER alone
-        user, has_pw, pw = userinfo.partition(":")
-        username, password = unquote(user) or None, unquote(pw) if has_pw else None
-    if scheme == "unix":
-        path, _, query = rest.partition("?")
-        given = parse_qs(query).get("password")
-        return _Target(scheme, ((path, 0),), username, given[0] if given else password, False, "")
-    netloc, _, path = rest.partition("/")
-    hosts = []
-    for item in filter(None, netloc.split(",")):
-        host, colon, port = item.rpartition(":")
-        if not colon:
-            host, port = item, "26379" if scheme == "redis+sentinel" else "6379"
-        if not port.isdecimal() or not host:
-            raise InvalidRequest(
-                f"--backend-url {redact_url(url)!r}: {item!r} is not HOST:PORT", "backend_url"
-            )
-        hosts.append((host.strip("[]"), int(port)))
-    if not hosts:
-        raise InvalidRequest(f"--backend-url {redact_url(url)!r} names no host", "backend_url")
-    master = unquote(path.split("/", 1)[0]) if scheme == "redis+sentinel" else ""
-    if scheme == "redis+sentinel" and not master:
-        raise InvalidRequest(
-            f"--backend-url {redact_url(url)!r}: a Sentinel URL ends with /MASTERNAME",
-            "backend_url",
-        )
-    return _Target(scheme, tuple(hosts), username, password, scheme.startswith("rediss"), master)
+    parse_target(url, _FLAG)
 
 
 def backend_url_of(describe: str) -> str | None:
@@ -115,21 +62,36 @@ def _redis() -> ModuleType:
     return redis
 
 
-def _client(target: _Target, host: str, port: int, password: str | None = None) -> redis.Redis:
-    module = _redis()
-    kwargs: dict[str, Any] = {
-        "username": target.username,
-        "password": target.password if password is None else password,
-        "socket_timeout": _TIMEOUT,
-        "socket_connect_timeout": _TIMEOUT,
-        "decode_responses": True,
-        "protocol": RESP,
-    }
-    if port == 0:
-        client: redis.Redis = module.Redis(unix_socket_path=host, **kwargs)
-    else:
-        client = module.Redis(host=host, port=port, ssl=target.tls, **kwargs)
+_OPTIONS: dict[str, Any] = {
+    "socket_timeout": _TIMEOUT,
+    "socket_connect_timeout": _TIMEOUT,
+    "decode_responses": True,
+    "protocol": RESP,
+}
+
+
+def _client(node_url: str) -> redis.Redis:
+    """A connection to one node, its address, credentials, TLS and database read from
+    ``node_url`` by redis-py, as the server's connections are."""
+    client: redis.Redis = _redis().Redis.from_url(node_url, **_OPTIONS)
     return client
+
+
+def _sentinel(target: RedisTarget, host: str, port: int) -> redis.Redis:
+    """A connection to one Sentinel, with the URL's ``sentinel_password`` (as
+    ``store.redis.sentinel`` connects)."""
+    tls = target.url.startswith("rediss+")
+    options = {**_OPTIONS, "password": target.sentinel_password, "ssl": tls}
+    client: redis.Redis = _redis().Redis(host=host, port=port, **options)
+    return client
+
+
+def _address(client: redis.Redis) -> tuple[str, int]:
+    """Where ``client`` connects: (host, port), or (path, 0) for a unix socket."""
+    options = client.connection_pool.connection_kwargs
+    if "path" in options:
+        return str(options["path"]), 0
+    return str(options.get("host", "localhost")), int(options.get("port", 6379))
 
 
 def _name(host: str, port: int) -> str:
@@ -154,35 +116,53 @@ def _cluster_primaries(client: redis.Redis, seed_host: str) -> list[tuple[str, i
     return sorted(out)
 
 
-def _resolve(target: _Target) -> list[tuple[str, int]]:
-    """The primaries to sample: the Sentinel master, every primary of a cluster (asked of the
-    first seed that answers), or the one node of a plain URL."""
+def _resolve(target: RedisTarget) -> dict[str, str]:
+    """The primaries to sample, by name, each with its URL: the Sentinel master, every primary
+    of a cluster (asked of the first seed that answers), or the one node of a plain URL."""
+    if target.mode == "sentinel":
+        return _sentinel_primary(target)
+    redis_error = _redis().RedisError
+    errors = []
+    if target.mode == "single":
+        seeds = [target.url]
+    else:
+        seeds = [target.node_url(host, port) for host, port in target.hosts]
+    for seed in seeds:
+        client = _client(seed)
+        host, port = _address(client)
+        try:
+            with client:
+                if int(client.info("cluster").get("cluster_enabled", 0)) == 1:
+                    cluster = target
+                    if target.mode == "single":  # a plain URL naming a Cluster node
+                        cluster = target.with_mode("cluster", host, port)
+                    found = _cluster_primaries(client, host)
+                    return {_name(h, p): cluster.node_url(h, p) for h, p in found}
+                return {_name(host, port): seed}
+        except (redis_error, OSError) as exc:
+            errors.append(f"{_name(host, port)}: {exc}")
+    raise _unreachable(errors)
+
+
+def _sentinel_primary(target: RedisTarget) -> dict[str, str]:
     redis_error = _redis().RedisError
     errors = []
     for host, port in target.hosts:
-        if target.scheme == "redis+sentinel":
-            for password in (None, target.password):  # Sentinels often have no password
-                try:
-                    with _client(target, host, port, password or "") as client:
-                        found = client.execute_command(
-                            "SENTINEL", "GET-MASTER-ADDR-BY-NAME", target.master
-                        )
-                except (redis_error, OSError) as exc:
-                    errors.append(f"{_name(host, port)}: {exc}")
-                    continue
-                if found:
-                    return [(str(found[0]), int(found[1]))]
-                errors.append(f"{_name(host, port)}: does not know {target.master!r}")
-                break
-            continue
         try:
-            with _client(target, host, port) as client:
-                if int(client.info("cluster").get("cluster_enabled", 0)) == 1:
-                    return _cluster_primaries(client, host)
-                return [(host, port)]
+            with _sentinel(target, host, port) as client:
+                found = client.execute_command("SENTINEL", "GET-MASTER-ADDR-BY-NAME", target.master)
         except (redis_error, OSError) as exc:
             errors.append(f"{_name(host, port)}: {exc}")
-    raise KvmetaError(
+            continue
+        if found:
+            primary, primary_port = str(found[0]), int(found[1])
+            return {_name(primary, primary_port): target.node_url(primary, primary_port)}
+        errors.append(f"{_name(host, port)}: does not know {target.master!r}")
+    raise _unreachable(errors)
+
+
+def _unreachable(errors: list[str]) -> KvmetaError:
+    return KvmetaError(
         "cannot read redis-server CPU: no node of the backend answered ("
         + "; ".join(errors)
         + "); check --backend-url, or pass --backend-pid for a local redis-server"
@@ -191,15 +171,15 @@ def _resolve(target: _Target) -> list[tuple[str, int]]:
 
 def primaries_of(url: str) -> list[str]:
     """``host:port`` of every primary behind ``url`` (a cluster's are discovered)."""
-    return [_name(h, p) for h, p in _resolve(_parse(url))]
+    return list(_resolve(parse_target(url, _FLAG)))
 
 
 class RedisCpu:
     """CPU seconds of each primary behind a backend URL, found once at construction."""
 
     def __init__(self, url: str) -> None:
-        target = _parse(url)
-        self._clients = {_name(h, p): _client(target, h, p) for h, p in _resolve(target)}
+        found = _resolve(parse_target(url, _FLAG))
+        self._clients = {name: _client(node_url) for name, node_url in found.items()}
 
     @property
     def nodes(self) -> list[str]:

@@ -40,6 +40,8 @@ DB_HINT = (
     "databases are numbered 0..N-1, N being Redis's `databases` setting (16 by default); "
     "write the number after the port, e.g. redis://host:6379/0"
 )
+# The environment variables that set a flag, for its refusals.
+_ENV = {"--backend": "env KVMETA_BACKEND or KVMETA_REDIS_URL"}
 _FORMS = (
     "redis://host:port/db, rediss://..., unix:///path/redis.sock, "
     "redis+cluster://host:port[,host:port...] or "
@@ -140,109 +142,125 @@ class RedisTarget:
         return RedisTarget(self.url, mode, ((host, port),), db=self.db)
 
 
-def _fail(shown: str, what: str) -> ConfigError:
-    return ConfigError(f"`--backend` URL {shown}: {what}", "backend")
+@dataclass(frozen=True)
+class _Setting:
+    """The setting a URL came from (the server's ``--backend``, the benchmark's
+    ``--backend-url``) and the URL as a message may show it: each refusal names both."""
+
+    flag: str
+    shown: str
+
+    @property
+    def field(self) -> str:
+        return self.flag.lstrip("-").replace("-", "_")
 
 
-def _hosts(shown: str, netloc: str, default: int) -> tuple[tuple[str, int], ...]:
+def _fail(where: _Setting, what: str) -> ConfigError:
+    return ConfigError(f"`{where.flag}` URL {where.shown}: {what}", where.field)
+
+
+def _hosts(where: _Setting, netloc: str, default: int) -> tuple[tuple[str, int], ...]:
     hostlist = netloc.rsplit("@", 1)[-1]
     out = []
     for item in hostlist.split(","):
         item = item.strip()
         if not item:
-            raise _fail(shown, "an empty host in the host list; write host:port[,host:port...]")
+            raise _fail(where, "an empty host in the host list; write host:port[,host:port...]")
         if item.startswith("["):  # [ipv6]:port
             host, _, rest = item[1:].partition("]")
             port_text = rest[1:] if rest.startswith(":") else ""
         else:
             host, _, port_text = item.rpartition(":") if ":" in item else (item, "", "")
         if not host:
-            raise _fail(shown, f"no host name in {item!r}; write host:port")
+            raise _fail(where, f"no host name in {item!r}; write host:port")
         if port_text and not (port_text.isascii() and port_text.isdecimal()):
-            raise _fail(shown, f"port {port_text!r} of {host} is not a number")
+            raise _fail(where, f"port {port_text!r} of {host} is not a number")
         port = int(port_text) if port_text else default
         if not 0 < port <= 65535:
-            raise _fail(shown, f"port {port} of {host} is outside 1..65535")
+            raise _fail(where, f"port {port} of {host} is outside 1..65535")
         out.append((host, port))
     return tuple(out)
 
 
-def _db(shown: str, text: str) -> int:
+def _db(where: _Setting, text: str) -> int:
     if not (text.isascii() and text.isdecimal()):
-        raise _fail(shown, f"the database {text!r} is not a number; {DB_HINT}")
+        raise _fail(where, f"the database {text!r} is not a number; {DB_HINT}")
     return int(text)
 
 
-def parse_target(url: str) -> RedisTarget:
-    """Read a ``--backend`` URL into a ``RedisTarget``.
+def parse_target(url: str, flag: str = "--backend") -> RedisTarget:
+    """Read a ``--backend`` URL into a ``RedisTarget``: the one reading of a Redis URL, which
+    ``kvmeta bench`` shares for its ``--backend-url`` (``flag``, named in each refusal), so
+    the benchmark reaches Redis exactly as the server it measures does.
 
     Raises:
-        ConfigError: naming the part of the URL and the fix.
+        ConfigError: naming the flag, the part of the URL and the fix.
     """
-    shown = redact_url(url)
+    where = _Setting(flag, redact_url(url))
     parts = urlsplit(url)
     query = parse_qs(parts.query, keep_blank_values=True)
     for param in _TLS_FILES:
         for value in query.get(param, []):
             if not Path(value).exists():
                 raise _fail(
-                    shown,
+                    where,
                     f"{param}={value}: file not found (the path is read on the machine running "
                     "kvmeta; fix it or drop the parameter)",
                 )
     if any(value != str(RESP) for value in query.get("protocol", [])):
         raise _fail(
-            shown,
+            where,
             f"protocol={query['protocol'][-1]}: kvmeta speaks RESP{RESP} to Redis (it reads "
             "the replies itself); drop the protocol parameter",
         )
     if parts.scheme in SINGLE_SCHEMES:
-        return _single(url, shown, parts.scheme, parts.path, query)
+        return _single(url, where, parts.scheme, parts.path, query)
     if parts.scheme in CLUSTER_SCHEMES:
-        hosts = _hosts(shown, parts.netloc, _DEFAULT_PORT["cluster"])
+        hosts = _hosts(where, parts.netloc, _DEFAULT_PORT["cluster"])
         dbs = query.get("db", []) + (
             [unquote(parts.path[1:])] if parts.path not in ("", "/") else []
         )
         for text in dbs:
-            if _db(shown, text) != 0:
+            if _db(where, text) != 0:
                 raise _fail(
-                    shown,
+                    where,
                     f"Redis Cluster has only database 0, the URL asks for {text}: drop the "
                     "database from the URL (or give each deployment its own cluster)",
                 )
         return RedisTarget(url, "cluster", hosts)
     if parts.scheme in SENTINEL_SCHEMES:
-        hosts = _hosts(shown, parts.netloc, _DEFAULT_PORT["sentinel"])
+        hosts = _hosts(where, parts.netloc, _DEFAULT_PORT["sentinel"])
         path = unquote(parts.path.strip("/"))
         if not path:
             raise _fail(
-                shown,
+                where,
                 "no primary name: write the name the Sentinels monitor after the hosts, e.g. "
                 "redis+sentinel://s1:26379,s2:26379,s3:26379/mymaster",
             )
         if "/" in path:
             raise _fail(
-                shown,
+                where,
                 f"{path!r} is not one primary name; give the database as ?db=N, e.g. "
                 "redis+sentinel://s1:26379/mymaster?db=0",
             )
-        db = [_db(shown, text) for text in query.get("db", [])]
+        db = [_db(where, text) for text in query.get("db", [])]
         password = query.get("sentinel_password", [None])[-1]
         return RedisTarget(url, "sentinel", hosts, path, db[-1] if db else 0, password)
+    env = _ENV.get(flag)
     raise ConfigError(
-        f"Expected `--backend` to be a redis://, rediss:// or unix:// URL ({_FORMS}), got "
-        f"{shown!r} (env KVMETA_BACKEND or KVMETA_REDIS_URL)",
-        "backend",
+        f"Expected `{flag}` to be a redis://, rediss:// or unix:// URL ({_FORMS}), got "
+        f"{where.shown!r}" + (f" ({env})" if env else ""),
+        where.field,
     )
 
 
 def _single(
-    url: str, shown: str, scheme: str, path: str, query: dict[str, list[str]]
+    url: str, where: _Setting, scheme: str, path: str, query: dict[str, list[str]]
 ) -> RedisTarget:
     try:
         urlsplit(url).port  # noqa: B018  (raises on a port that is not a number 0..65535)
     except ValueError as exc:
-        raise _fail(shown, str(exc)) from None
+        raise _fail(where, str(exc)) from None
     dbs = [f"db={v}" for v in query.get("db", [])]
     if scheme != "unix" and path not in ("", "/"):
         dbs.append(path)
@@ -250,15 +268,15 @@ def _single(
     for shown_db in dbs:
         number = shown_db[3:] if shown_db.startswith("db=") else unquote(shown_db[1:])
         if not (number.isascii() and number.isdecimal()):
-            raise _fail(shown, f"the database {shown_db!r} is not a number; {DB_HINT}")
+            raise _fail(where, f"the database {shown_db!r} is not a number; {DB_HINT}")
         db = int(number)
     return RedisTarget(url, "single", db=db)
 
 
-def check_url(url: str) -> None:
+def check_url(url: str, flag: str = "--backend") -> None:
     """Refuse a ``--backend`` URL that redis-py would misread or fail on only when connecting.
 
     Raises:
-        ConfigError: naming the part of the URL and the fix.
+        ConfigError: naming the flag, the part of the URL and the fix.
     """
-    parse_target(url)
+    parse_target(url, flag)

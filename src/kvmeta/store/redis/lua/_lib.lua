@@ -122,7 +122,7 @@ end
 -- load. docs/guarantees.md states the rule.
 --
 -- Returns the lease clock now (seconds) and how much longer than asked a lease is written.
--- bound: the ARGV one past a script's own arguments (store.redis._TIMED names it per script);
+-- bound: the ARGV one past a script's own arguments (store.redis.calls.TIMED names it per script);
 -- '0' (tests only) turns the guard off: Valkey's TIME, unpadded. at: the ARGV after it, which
 -- only a RedisBackend built with a test clock sends: that clock is the lease clock, as in
 -- core.pool, unguarded and unpadded. st: the caller's load_state (save_state writes lt and
