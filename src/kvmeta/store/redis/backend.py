@@ -78,6 +78,7 @@ from kvmeta.errors import (
     NoHashIndex,
     NotInitialized,
     NotReplicated,
+    PageOutOfRange,
     PoolDamaged,
     RankInUse,
 )
@@ -228,20 +229,15 @@ _MAX_RECHECKS = 3  # primaries one unacknowledged write may move to (see ``Topol
 # The pool's event counters (``c:<name>`` in a pool's meta hash), named once, in the core: a
 # counter added to ``PoolCounters`` is reported here at once (the Lua bumps it by name).
 _COUNTERS = tuple(f.name for f in dataclasses.fields(PoolCounters))
-_FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
 
 
 def _out_of_range(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
-    which, index = int(reply[1]), int(reply[2])
-    field, verb = _FIELDS[which]
+    """confirm.lua's [2, list (1 pairs, 2 release), index, n]: the page is read back from the
+    request (the reply names only its place)."""
+    in_release, index = int(reply[1]) == 2, int(reply[2])
     pairs, release = request
-    page = pairs[index][1] if which == 1 else release[index]
-    n = int(reply[3])
-    return InvalidRequest(
-        f"page {page} in `{field}` is outside this pool's pages 0..{n - 1}; {verb} only pages "
-        "returned by reserve",
-        field,
-    )
+    page = release[index] if in_release else pairs[index][1]
+    return PageOutOfRange(page, int(reply[3]), in_release)
 
 
 def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
