@@ -31,6 +31,7 @@ from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_ERROR, SCHEDULER_MESSAGE
 from kvmeta.service.warnings import Outcome
+from kvmeta.store.base import InitResult
 from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
 from tests.unit.store.durable_support import open_backend
 
@@ -339,38 +340,40 @@ def test_service_methods_are_the_operations() -> None:
 
 
 class Scripted(Service):
-    """Returns the warnings it is told to: the handlers must send exactly those."""
+    """Returns the warnings it is told to, whatever happened: the handlers must send exactly
+    those, and build none of their own."""
 
     said: tuple[tuple[str, str], ...] = ()
 
     async def confirm(self, pool: PoolId, pairs: Any, release: Any) -> Outcome[int]:
-        return Outcome(3, self.said)  # 3 refused, yet only what the Service says is sent
+        return Outcome(3, self.said)  # 3 refused: a handler re-building would say so
 
-    async def initialize(self, pool: PoolId, num_pages: int) -> Outcome[Any]:
-        done = await super().initialize(pool, num_pages)
-        return Outcome(done.value, self.said)
+    async def initialize(self, pool: PoolId, num_pages: int) -> Outcome[InitResult]:
+        return Outcome(InitResult(False, 4, 5), self.said)  # a size conflict, ditto
 
     async def v_initialize(self, rank: int, *args: Any, **kw: Any) -> Outcome[str]:
         return Outcome("hello", self.said)
 
 
-def _handle(table: Any, pattern: str, service: Service, body: dict[str, Any]) -> Any:
-    (route,) = [r for r in table if r.pattern == pattern]
-    request = Request(route.method, route.pattern, "", msgspec.json.encode(body), None)
-    return asyncio.run(route.handler(service, request, 0))
+ROUTES = [
+    (sglang.ROUTES, "/{rank}/initialize", {"num_pages": 5}),
+    (sglang.ROUTES, "/{rank}/confirm_write", {}),
+    (vllm.ROUTES, "/keys/confirm_write", {"rank": 0, "confirmations": []}),
+    (vllm.ROUTES, "/rank/{rank}/initialize", {"num_pages": 5}),
+]
 
 
 @pytest.mark.parametrize("said", [(), (("size_conflict", "from the service"),)])
-def test_handlers_send_the_services_warnings_and_build_none(said: Any) -> None:
+@pytest.mark.parametrize(("table", "pattern", "body"), ROUTES, ids=[r[1] for r in ROUTES])
+def test_handlers_send_the_services_warnings_and_build_none(
+    table: Any, pattern: str, body: dict[str, Any], said: Any
+) -> None:
     service = Scripted(MemoryBackend(MemoryStore()))
     service.said = said
-    headers = [(WARNING_HEADER, f"{kind}: {text}".encode()) for kind, text in said]
-    replies = [
-        _handle(sglang.ROUTES, "/{rank}/initialize", service, {"num_pages": 4}),
-        _handle(sglang.ROUTES, "/{rank}/initialize", service, {"num_pages": 5}),  # a conflict
-        _handle(sglang.ROUTES, "/{rank}/confirm_write", service, {}),
-        _handle(vllm.ROUTES, "/keys/confirm_write", service, {"rank": 0, "confirmations": []}),
-        _handle(vllm.ROUTES, "/rank/{rank}/initialize", service, {"num_pages": 4}),
+    (route,) = [r for r in table if r.pattern == pattern]
+    request = Request(route.method, route.pattern, "", msgspec.json.encode(body), None)
+    response = asyncio.run(route.handler(service, request, 0))
+    assert response.status < 300
+    assert list(response.headers) == [
+        (WARNING_HEADER, f"{kind}: {text}".encode()) for kind, text in said
     ]
-    for response in replies:
-        assert list(response.headers) == headers
