@@ -1,12 +1,12 @@
 """``client._local.run_now``: the in-process clients drive the server's async ``Service``
-without an event loop while it never waits, and finish it on the client's private loop when
-it does; errors, values and the caller's own running loop come out as they went in."""
+without an event loop. The in-memory backend's pauses (bare yields) are stepped over; a
+backend that waits on a future is refused with an internal error that says so, in a thread
+with or without its own running loop, and that loop stays untouched."""
 
 from __future__ import annotations
 
 import asyncio
 import threading
-from typing import Any
 
 import pytest
 
@@ -14,23 +14,17 @@ from kvmeta._types import PoolId
 from kvmeta.client._local import run_now
 from kvmeta.client.sglang import Hf3fsLocalMetadataClient as SGLangLocal
 from kvmeta.client.vllm import Hf3fsLocalMetadataClient as VLLMLocal
-from kvmeta.errors import NotInitialized
+from kvmeta.errors import KvmetaError, NotInitialized
+from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import V_EXISTS_STEP, MemoryBackend, MemoryStore
 
 S0 = PoolId("s", 0, "kv")
 
 
-@pytest.fixture
-def loop() -> Any:
-    loop = asyncio.new_event_loop()
-    yield loop
-    loop.close()
-
-
 class Pausing(MemoryBackend):
     """Pauses inside its operations the ways a backend can: bare yields (``asyncio.sleep(0)``,
-    as the in-memory backend between chunks of a long walk), a timer and a worker thread."""
+    as the in-memory backend between chunks of a long walk), a timer or a worker thread."""
 
     def __init__(self, store: MemoryStore, wait: str) -> None:
         super().__init__(store)
@@ -43,7 +37,7 @@ class Pausing(MemoryBackend):
         elif self.wait == "timer":
             await asyncio.sleep(0.001)
         else:
-            assert await asyncio.to_thread(lambda: 7) == 7
+            await asyncio.to_thread(lambda: 7)
 
     async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
         await self._pause()
@@ -53,68 +47,51 @@ class Pausing(MemoryBackend):
 
     async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
         await self._pause()
-        return await super().get(pool, keys)  # raises NotInitialized after a wait
+        return await super().get(pool, keys)  # raises NotInitialized after the pause
 
 
-@pytest.mark.parametrize("wait", ["bare", "timer", "thread"])
-def test_an_operation_that_suspends_runs_to_its_end(loop: Any, wait: str) -> None:
-    service = Service(Pausing(MemoryStore(), wait))
-    run_now(service.initialize(S0, 4), loop)
-    assert run_now(service.reserve(S0, ["a", "b"]), loop) == [(False, 0), (False, 1)]
-    # an error raised after a wait comes out as itself, with its message
-    with pytest.raises(NotInitialized, match="^Rank 5 namespace .kv. not initialized"):
-        run_now(service.get(PoolId("s", 5, "kv"), ["a"]), loop)
-    assert not loop.is_running() and asyncio._get_running_loop() is None
-
-
-def test_bare_yields_never_start_the_loop(loop: Any) -> None:
-    """The in-memory backend's only pauses are bare yields: stepped over, the loop stays
-    idle (nothing scheduled on it ever runs)."""
-    ran: list[int] = []
-    loop.call_soon(ran.append, 1)
+def test_an_operation_that_pauses_runs_to_its_end() -> None:
     service = Service(Pausing(MemoryStore(), "bare"))
-    run_now(service.initialize(S0, 4), loop)
-    assert run_now(service.reserve(S0, ["a"]), loop) == [(False, 0)]
-    assert ran == []
+    run_now(service.initialize(S0, 4))
+    assert run_now(service.reserve(S0, ["a", "b"])) == [(False, 0), (False, 1)]
+    # an error raised after a pause comes out as itself, with its message
+    with pytest.raises(NotInitialized, match="^Rank 5 namespace .kv. not initialized"):
+        run_now(service.get(PoolId("s", 5, "kv"), ["a"]))
 
 
-def test_a_future_failing_is_raised_inside_the_operation(loop: Any) -> None:
-    """A waited-on future's exception reaches the coroutine at its ``await``, as a task
-    would deliver it, so the operation's own handling runs."""
-
-    async def op() -> str:
-        try:
-            await asyncio.to_thread(lambda: 1 / 0)
-        except ZeroDivisionError:
-            return "handled inside"
-        return "not raised"
-
-    assert run_now(op(), loop) == "handled inside"
+@pytest.mark.parametrize("wait", ["timer", "thread"])
+def test_an_operation_that_waits_is_an_internal_error(wait: str) -> None:
+    service = Service(Pausing(MemoryStore(), wait))
+    run_now(service.initialize(S0, 4))
+    with pytest.raises(KvmetaError, match="^internal error: .*reserve needed an event loop"):
+        run_now(service.reserve(S0, ["a"]))
+    assert asyncio._get_running_loop() is None
 
 
-def test_in_process_clients_work_inside_a_running_loop() -> None:
-    """An engine may call the in-process client from async code: its loop stays the
-    running one, before and after, even when an operation had to be finished."""
+def test_inside_a_running_loop_the_callers_loop_is_left_alone() -> None:
+    """An engine may call the in-process client from async code: bare pauses still finish,
+    and a wait on the engine's own loop (which this call blocks) is refused, not hung."""
 
     async def engine() -> None:
         outer = asyncio.get_running_loop()
         client = SGLangLocal()
-        client._service.backend = Pausing(client._store, "timer")  # waits on a timer
+        client._service.backend = Pausing(client._store, "bare")
         client.initialize(0, 4)
         assert client.reserve_and_allocate_page_indices(0, [("a", None)]) == [(False, 0)]
+        client._service.backend = Pausing(client._store, "timer")
+        with pytest.raises(KvmetaError, match="needed to wait for <Future pending"):
+            client.reserve_and_allocate_page_indices(0, [("b", None)])
         assert asyncio.get_running_loop() is outer
+        await asyncio.sleep(0.002)  # the loop still runs: the abandoned timer fires harmlessly
 
     asyncio.run(engine())
 
 
 def test_a_walk_that_pauses_in_steps_finishes_in_process() -> None:
-    """``MemoryBackend.v_exists`` pauses between steps of a large batch (bare yields)."""
-    from kvmeta.store.disk.memory import V_EXISTS_STEP
-
-    client = VLLMLocal()
-    client.initialize(0, 4)
+    """``MemoryBackend.v_exists`` pauses (bare yields) between steps of a large batch."""
     keys = [f"k{i}" for i in range(V_EXISTS_STEP + 5)]
-    client._service.limits = client._service.limits.__class__(max_keys=len(keys))
+    client = VLLMLocal(limits=RequestLimits(max_keys=len(keys)))
+    client.initialize(0, 4)
     assert client.batch_key_exists(keys) == [False] * len(keys)
 
 

@@ -88,11 +88,7 @@ def outcome(run: Callable[[], Any]) -> Any:
 
 def test_in_process_runner_and_event_loop_backends_agree(tmp_path: Path) -> None:
     inproc = Service(MemoryBackend(MemoryStore(read_lease=0.0)), LIMITS)
-    loop = asyncio.new_event_loop()
-    try:
-        sync = [outcome(lambda c=c: run_now(c(inproc), loop)) for c in script()]
-    finally:
-        loop.close()
+    sync = [outcome(lambda c=c: run_now(c(inproc))) for c in script()]
 
     async def on(backend: Any) -> list[Any]:
         service = Service(backend, LIMITS)
