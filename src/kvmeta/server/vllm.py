@@ -379,11 +379,9 @@ async def remove_rank(service: Service, req: Request, rank: int) -> Response:
 
 async def world_size(service: Service, req: Request, _: int) -> Response:
     body, warnings = WORLD_SIZE.decode(req.body)
-    size = check_world_size_body(
-        {} if body.world_size is _UNSET else {"world_size": body.world_size}
-    )
     tenant = tenant_of(req)
-    await service.v_set_world_size(size, tenant)
+    given = {} if body.world_size is _UNSET else {"world_size": body.world_size}
+    size = await service.v_set_world_size(**given, tenant=tenant)
     index = await service.v_index(tenant)
     return reply(
         json_response(

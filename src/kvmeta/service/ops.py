@@ -255,9 +255,10 @@ class Service:
             )
         return dropped
 
-    async def v_set_world_size(self, world_size: Any, tenant: str = "") -> None:
-        """Pin (a positive int) or unpin (None) the ranks that make a key complete."""
-        size = check_world_size_body({"world_size": world_size})
+    async def v_set_world_size(self, world_size: Any = _MISSING, tenant: str = "") -> int | None:
+        """Pin (a positive int) or unpin (None) the ranks that make a key complete; the value
+        is the world size now set. ``world_size`` as decoded (missing: not given at all)."""
+        size = check_world_size_body({} if world_size is _MISSING else {"world_size": world_size})
         self.limits.check_world_size(size)
         await self.backend.v_set_world_size(size, tenant)
         owner = f" of tenant '{tenant}'" if tenant else ""
@@ -267,6 +268,7 @@ class Service:
             )
         else:
             logger.info("vLLM world_size%s set to %d", owner, size)
+        return size
 
     async def v_index(self, tenant: str = "") -> VIndex:
         return await self.backend.v_index(tenant)
