@@ -7,6 +7,7 @@
     |   +-- ConfigError                    a flag, KVMETA_* variable or --backend URL is wrong
     |   +-- NoHashIndex                    prefix_match by hashes on a pool not indexed by them
     |   +-- UnsupportedMediaType           a change sent with a Content-Type other than JSON: 415
+    |   +-- PageOutOfRange                 a confirm names a page outside its pool: 400
     +-- NotInitialized (LookupError)       the pool/rank does not exist yet: 404
     +-- NotFound (LookupError)             unknown route: 404
     +-- MethodNotAllowed                   405
@@ -53,6 +54,7 @@ __all__ = [
     "NotFound",
     "NotInitialized",
     "NotReplicated",
+    "PageOutOfRange",
     "PayloadTooLarge",
     "PoolDamaged",
     "QuotaExceeded",
@@ -63,7 +65,19 @@ __all__ = [
     "Unauthorized",
     "UnsupportedMediaType",
     "error_for_status",
+    "show_number",
 ]
+
+
+def show_number(number: int | str) -> str:
+    """A number as given, or its size when it is too long to echo (or to print at all)."""
+    if isinstance(number, int):
+        if abs(number).bit_length() <= 80:
+            return str(number)
+        digits = int(abs(number).bit_length() * 0.30103) + 1
+        return f"a number of about {digits} digits"
+    text = number.lstrip("+-")
+    return number if len(text) <= 24 else f"a {len(text)}-digit number"
 
 
 class KvmetaError(RuntimeError):
@@ -101,6 +115,46 @@ class UnsupportedMediaType(InvalidRequest):
     never what an engine sends. Nothing was changed."""
 
     status = 415
+
+
+class PageOutOfRange(InvalidRequest):
+    """Raised by a store when a confirm names a page outside its pool; nothing was applied.
+
+    The store knows the page and the pool's size but not the caller's dialect, so it raises
+    this in SGLang's field names and the service words it for its caller (``for_caller``) from
+    what it carries: no second look at the store. A caller gets a plain ``InvalidRequest``,
+    the class a 400 maps back to, so in-process and HTTP callers see the same error.
+    """
+
+    def __init__(self, page: int, num_pages: int, in_release: bool) -> None:
+        super().__init__(*_page_refusal(page, num_pages, in_release))
+        self.page = page
+        self.num_pages = num_pages
+        self.in_release = in_release  # False: the page is in the confirmed pairs
+
+    def for_caller(self, pairs_field: str, reserve: str) -> InvalidRequest:
+        """The refusal in a dialect's words: its pairs field and the call that hands out
+        pages."""
+        return InvalidRequest(
+            *_page_refusal(self.page, self.num_pages, self.in_release, pairs_field, reserve)
+        )
+
+
+def _page_refusal(
+    page: int,
+    num_pages: int,
+    in_release: bool,
+    pairs_field: str = "written_keys_to_confirm",
+    reserve: str = "reserve",
+) -> tuple[str, str]:
+    """The one wording of an out-of-range page, and the field it names."""
+    field = "pages_to_release" if in_release else pairs_field
+    verb = "release" if in_release else "confirm"
+    return (
+        f"page {show_number(page)} in `{field}` is outside this pool's pages 0..{num_pages - 1}; "
+        f"{verb} only pages returned by {reserve}",
+        field,
+    )
 
 
 class NotInitialized(KvmetaError, LookupError):

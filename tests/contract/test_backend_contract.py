@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidRequest, NotInitialized
+from kvmeta.errors import InvalidRequest, NotInitialized, PageOutOfRange
 from tests.contract.conftest import Sync
 
 S0 = PoolId("s", 0, "kv")
@@ -183,8 +183,13 @@ def test_out_of_range_pages_are_rejected_and_change_nothing(
 ) -> None:
     backend.initialize(S0, 4)
     backend.reserve(S0, ["a", "b"])
-    with pytest.raises(InvalidRequest, match=rf"in `{field}` is outside this pool's pages 0..3"):
+    with pytest.raises(
+        PageOutOfRange, match=rf"in `{field}` is outside this pool's pages 0..3"
+    ) as info:
         backend.confirm(S0, pairs, release)
+    bad = [p for p in [p for _, p in pairs] + release if not 0 <= p < 4][0]
+    assert (info.value.page, info.value.num_pages) == (bad, 4)  # typed: the service words it
+    assert info.value.in_release == (field == "pages_to_release")
     assert backend.exists(S0, ["a"]) == [False]
     assert _stats(backend, S0) == (2, 2, 0)
 

@@ -17,6 +17,7 @@ from kvmeta._types import PoolId
 from kvmeta.errors import QuotaExceeded
 from kvmeta.service.limits import NO_CAPS, TenantCaps
 from kvmeta.service.ops import Service
+from kvmeta.service.warnings import Outcome
 from kvmeta.store.base import Backend
 from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
 from kvmeta.store.disk.memory import MemoryStore
@@ -41,8 +42,9 @@ class SyncService:
         return self.loop.run_until_complete(coro)
 
     def __getattr__(self, name: str) -> Callable[..., Any]:
+        """The operation's value (its caller warnings, if any, are not under test here)."""
         method = getattr(self.service, name)
-        return lambda *args: self.run(method(*args))
+        return lambda *args: _value(self.run(method(*args)))
 
     def store(self, pool: PoolId, keys: list[str]) -> list[int]:
         """Reserve and confirm ``keys`` in ``pool``; their pages."""
@@ -53,6 +55,10 @@ class SyncService:
 
     def v_store(self, rank: int, keys: list[str], tenant: str) -> None:
         self.store(PoolId("v", rank, "", tenant), keys)
+
+
+def _value(result: Any) -> Any:
+    return result.value if isinstance(result, Outcome) else result
 
 
 def _durable(ttl: float, lease: float, directory: Path) -> Backend:

@@ -28,8 +28,8 @@ def test_a_pool_bigger_than_the_memory_is_created_and_serves() -> None:
     pid = PoolId("s", 0, "kv")
 
     async def run() -> None:
-        assert (await service.initialize(pid, HUGE)).created
-        assert (await service.v_register(0, HUGE, None)).created
+        assert (await service.initialize(pid, HUGE)).value.created
+        assert (await service.v_register(0, HUGE, None)).value.created
         [(stored, page)] = await service.reserve(pid, ["a"])
         assert not stored and page == 0
         await service.confirm(pid, [("a", 0)], [])
@@ -62,7 +62,7 @@ def test_a_pool_whose_first_pages_cannot_be_had_is_a_413(
 
     asyncio.run(failed())
     monkeypatch.undo()
-    assert asyncio.run(service.initialize(PoolId("s", 0, "kv"), 8)).created
+    assert asyncio.run(service.initialize(PoolId("s", 0, "kv"), 8)).value.created
     assert sorted(store.pools) == [PoolId("s", 0, "kv")]
     assert store.total_pages == 8 and store.vllm_ranks() == []
 

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.errors import InvalidPathParameter, InvalidRequest, PayloadTooLarge
+from kvmeta.errors import InvalidPathParameter, InvalidRequest, PageOutOfRange, PayloadTooLarge
 from kvmeta.server.app import BodyDecoder, parse_rank, reply
 from kvmeta.server.http import Response
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
@@ -20,17 +20,17 @@ S, V = CONFIRM_FIELDS["s"], CONFIRM_FIELDS["v"]
 
 
 def test_page_range_is_named_in_each_dialect() -> None:
-    limits = RequestLimits()
-    limits.check_pages([("a", 0), ("b", 7)], [3], 8, V)
-    with pytest.raises(InvalidRequest) as info:
-        limits.check_pages([("a", 8)], [], 8, V)
-    assert info.value.field == "confirmations"
-    assert str(info.value) == (
+    store = MemoryStore()
+    store.initialize(PoolId("v", 0, ""), 8)
+    assert store.confirm(PoolId("v", 0, ""), [("a", 0), ("b", 7)], [3]) == 2  # in range
+    refused = PageOutOfRange(8, 8, in_release=False).for_caller(V.pairs, V.reserve)
+    assert refused.field == "confirmations"
+    assert str(refused) == (
         "page 8 in `confirmations` is outside this pool's pages 0..7; confirm only pages "
         "returned by batch_allocate"
     )
     with pytest.raises(InvalidRequest, match="`pages_to_release`.*returned by reserve$"):
-        limits.check_pages([("a", 1)], [-1], 8, S)
+        raise PageOutOfRange(-1, 8, in_release=True).for_caller(S.pairs, S.reserve)
 
 
 def test_confirm_entry_limit_names_the_dialects_fields() -> None:
@@ -125,8 +125,8 @@ def test_pool_creation_is_all_or_nothing() -> None:
             with pytest.raises(InvalidRequest):
                 await call
         # an existing pool re-initialises at a full budget; a pool that fits is created
-        assert not (await service.initialize(PoolId("s", 0, "kv"), 64)).created
-        assert (await service.v_register(0, 36, 4)).created
+        assert not (await service.initialize(PoolId("s", 0, "kv"), 64)).value.created
+        assert (await service.v_register(0, 36, 4)).value.created
 
     asyncio.run(run())
     assert sorted(store.pools) == [PoolId("s", 0, "kv"), PoolId("v", 0, "")]

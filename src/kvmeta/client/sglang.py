@@ -7,7 +7,7 @@ defaulting to the KV pool, like SGLang's own clients.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
 from enum import Enum
 from typing import Any, TypeVar
 
@@ -15,7 +15,6 @@ from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.client._local import LocalState
 from kvmeta.client._remote import RemoteClient
 from kvmeta.errors import NotInitialized
-from kvmeta.service.core import Op
 
 __all__ = ["Hf3fsGlobalMetadataClient", "Hf3fsLocalMetadataClient", "Hf3fsMetadataInterface"]
 
@@ -151,13 +150,13 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same pools in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
-    same class, same message (both run ``service.core``), except "not initialized", which
+    same class, same message (both run the ``Service``), except "not initialized", which
     SGLang's own in-process client words differently from its server.
     """
 
-    def _run(self, op: Op[T]) -> T:
+    def _run(self, coro: Coroutine[Any, Any, T]) -> T:
         try:
-            return super()._run(op)
+            return super()._run(coro)
         except NotInitialized as exc:
             if exc.rank is None or exc.namespace is None:
                 raise
@@ -166,7 +165,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     def initialize(
         self, rank: int, num_pages: int, namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
-        self._warned(self._ops.initialize(PoolId("s", rank, _ns(namespace)), num_pages))
+        self._warned(self._service.initialize(PoolId("s", rank, _ns(namespace)), num_pages))
 
     def reserve_and_allocate_page_indices(
         self,
@@ -175,7 +174,7 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
         namespace: NamespaceLike = DEFAULT_NAMESPACE,
     ) -> list[tuple[bool, int]]:
         plain = [k[0] for k in keys]
-        return self._run(self._ops.reserve(PoolId("s", rank, _ns(namespace)), plain))
+        return self._run(self._service.reserve(PoolId("s", rank, _ns(namespace)), plain))
 
     def confirm_write(
         self,
@@ -186,22 +185,22 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in written_keys_to_confirm]
         release = [int(p) for p in pages_to_release]
-        self._warned(self._ops.confirm(PoolId("s", rank, _ns(namespace)), pairs, release))
+        self._warned(self._service.confirm(PoolId("s", rank, _ns(namespace)), pairs, release))
 
     def get_page_indices(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> list[int | None]:
-        return self._run(self._ops.get(PoolId("s", rank, _ns(namespace)), list(keys)))
+        return self._run(self._service.get(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def delete_keys(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> None:
-        self._run(self._ops.delete(PoolId("s", rank, _ns(namespace)), list(keys)))
+        self._run(self._service.delete(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def exists(
         self, rank: int, keys: Sequence[str], namespace: NamespaceLike = DEFAULT_NAMESPACE
     ) -> list[bool]:
-        return self._run(self._ops.exists(PoolId("s", rank, _ns(namespace)), list(keys)))
+        return self._run(self._service.exists(PoolId("s", rank, _ns(namespace)), list(keys)))
 
     def clear(self, rank: int, namespace: NamespaceLike = DEFAULT_NAMESPACE) -> None:
-        self._run(self._ops.clear(PoolId("s", rank, _ns(namespace))))
+        self._run(self._service.clear(PoolId("s", rank, _ns(namespace))))

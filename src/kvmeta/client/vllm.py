@@ -173,17 +173,17 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     """The same index in this process, no server: for a single-node engine.
 
     Thread-safe (one lock); state is lost when the process exits. Errors are the server's:
-    same class, same message (both run ``service.core``).
+    same class, same message (both run the ``Service``).
     """
 
     def initialize(
         self, rank: int, num_pages: int = 0, role: str = "worker", *, world_size: int | None = None
     ) -> None:
-        self._warned(self._ops.v_initialize(rank, role, num_pages, world_size))
+        self._warned(self._service.v_initialize(rank, role, num_pages, world_size))
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         plain = [_key(k) for k in keys]
-        out = self._warned(self._ops.v_allocate(PoolId("v", rank, ""), plain))
+        out = self._warned(self._service.v_allocate(PoolId("v", rank, ""), plain))
         return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
 
     def confirm_write_for_keys(
@@ -194,22 +194,22 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
     ) -> None:
         pairs = [(str(k), int(p)) for k, p in key_confirmations]
         release = [int(p) for p in pages_to_release or []]
-        self._warned(self._ops.confirm(PoolId("v", rank, ""), pairs, release))
+        self._warned(self._service.confirm(PoolId("v", rank, ""), pairs, release))
 
     def batch_key_exists(self, keys: Sequence[str]) -> list[bool]:
-        return self._run(self._ops.v_exists(list(keys)))
+        return self._run(self._service.v_exists(list(keys)))
 
     def get_key_locations(self, rank: int, keys: Sequence[str]) -> list[int | None]:
-        return self._run(self._ops.get(PoolId("v", rank, ""), list(keys)))
+        return self._run(self._service.get(PoolId("v", rank, ""), list(keys)))
 
     def clear(self) -> None:
-        self._run(self._ops.v_clear())
+        self._run(self._service.v_clear())
 
     def remove_rank(self, rank: int, force: bool = False) -> bool:
-        return self._run(self._ops.v_remove(rank, "", force)) is not None
+        return self._run(self._service.v_remove(rank, "", force)) is not None
 
     def set_world_size(self, world_size: int | None) -> None:
-        self._run(self._ops.v_set_world_size(world_size))
+        self._run(self._service.v_set_world_size(world_size))
 
     def rank_registry(self) -> dict[str, Any]:
-        return self._run(self._ops.v_index()).view()
+        return self._run(self._service.v_index()).view()

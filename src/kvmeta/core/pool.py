@@ -65,7 +65,7 @@ from dataclasses import dataclass, field
 from itertools import compress, repeat
 from operator import itemgetter
 
-from kvmeta.errors import InvalidRequest
+from kvmeta.errors import InvalidRequest, PageOutOfRange
 
 __all__ = [
     "FREE",
@@ -649,7 +649,7 @@ class Pool:
         ``RELEASE_GRACE``; releasing a STORED or FREE page is ignored.
 
         Raises:
-            InvalidRequest: a page is outside ``0..num_pages-1`` (nothing is changed).
+            PageOutOfRange: a page is outside ``0..num_pages-1`` (nothing is changed).
         """
         top = self._check_pages(pairs, release)
         self._expire(now)
@@ -905,18 +905,10 @@ class Pool:
             return top  # the common case, checked in C; the loops below name the culprit
         for _key, page in pairs:
             if not 0 <= page < n:
-                raise InvalidRequest(
-                    f"page {page} in `written_keys_to_confirm` is outside this pool's pages "
-                    f"0..{n - 1}; confirm only pages returned by reserve",
-                    "written_keys_to_confirm",
-                )
+                raise PageOutOfRange(page, n, in_release=False)
         for page in release:
             if not 0 <= page < n:
-                raise InvalidRequest(
-                    f"page {page} in `pages_to_release` is outside this pool's pages "
-                    f"0..{n - 1}; release only pages returned by reserve",
-                    "pages_to_release",
-                )
+                raise PageOutOfRange(page, n, in_release=True)
         raise AssertionError("unreachable: a page out of range was not found")  # pragma: no cover
 
     def _drop_never_used(

@@ -2,7 +2,8 @@
 
 Wire shapes only; every handler names its pool through ``access.sglang_pool``, which checks the
 token's scope (before any state is read) and puts the token's tenant into the ``PoolId``. The
-pool logic lives in ``core`` and the shared operations in ``service``.
+pool logic lives in ``core`` and the operations, with their limits and caller warnings, in
+``service`` (``Service``): a handler adds the warnings an operation returns to the reply.
 ``ROUTES`` is the route table; each handler is ``handler(service, request, rank)``. The body
 Structs are also the OpenAPI request schemas (``server.openapi``): their ``Meta`` annotations
 add to the document only, decoding and its messages are the Struct's types.
@@ -21,7 +22,6 @@ from kvmeta.server.app import NO_CONTENT, App, BodyDecoder, Route, add_table, js
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import PREFIX_HITS
 from kvmeta.service.ops import Service
-from kvmeta.service.warnings import confirm_refused, size_conflict
 
 __all__ = ["ROUTES", "add_routes"]
 
@@ -84,10 +84,8 @@ NAMESPACE = BodyDecoder(NamespaceBody, '{"namespace": "kv"} or an empty body')
 
 async def initialize(service: Service, req: Request, rank: int) -> Response:
     body, warnings = INITIALIZE.decode(req.body)
-    pool = sglang_pool(req, rank, body.namespace)
-    result = await service.initialize(pool, body.num_pages)
-    if result.conflict:
-        warnings.append(size_conflict(pool, result))
+    done = await service.initialize(sglang_pool(req, rank, body.namespace), body.num_pages)
+    warnings += done.warnings
     return reply(NO_CONTENT, warnings)
 
 
@@ -111,13 +109,12 @@ async def reserve(service: Service, req: Request, rank: int) -> Response:
 
 async def confirm(service: Service, req: Request, rank: int) -> Response:
     body, warnings = CONFIRM.decode(req.body)
-    refused = await service.confirm(
+    done = await service.confirm(
         sglang_pool(req, rank, body.namespace),
         body.written_keys_to_confirm,
         body.pages_to_release,
     )
-    if refused:
-        warnings.append(confirm_refused(refused))
+    warnings += done.warnings
     return reply(NO_CONTENT, warnings)
 
 

@@ -24,7 +24,6 @@ from urllib.parse import parse_qsl
 
 import msgspec
 
-from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest
 from kvmeta.server.access import scope_of, tenant_of, vllm_pool
 from kvmeta.server.app import (
@@ -46,16 +45,12 @@ from kvmeta.service.ops import Service
 from kvmeta.service.vllm import (
     INIT_ERROR,
     INIT_FIELDS,
-    SCHEDULER_MESSAGE,
     VALID_INIT,
     WORLD_SIZE_USAGE,
-    check_initialize,
     check_world_size_body,
     completeness,
     remove_message,
-    worker_message,
 )
-from kvmeta.service.warnings import confirm_refused, size_conflict
 
 __all__ = ["ROUTES", "add_routes"]
 
@@ -277,23 +272,14 @@ WORLD_SIZE = BodyDecoder(WorldSizeBody, WORLD_SIZE_USAGE, _explain_world_size)
 async def initialize(service: Service, req: Request, rank: int) -> Response:
     body, warnings = INITIALIZE.decode(req.body)
     fields = {k: v for k in INIT_FIELDS if (v := getattr(body, k)) is not _UNSET}
-    worker = check_initialize(rank, **fields)
-    if worker is None:
-        return reply(json_response({"message": SCHEDULER_MESSAGE}), warnings)
-    tenant = tenant_of(req)
     # Which ranks make a block complete is the tenant's setting: a worker's (write) token may
     # pin the first world size or repeat it, only an admin token may move it.
     change_world = "admin" in scope_of(req).rights
-    try:
-        result = await service.v_register(
-            rank, worker.num_pages, worker.world_size, tenant, change_world
-        )
-    except InvalidRequest as exc:  # a service limit such as --max-pages
-        raise InvalidRequest(INIT_ERROR + str(exc), exc.field) from None
-    if result.conflict:
-        warnings.append(size_conflict(PoolId("v", rank, "", tenant), result))
-    message = worker_message(rank, result.num_pages, result.requested)
-    return reply(json_response({"message": message}), warnings)
+    done = await service.v_initialize(
+        rank, **fields, tenant=tenant_of(req), change_world=change_world
+    )
+    warnings += done.warnings
+    return reply(json_response({"message": done.value}), warnings)
 
 
 async def batch_allocate(service: Service, req: Request, _: int) -> Response:
@@ -311,11 +297,10 @@ async def batch_allocate(service: Service, req: Request, _: int) -> Response:
 
 async def confirm_write(service: Service, req: Request, _: int) -> Response:
     body, warnings = CONFIRM.decode(req.body)
-    refused = await service.confirm(
+    done = await service.confirm(
         vllm_pool(req, body.rank), body.confirmations, body.pages_to_release
     )
-    if refused:
-        warnings.append(confirm_refused(refused))
+    warnings += done.warnings
     return reply(NO_CONTENT, warnings)
 
 
@@ -394,11 +379,9 @@ async def remove_rank(service: Service, req: Request, rank: int) -> Response:
 
 async def world_size(service: Service, req: Request, _: int) -> Response:
     body, warnings = WORLD_SIZE.decode(req.body)
-    size = check_world_size_body(
-        {} if body.world_size is _UNSET else {"world_size": body.world_size}
-    )
     tenant = tenant_of(req)
-    await service.v_set_world_size(size, tenant)
+    given = {} if body.world_size is _UNSET else {"world_size": body.world_size}
+    size = await service.v_set_world_size(**given, tenant=tenant)
     index = await service.v_index(tenant)
     return reply(
         json_response(

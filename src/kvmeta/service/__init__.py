@@ -1,7 +1,7 @@
 """Operations both dialects share, over any backend."""
 
-from kvmeta.service.core import Operations, Outcome
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
+from kvmeta.service.warnings import Outcome
 
-__all__ = ["Operations", "Outcome", "RequestLimits", "Service"]
+__all__ = ["Outcome", "RequestLimits", "Service"]

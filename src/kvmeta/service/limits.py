@@ -1,7 +1,7 @@
 """Request limits: each has a flag, a default, and an error that says how to raise it.
 
-The checks are applied in one place, the operations core (``service.core``), which the server
-and the in-process clients both run; every check takes the field names of the caller's dialect,
+The checks are applied in one place, the ``Service`` (``service.ops``), which the server and
+the in-process clients both run; every check takes the field names of the caller's dialect,
 so an error reads the same in-process and over HTTP and never names another dialect's fields.
 
 What a tenant may create (``check_new_pool``) is bounded three ways, in this order: its pool
@@ -17,7 +17,7 @@ import re
 from dataclasses import dataclass
 from operator import itemgetter
 
-from kvmeta.errors import InvalidRequest, PayloadTooLarge, QuotaExceeded
+from kvmeta.errors import InvalidRequest, PayloadTooLarge, QuotaExceeded, show_number
 from kvmeta.store.base import Budget
 
 __all__ = [
@@ -41,7 +41,7 @@ _NAMESPACE_RE = re.compile(r"[A-Za-z0-9_.:\-]+")
 INT64_MIN = -(1 << 63)
 INT64_MAX = (1 << 63) - 1
 
-# Router reads (``service.core``: prefix_match, dump). A dump page of at most this many keys
+# Router reads (``Service.prefix_match``, ``Service.dump``). A dump page of at most this many keys
 # (~1 MiB of JSON at 100-character keys) keeps one reply, and the scan behind it, short;
 # a bigger pool is read in more pages. Pools per prefix_match: a router asks about the engines
 # it routes to, a handful to a few hundred.
@@ -91,17 +91,6 @@ CONFIRM_FIELDS: dict[str, ConfirmFields] = {
     "s": ConfirmFields("written_keys_to_confirm", "pages_to_release", "reserve"),
     "v": ConfirmFields("confirmations", "pages_to_release", "batch_allocate"),
 }
-
-
-def show_number(number: int | str) -> str:
-    """A number as given, or its size when it is too long to echo (or to print at all)."""
-    if isinstance(number, int):
-        if abs(number).bit_length() <= 80:
-            return str(number)
-        digits = int(abs(number).bit_length() * 0.30103) + 1
-        return f"a number of about {digits} digits"
-    text = number.lstrip("+-")
-    return number if len(text) <= 24 else f"a {len(text)}-digit number"
 
 
 def rank_error(rank: int | str, field: str) -> str:
@@ -204,27 +193,6 @@ class RequestLimits:
             )
         if pairs and max(map(len, map(itemgetter(0), pairs))) > self.max_key_length:
             self.check_keys([k for k, _ in pairs], fields.pairs)
-
-    @staticmethod
-    def check_pages(
-        pairs: list[tuple[str, int]], release: list[int], num_pages: int, fields: ConfirmFields
-    ) -> None:
-        """Every page of a confirm lies in the pool, named in the caller's dialect."""
-        pages = list(map(itemgetter(1), pairs))
-        pages += release
-        if not pages or (min(pages) >= 0 and max(pages) < num_pages):
-            return  # the common case, checked in C; the loops below name the culprit
-        for which, verb, values in (
-            (fields.pairs, "confirm", [p for _, p in pairs]),
-            (fields.release, "release", release),
-        ):
-            for page in values:
-                if not 0 <= page < num_pages:
-                    raise InvalidRequest(
-                        f"page {show_number(page)} in `{which}` is outside this pool's pages "
-                        f"0..{num_pages - 1}; {verb} only pages returned by {fields.reserve}",
-                        which,
-                    )
 
     def check_namespace(self, namespace: str) -> None:
         if len(namespace) > self.max_namespace_length:

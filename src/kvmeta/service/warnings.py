@@ -7,12 +7,27 @@ says what happened and what to change.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import Generic, TypeVar
+
 from kvmeta._types import PoolId
 from kvmeta.store.base import InitResult
 
-__all__ = ["CallerWarning", "batch_refused", "confirm_refused", "size_conflict"]
+__all__ = ["CallerWarning", "Outcome", "batch_refused", "confirm_refused", "size_conflict"]
+
+T = TypeVar("T")
 
 CallerWarning = tuple[str, str]  # (kind, text)
+
+
+@dataclass(slots=True)
+class Outcome(Generic[T]):
+    """An operation's value with the caller warnings it earned, computed once by the
+    ``Service``: the server sends each as ``X-Kvmeta-Warning: kind: text``, the in-process
+    clients log it. A tuple, so the common case (none) allocates nothing."""
+
+    value: T
+    warnings: tuple[CallerWarning, ...] = ()
 
 
 def size_conflict(pool: PoolId, result: InitResult) -> CallerWarning:

@@ -14,7 +14,14 @@ from typing import Any
 import msgspec
 
 from kvmeta._types import PoolId
-from kvmeta.errors import Forbidden, InvalidRequest, KvmetaError, NotInitialized, PoolDamaged
+from kvmeta.errors import (
+    Forbidden,
+    InvalidRequest,
+    KvmetaError,
+    NotInitialized,
+    PageOutOfRange,
+    PoolDamaged,
+)
 from kvmeta.store.redis.layout import pool_prefix
 
 __all__ = [
@@ -31,9 +38,6 @@ __all__ = [
 encode = msgspec.json.Encoder().encode
 decode = msgspec.json.Decoder().decode
 
-# Which list of a confirm request a page out of range came from (the reply's second item).
-_FIELDS = {1: ("written_keys_to_confirm", "confirm"), 2: ("pages_to_release", "release")}
-
 
 def text(value: Any) -> str:
     """A reply item as text (Redis hands back bytes)."""
@@ -41,18 +45,13 @@ def text(value: Any) -> str:
 
 
 def out_of_range(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
-    """Code 2 of ``confirm.lua``: ``[2, which list, index in it, the pool's size]``; the page
-    itself is read back from the request, so the script returns no more than it must."""
-    which, index = int(reply[1]), int(reply[2])
-    field, verb = _FIELDS[which]
+    """Code 2 of ``confirm.lua``: ``[2, which list (1 pairs, 2 release), index in it, the
+    pool's size]``; the page itself is read back from the request, so the script returns no
+    more than it must."""
+    in_release, index = int(reply[1]) == 2, int(reply[2])
     pairs, release = request
-    page = pairs[index][1] if which == 1 else release[index]
-    n = int(reply[3])
-    return InvalidRequest(
-        f"page {page} in `{field}` is outside this pool's pages 0..{n - 1}; {verb} only pages "
-        "returned by reserve",
-        field,
-    )
+    page = release[index] if in_release else pairs[index][1]
+    return PageOutOfRange(page, int(reply[3]), in_release)
 
 
 def _bad_size(pid: PoolId, reply: list[Any], request: Any) -> KvmetaError:
