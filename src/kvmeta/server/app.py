@@ -282,7 +282,7 @@ class App:
         self.authorize = authorize
         # True once the HTTP layer calls ``head_check`` before reading bodies (``kvmeta
         # serve``): then ``__call__`` need not check the token a second time.
-        self.auth_in_head = False
+        self.head_checked = False
         # path -> match, for ranked paths: engines send the same few paths all day.
         self._matched: dict[str, tuple[_Route, int, str]] = {}
         # Coroutine functions the server runs as tasks while it serves (cancelled at shutdown).
@@ -349,26 +349,24 @@ class App:
                 return hit
         raise NotFound("Not Found")
 
-    def head_check(
-        self, method: bytes, url: bytes, authorization: bytes | None
-    ) -> Response | PublicRoute | None:
-        """The token check, run by the HTTP layer as soon as a request's headers are in, so a
-        client without the token never gets ``100 Continue`` nor has its body read. Returns
-        the 401 to send, None to go on, or ``PUBLIC`` for a route served without the token
-        (which takes no body and does not authenticate the connection). Unknown paths need the
-        token too (a 401, not a 404: no route is revealed and no body read without it)."""
+    def head_check(self, request: Request) -> Response | PublicRoute | None:
+        """The token check, run by the HTTP layer as soon as a request's headers are in (the
+        request's body still empty), so a client without the token never gets ``100
+        Continue`` nor has its body read. Returns the 401 to send, None to go on, or
+        ``PUBLIC`` for a route served without the token (which takes no body and does not
+        authenticate the connection). Unknown paths need the token too (a 401, not a 404: no
+        route is revealed and no body read without it)."""
         authorize = self.authorize
         if authorize is None:
             return None
-        path = url.split(b"?", 1)[0].decode("latin-1")
         try:
-            pattern = self._match(path)[2]
+            pattern = self._match(request.path)[2]
         except KvmetaError:
             pattern = None
         if pattern in self._public:
             return PUBLIC
         try:
-            authorize(Request(method.decode("latin-1"), path, "", b"", authorization))
+            authorize(request)
         except Unauthorized as exc:
             return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
         return None
@@ -381,7 +379,7 @@ class App:
             handler = route.handlers.get(request.method)
             if handler is None:
                 raise MethodNotAllowed("Method Not Allowed")
-            if self.authorize is not None and not self.auth_in_head and pattern not in self._public:
+            if self.authorize is not None and not self.head_checked and pattern not in self._public:
                 self.authorize(request)
             return await handler(request, rank)
         except Unauthorized as exc:
