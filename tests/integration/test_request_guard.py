@@ -103,7 +103,7 @@ def test_refusals_come_at_the_headers_before_the_body(
     make_server: Callable[..., ServerProcess],
 ) -> None:
     # A long --header-timeout: a server waiting for the body would not answer within the read.
-    server = make_server("--in-memory", "--header-timeout", "120")
+    server = make_server("--in-memory", "--header-timeout", "120", "--access-log")
     own = b"Host: localhost:%d\r\n" % server.port
     cases = (
         (own + b"Content-Type: text/plain\r\n", b"415", b"Content-Type 'text/plain'"),
@@ -118,6 +118,9 @@ def test_refusals_come_at_the_headers_before_the_body(
         assert b"connection: close" in reply.lower(), reply[:300]
     pools = requests.get(server.url + "/v1/pools", timeout=10).json()["pools"]
     assert pools == []  # nothing was initialized
+    # Refused before the app, yet in the access log like any reply.
+    server.wait_for_log("POST /0/initialize 415 ")
+    assert server.log.count("POST /0/initialize 403 ") == 2, server.log
     metrics = requests.get(server.url + "/metrics", timeout=10).text
     for header in ("host", "origin", "content_type"):
         assert f'kvmeta_requests_refused_total{{header="{header}"}} 1.0' in metrics

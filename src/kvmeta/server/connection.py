@@ -312,6 +312,8 @@ class HttpProtocol(ReplyQueue, asyncio.Protocol):
             # Refused before the body: no 100 Continue, nothing more read or buffered (the
             # reply may wait behind earlier pipelined ones; reading stops now).
             self._final(render(verdict, False, self.server.stamp()))
+            if self.server.refused is not None:
+                self.server.refused(request, verdict)
             raise _Refused
         if self._expect_continue and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")

@@ -95,10 +95,12 @@ class HttpServer:
         loop: asyncio.AbstractEventLoop | None = None,
         head_check: HeadCheck | None = None,
         epoch: Callable[[], str] | None = None,
+        refused: Callable[[Request, Response], None] | None = None,
     ) -> None:
         """``epoch``: the backend's epoch, read on every reply (it may change while serving)
         and sent as ``X-Kvmeta-Epoch``; the header bytes are rebuilt only when it changes.
-        ``head_check``: see ``server.wire.HeadCheck``. A handler that needs
+        ``head_check``: see ``server.wire.HeadCheck``; ``refused(request, reply)`` is told
+        of each request it refuses (the access log). A handler that needs
         ``asyncio.current_task()`` from its first line on is passed wrapped in ``in_task``."""
         self.handler = handler
         self.epoch = epoch
@@ -106,6 +108,7 @@ class HttpServer:
         self.limits = limits or HttpLimits()
         self.loop = loop or asyncio.get_event_loop()
         self.head_check = head_check
+        self.refused = refused
         self.tls: ssl.SSLContext | None = None
         # A TLS connection being closed waits this long for the client's close_notify.
         self.tls_shutdown: dict[str, Any] = (

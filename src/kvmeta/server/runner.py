@@ -165,9 +165,10 @@ async def run(
     publisher = _start_events(settings, backend, service, loop) if settings.events else None
     drain = Drain()
     app = build_app(settings, service, drain)
-    from kvmeta.server.oplog import access_logged, log_startup
+    from kvmeta.server.oplog import access_logged, log_startup, refusals_logged
 
     handler = access_logged(app, bool(settings.auth_file)) if settings.access_log else app
+    refused = refusals_logged(bool(settings.auth_file)) if settings.access_log else None
     if settings.backend:
         # A shared backend waits on the network in every request, and redis-py's timeouts
         # need a Task from the first line on (see server.stepping).
@@ -178,6 +179,7 @@ async def run(
         loop,
         head_check=app.head_check,
         epoch=lambda: backend.epoch,
+        refused=refused,
     )
     app.head_checked = True  # token and guard are checked on the headers, before any body
     ctx = _ssl_context(settings)
