@@ -5,6 +5,8 @@ same request without the offending header goes through."""
 
 from __future__ import annotations
 
+import contextlib
+import socket
 from collections.abc import Callable
 from typing import Any
 
@@ -80,3 +82,45 @@ def test_foreign_origin_cannot_change_even_with_the_login(
     assert server.post("/0/exists", {"keys": ["a"]}, auth=login, headers=own).ok
     assert server.post("/0/clear", {}, auth=login).status_code == 204
     assert stored(server, auth=login) == [False]
+
+
+def _head_only(server: ServerProcess, headers: bytes) -> bytes:
+    """Send a POST's headers announcing a body (``Expect: 100-continue``), never the body, and
+    read what the server sends until it closes the connection (at most 20 s)."""
+    with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
+        sock.sendall(
+            b"POST /0/initialize HTTP/1.1\r\nContent-Length: 1000\r\n"
+            b"Expect: 100-continue\r\n" + headers + b"\r\n"
+        )
+        data = b""
+        with contextlib.suppress(ConnectionResetError, TimeoutError):
+            while chunk := sock.recv(65536):
+                data += chunk
+        return data
+
+
+def test_refusals_come_at_the_headers_before_the_body(
+    make_server: Callable[..., ServerProcess],
+) -> None:
+    # A long --header-timeout: a server waiting for the body would not answer within the read.
+    server = make_server("--in-memory", "--header-timeout", "120", "--access-log")
+    own = b"Host: localhost:%d\r\n" % server.port
+    cases = (
+        (own + b"Content-Type: text/plain\r\n", b"415", b"Content-Type 'text/plain'"),
+        (own + b"Origin: http://evil.example\r\n", b"403", b"Origin header"),
+        (b"Host: evil.example:%d\r\n" % server.port, b"403", b"Host header"),
+    )
+    for headers, status, detail in cases:
+        reply = _head_only(server, headers)
+        # Answered and closed without the body, and without inviting it (no 100 Continue).
+        assert reply.startswith(b"HTTP/1.1 " + status + b" "), reply[:300]
+        assert b"100 Continue" not in reply and detail in reply, reply[:300]
+        assert b"connection: close" in reply.lower(), reply[:300]
+    pools = requests.get(server.url + "/v1/pools", timeout=10).json()["pools"]
+    assert pools == []  # nothing was initialized
+    # Refused before the app, yet in the access log like any reply.
+    server.wait_for_log("POST /0/initialize 415 ")
+    assert server.log.count("POST /0/initialize 403 ") == 2, server.log
+    metrics = requests.get(server.url + "/metrics", timeout=10).text
+    for header in ("host", "origin", "content_type"):
+        assert f'kvmeta_requests_refused_total{{header="{header}"}} 1.0' in metrics

@@ -1,4 +1,4 @@
-"""``_finish`` (the driver of handlers that suspend) never swallows a cancellation."""
+"""``finish`` (the driver of handlers that suspend) never swallows a cancellation."""
 
 from __future__ import annotations
 
@@ -7,15 +7,16 @@ from typing import Any
 
 import pytest
 
-from kvmeta.server.http import Response, _finish
+from kvmeta.server.http import Response
+from kvmeta.server.stepping import finish
 
 
 async def _start(handler: Any) -> tuple[asyncio.Task[Response], list[str]]:
-    """Run ``handler`` eagerly as the HTTP layer does, then hand it to ``_finish``."""
+    """Run ``handler`` eagerly as the HTTP layer does, then hand it to ``finish``."""
     log: list[str] = []
     coro = handler(log)
     yielded = coro.send(None)
-    task = asyncio.get_running_loop().create_task(_finish(coro, yielded))
+    task = asyncio.get_running_loop().create_task(finish(coro, yielded))
     await asyncio.sleep(0)  # the task now waits on the handler's future
     return task, log
 

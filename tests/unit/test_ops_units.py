@@ -9,8 +9,8 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeta._types import PoolId
-from kvmeta.errors import Unauthorized
-from kvmeta.server.auth import TokenAuth
+from kvmeta.errors import ConfigError, Unauthorized
+from kvmeta.server.access import Access
 from kvmeta.server.http import Request
 from kvmeta.server.metrics import LATENCY_BUCKETS, RouteStats, new_snapshot, render_metrics
 from kvmeta.status import format_table
@@ -30,7 +30,7 @@ def basic(user: str, password: str) -> bytes:
     [b"Bearer tok:en", b"bearer  tok:en ", basic("", "tok:en"), basic("any", "tok:en")],
 )
 def test_token_accepted_forms(header: bytes) -> None:
-    auth = TokenAuth("tok:en")
+    auth = Access(None, "tok:en")
     auth(req(header))
     assert auth.failures == 0
 
@@ -40,16 +40,28 @@ def test_token_accepted_forms(header: bytes) -> None:
     [None, b"", b"Bearer", b"Bearer tok", basic("tok:en", ""), b"Basic ***", b"Digest tok:en"],
 )
 def test_token_refused_forms(header: bytes | None) -> None:
-    auth = TokenAuth("tok:en")
+    auth = Access(None, "tok:en")
     with pytest.raises(Unauthorized) as info:
         auth(req(header))
     assert "tok:en" not in str(info.value)
     assert auth.failures == 1
 
 
+def test_auth_token_alone_is_a_one_entry_table_with_its_own_messages() -> None:
+    auth = Access(None, "tok:en")
+    assert not auth.scoped and auth.table.scopes == {}
+    (scope,) = auth.operator.scopes.values()
+    assert scope.all_access and scope.tenant == ""
+    with pytest.raises(Unauthorized, match="--auth-token / KVMETA_AUTH_TOKEN"):
+        auth(req(None))
+    with pytest.raises(Unauthorized, match="does not match the server's --auth-token"):
+        auth(req(b"Bearer wrong"))
+    assert auth.failures == 2
+
+
 def test_empty_token_is_a_configuration_error() -> None:
-    with pytest.raises(ValueError, match="non-empty"):
-        TokenAuth("")
+    with pytest.raises(ConfigError, match="auth-token"):
+        Access(None, "")
 
 
 def test_latency_buckets_are_upper_bounds() -> None:

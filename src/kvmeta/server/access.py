@@ -1,13 +1,15 @@
-"""Scoped access with a tokens file (``--auth-file``): who may call which route on which pools,
-and each tenant's request rate.
+"""Token access, the one auth mechanism: the all-access ``--auth-token`` and the tokens file
+(``--auth-file``: who may call which route on which pools, and each tenant's request rate).
 
 ``Access`` is the app's ``authorize`` hook (401 for a missing or unknown token, checked on the
-headers) and, through ``wrap``, every route's first step: it finds the token's ``Scope``, puts
-it on the request (``request.scope``), takes one request from the tenant's token bucket (429
-``QuotaExceeded`` with ``Retry-After``), and checks the right the route needs (``ROUTE_RULES``)
-and a rank in the path, before the handler reads or changes anything. The pool a body names
-(SGLang namespace, vLLM rank) is checked by the handler right after decoding, through
-``sglang_pool``/``vllm_pool``, which also put the token's tenant into the ``PoolId``.
+headers). ``--auth-token`` is a one-entry token table (all access, tenant ``""``) looked up
+before the file's. With a tokens file, ``wrap`` is also every route's first step: it finds the
+token's ``Scope``, puts it on the request (``request.scope``), takes one request from the
+tenant's token bucket (429 ``QuotaExceeded`` with ``Retry-After``), and checks the right the
+route needs (``ROUTE_RULES``) and a rank in the path, before the handler reads or changes
+anything. The pool a body names (SGLang namespace, vLLM rank) is checked by the handler right
+after decoding, through ``sglang_pool``/``vllm_pool``, which also put the token's tenant into
+the ``PoolId``.
 
 A 403 depends only on the token's scope and the request, never on the state, so it is the same
 whether the target exists or not (no existence oracle). One exception: a vLLM initialize whose
@@ -25,7 +27,6 @@ file is logged (without any token) and the old table kept.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import logging
 import math
 import signal
@@ -38,7 +39,15 @@ from kvmeta._types import PoolId
 from kvmeta.errors import ConfigError, Forbidden, QuotaExceeded, Unauthorized
 from kvmeta.server.auth import presented_token
 from kvmeta.server.http import Request, Response
-from kvmeta.server.tokens import ALL_ACCESS, Scope, TenantQuota, digest, load_tokens
+from kvmeta.server.tokens import (
+    ALL_ACCESS,
+    NO_TOKENS,
+    Scope,
+    TenantQuota,
+    digest,
+    load_tokens,
+    operator_table,
+)
 from kvmeta.service.limits import TenantCaps
 
 __all__ = [
@@ -194,16 +203,42 @@ _WRONG = (
     "Invalid authentication token: the Bearer token or URL password is not in the server's "
     "tokens file (--auth-file) and is not its --auth-token"
 )
+# The same refusals of a server with --auth-token alone, naming only what it has.
+_MISSING_OPERATOR = (
+    "Authentication required: send `Authorization: Bearer <token>`, or put the token in the "
+    "server URL as the password (http://:TOKEN@host:port); the server's token is set with "
+    "--auth-token / KVMETA_AUTH_TOKEN"
+)
+_WRONG_OPERATOR = (
+    "Invalid authentication token: the Bearer token or URL password does not match the "
+    "server's --auth-token"
+)
 _MAX_REMEMBERED = 4096
 
 
 class Access:
-    """The ``App.authorize`` hook and the per-route scope/rate check for a tokens file."""
+    """The ``App.authorize`` hook, and with a tokens file the per-route scope/rate check.
 
-    def __init__(self, path: str, auth_token: str | None = None) -> None:
+    One mechanism for both ways of giving tokens: ``--auth-token`` is a one-entry token table
+    whose entry is all access (``tokens.operator_table``), looked up before the tokens file's
+    table (``path``; None: no file). Without a file every valid token is all access, so the
+    routes are not wrapped (``scoped`` is False): requests carry no scope, which reads as all
+    access in tenant ``""``, and pay nothing per route."""
+
+    def __init__(self, path: str | None, auth_token: str | None = None) -> None:
+        """Raises ConfigError: an unreadable or invalid tokens file, or an empty token
+        without one (the server refuses to start)."""
+        if path is None and not auth_token:
+            raise ConfigError(
+                "auth needs --auth-token or --auth-file; leave both unset to turn it off",
+                "auth_token",
+            )
         self.path = path
-        self._operator = digest(auth_token.encode()) if auth_token else None
-        self.table = load_tokens(path)  # ConfigError at start-up: the server refuses to start
+        self.operator = operator_table(auth_token) if auth_token else NO_TOKENS
+        self.table = load_tokens(path) if path else NO_TOKENS
+        self._missing, self._wrong = (
+            (_MISSING, _WRONG) if path else (_MISSING_OPERATOR, _WRONG_OPERATOR)
+        )
         self._remembered: dict[bytes, Scope] = {}
         self._buckets: dict[str, TokenBucket] = {}
         self.failures = 0  # 401s
@@ -214,25 +249,28 @@ class Access:
         self.public: set[str] = set()
         self._sighup = False  # the running loop reloads on SIGHUP (install_sighup)
 
+    @property
+    def scoped(self) -> bool:
+        """Whether tokens have scopes and quotas (a tokens file), checked on every route."""
+        return self.path is not None
+
     # ------------------------------------------------------------------ tokens
 
     def _scope(self, header: bytes | None) -> Scope:
         if header is None:
             self.failures += 1
-            raise Unauthorized(_MISSING)
+            raise Unauthorized(self._missing)
         scope = self._remembered.get(header)
         if scope is not None:
             return scope
         token = presented_token(header)
-        d = digest(token)
-        found: Scope | None
-        if self._operator is not None and hmac.compare_digest(self._operator, d):
-            found = ALL_ACCESS
-        else:
-            found = self.table.lookup(token) if token else None
+        found: Scope | None = None
+        if token:
+            d = digest(token)
+            found = self.operator.find(d) or self.table.find(d)
         if found is None:
             self.failures += 1
-            raise Unauthorized(_WRONG)
+            raise Unauthorized(self._wrong)
         if len(self._remembered) >= _MAX_REMEMBERED:
             self._remembered.clear()
         self._remembered[header] = found
@@ -259,6 +297,8 @@ class Access:
 
     def reload(self) -> bool:
         """Re-read the tokens file; on any error keep the old table. True when swapped."""
+        if self.path is None:
+            return False
         try:
             table = load_tokens(self.path)
         except ConfigError as exc:

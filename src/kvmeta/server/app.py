@@ -272,8 +272,8 @@ class App:
     """Maps requests to route handlers. ``public`` routes skip authentication, not ``guard``."""
 
     def __init__(self, authorize: Callable[[Request], None] | None = None) -> None:
-        # Runs first on every request (``server.guard``: Host, Origin, Content-Type), raising
-        # a KvmetaError to refuse it before any route sees it.
+        # Runs on every request's headers after the token (``server.guard``: Host, Origin,
+        # Content-Type), raising a KvmetaError to refuse it before any route sees it.
         self.guard: Callable[[Request], None] | None = None
         self._static: dict[str, _Route] = {}
         # (segment count, last segment) -> routes with a {rank} segment
@@ -281,8 +281,9 @@ class App:
         self._public: set[str] = set()
         self.authorize = authorize
         # True once the HTTP layer calls ``head_check`` before reading bodies (``kvmeta
-        # serve``): then ``__call__`` need not check the token a second time.
-        self.auth_in_head = False
+        # serve``); else ``__call__`` runs it first, so an app called directly (in-process
+        # tests, benchmarks) refuses exactly what the server refuses.
+        self.head_checked = False
         # path -> match, for ranked paths: engines send the same few paths all day.
         self._matched: dict[str, tuple[_Route, int, str]] = {}
         # Coroutine functions the server runs as tasks while it serves (cancelled at shutdown).
@@ -349,40 +350,46 @@ class App:
                 return hit
         raise NotFound("Not Found")
 
-    def head_check(
-        self, method: bytes, url: bytes, authorization: bytes | None
-    ) -> Response | PublicRoute | None:
-        """The token check, run by the HTTP layer as soon as a request's headers are in, so a
-        client without the token never gets ``100 Continue`` nor has its body read. Returns
-        the 401 to send, None to go on, or ``PUBLIC`` for a route served without the token
-        (which takes no body and does not authenticate the connection). Unknown paths need the
-        token too (a 401, not a 404: no route is revealed and no body read without it)."""
+    def head_check(self, request: Request) -> Response | PublicRoute | None:
+        """Every check a request passes before its route runs: the token, then ``guard``
+        (Host, Origin, Content-Type). The HTTP layer runs it as soon as the headers are in
+        (the request's body still empty), so a refused request is answered before its body is
+        read or ``100 Continue`` is sent, and changes nothing. Returns the refusal to send (401,
+        403, 415), None to go on, or ``PUBLIC`` for a route served without the token (which
+        takes no body and does not authenticate the connection). Unknown paths need the token
+        too (a 401, not a 404: no route is revealed and no body read without it)."""
+        verdict: PublicRoute | None = None
         authorize = self.authorize
-        if authorize is None:
-            return None
-        path = url.split(b"?", 1)[0].decode("latin-1")
-        try:
-            pattern = self._match(path)[2]
-        except KvmetaError:
-            pattern = None
-        if pattern in self._public:
-            return PUBLIC
-        try:
-            authorize(Request(method.decode("latin-1"), path, "", b"", authorization))
-        except Unauthorized as exc:
-            return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
-        return None
+        if authorize is not None:
+            try:
+                pattern = self._match(request.path)[2]
+            except KvmetaError:
+                pattern = None
+            if pattern in self._public:
+                verdict = PUBLIC
+            else:
+                try:
+                    authorize(request)
+                except Unauthorized as exc:
+                    return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)
+        guard = self.guard
+        if guard is not None:
+            try:
+                guard(request)
+            except KvmetaError as exc:
+                return error_response(exc.status, str(exc))
+        return verdict
 
     async def __call__(self, request: Request) -> Response:
+        if not self.head_checked:  # called directly, not by the HTTP layer
+            verdict = self.head_check(request)
+            if isinstance(verdict, Response):
+                return verdict
         try:
-            if self.guard is not None:
-                self.guard(request)
-            route, rank, pattern = self._match(request.path)
+            route, rank, _ = self._match(request.path)
             handler = route.handlers.get(request.method)
             if handler is None:
                 raise MethodNotAllowed("Method Not Allowed")
-            if self.authorize is not None and not self.auth_in_head and pattern not in self._public:
-                self.authorize(request)
             return await handler(request, rank)
         except Unauthorized as exc:
             return Response(401, _encode({"detail": str(exc)}), headers=_CHALLENGE)

@@ -6,7 +6,7 @@ Two floods are answered here rather than per connection. Connections that never 
 only half of the connection cap, and the oldest of them make room for new ones, so they can
 neither take the descriptors the journal needs nor lock the engines out: an authenticated
 connection is never closed to make room. Replies their clients do not read are bounded per
-connection by pausing it (``server.http``), and all together here: past the server's budget the
+connection by pausing it (``server.replies``), and all together here: past the server's budget the
 connections holding the most are closed, since only closing frees what they hold.
 """
 
@@ -24,7 +24,7 @@ _WARN_EVERY = 10.0  # seconds between two warnings of one kind (refused, made ro
 
 
 class Connection(Protocol):
-    """What the table needs of a connection (``server.http.HttpProtocol``)."""
+    """What the table needs of a connection (``server.connection.HttpProtocol``)."""
 
     unsent: int  # its unsent output, as last counted
 

@@ -20,9 +20,10 @@ of any site opened in that browser can make the browser send requests to it:
 
 Safe methods (GET, HEAD, OPTIONS) change nothing and a page of another origin cannot read their
 replies, so only ``Host`` is checked for them. A request with no ``Host`` (HTTP/1.0, raw
-sockets) is no browser's. Each refusal happens before the route runs, so it changes nothing,
-and names the header and the fix. An accepted ``Host`` value is remembered, so the engines'
-requests (one value all day) cost a set lookup.
+sockets) is no browser's. The checks run on the headers (``App.head_check``, after the
+token), so a refused request is answered before its body is read, changes nothing, and closes
+its connection; each refusal names the header and the fix. An accepted ``Host`` value is
+remembered, so the engines' requests (one value all day) cost a set lookup.
 """
 
 from __future__ import annotations
@@ -121,7 +122,8 @@ def _origin_matches(origin: bytes, host: bytes) -> bool:
 
 
 class RequestGuard:
-    """``App.guard``: raises ``Forbidden`` (Host, Origin) or ``UnsupportedMediaType``.
+    """``App.guard`` (run by ``App.head_check``): raises ``Forbidden`` (Host, Origin) or
+    ``UnsupportedMediaType``.
 
     ``loopback``: the server is bound to loopback only. ``allowed``: ``--allowed-hosts`` (None:
     not given). ``where``: the bound address, as refusals name it."""

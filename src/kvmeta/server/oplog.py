@@ -160,40 +160,58 @@ async def flush_log_summaries(every: float = 1.0) -> None:
 Handler = Callable[[Request], Coroutine[Any, Any, Response]]
 
 
+def log_access(request: Request, response: Response, ms: float, tenants: bool) -> None:
+    """One access-log record (see ``access_logged``)."""
+    peer = request.peer[0] if request.peer else "-"
+    scope = request.scope
+    tenant = scope.tenant if scope is not None else (None if tenants else "")
+    fields = {
+        "method": request.method,
+        "path": request.path,
+        "status": response.status,
+        "bytes": len(response.body),
+        "duration_ms": round(ms, 3),
+        "remote": None if peer == "-" else str(peer),
+        "tenant": tenant,
+    }
+    access_logger.info(
+        "%s %s %s %d %dB %.3fms",
+        peer,
+        request.method,
+        request.path,
+        response.status,
+        len(response.body),
+        ms,
+        extra={"fields": fields},
+    )
+
+
 def access_logged(handler: Handler, tenants: bool = False) -> Handler:
-    """Wrap the whole app so every request, unknown routes and 401s included, is logged.
+    """Wrap the whole app so every request it answers, unknown routes included, is logged.
 
     Each record also carries its parts as ``fields`` (the JSON log format puts them at the top
     level of the line). ``tenant``: the token's tenant with a tokens file (``tenants``), None
     where no token was accepted (a 401, a public route); ``""``, the one tenant, without.
+    Requests refused at their headers never reach the app: ``refusals_logged`` logs those.
     """
 
     async def logged(request: Request) -> Response:
         start = perf_counter()
         response = await handler(request)
-        ms = (perf_counter() - start) * 1000
-        peer = request.peer[0] if request.peer else "-"
-        scope = request.scope
-        tenant = scope.tenant if scope is not None else (None if tenants else "")
-        fields = {
-            "method": request.method,
-            "path": request.path,
-            "status": response.status,
-            "bytes": len(response.body),
-            "duration_ms": round(ms, 3),
-            "remote": None if peer == "-" else str(peer),
-            "tenant": tenant,
-        }
-        access_logger.info(
-            "%s %s %s %d %dB %.3fms",
-            peer,
-            request.method,
-            request.path,
-            response.status,
-            len(response.body),
-            ms,
-            extra={"fields": fields},
-        )
+        log_access(request, response, (perf_counter() - start) * 1000, tenants)
         return response
 
     return logged
+
+
+def refusals_logged(tenants: bool = False) -> Callable[[Request, Response], None]:
+    """The HTTP server's hook for requests refused at their headers (``App.head_check``): the
+    access log has the Host, Origin and Content-Type refusals (403, 415; duration 0), not the
+    401s, which a client without the token can send at any rate
+    (``kvmeta_auth_failures_total`` counts them)."""
+
+    def refused(request: Request, response: Response) -> None:
+        if response.status != 401:
+            log_access(request, response, 0.0, tenants)
+
+    return refused

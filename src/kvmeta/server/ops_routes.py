@@ -26,7 +26,6 @@ from kvmeta.errors import KvmetaError, Unauthorized
 from kvmeta.server import guard, prefix_routes, status_page
 from kvmeta.server.access import Access, scope_of
 from kvmeta.server.app import App, Route, add_table, json_response
-from kvmeta.server.auth import TokenAuth
 from kvmeta.server.http import Request, Response
 from kvmeta.server.metrics import (
     CONTENT_TYPE,
@@ -83,12 +82,12 @@ class OpsState:
         self.backend: Backend = service.backend
         self.settings = settings
         self.metrics = RequestMetrics()
-        # With a tokens file, ``Access`` is the hook (it knows --auth-token as all access).
-        self.access = (
-            Access(settings.auth_file, settings.auth_token) if settings.auth_file else None
-        )
-        self.auth: TokenAuth | Access | None = self.access or (
-            TokenAuth(settings.auth_token) if settings.auth_token else None
+        # The token check (None: auth off): --auth-token as a one-entry table, and the tokens
+        # file's scopes when there is one.
+        self.auth: Access | None = (
+            Access(settings.auth_file, settings.auth_token)
+            if settings.auth_file or settings.auth_token
+            else None
         )
         # Host, Origin and Content-Type of every request (server.guard)
         self.guard = guard.for_settings(settings.host, settings.allowed_hosts)
@@ -199,15 +198,15 @@ async def metrics(state: OpsState, req: Request, rank: int) -> Response:
     series and 403/429 counters only: request, durability and auth series are server-wide."""
     ok, _ = await state.ready()
     scope = scope_of(req)
-    access = state.access
+    auth = state.auth
     tenant = None if scope.all_access else scope.tenant
     snapshot = new_snapshot(
         pools=await visible_stats(state, scope),
         durability=await state.durability() if tenant is None else {},
         requests=state.metrics.routes if tenant is None else [],
-        auth_failures=state.auth.failures if state.auth and tenant is None else None,
+        auth_failures=auth.failures if auth and tenant is None else None,
         refused=state.guard.counters() if tenant is None else None,
-        tenant_counters=access.counters(tenant) if access else None,
+        tenant_counters=auth.counters(tenant) if auth and auth.scoped else None,
         info={"version": __version__, "backend": state.backend.name},
         ready=ok,
         max_pools=state.settings.metrics_max_pools,
@@ -268,14 +267,15 @@ def install(app: App, service: Service, settings: Settings, drain: Drain | None 
     app.background.append(flush_log_summaries)
     app.authorize = state.auth
     app.guard = state.guard
-    if state.access is not None:
+    auth = state.auth
+    if auth is not None and auth.scoped:
         # Innermost: the scope is on the request and checked before any handler runs; the
         # metrics wrapper outside it counts the 403s and 429s per route.
-        state.access.public = app.public_patterns()
-        app.wrap_handlers(state.access.wrap)
-        state.access.install_sighup()  # before the server listens (see its docstring)
-        app.background.append(state.access.watch_sighup)
-        service.tenant_caps = state.access.caps
+        auth.public = app.public_patterns()
+        app.wrap_handlers(auth.wrap)
+        auth.install_sighup()  # before the server listens (see its docstring)
+        app.background.append(auth.watch_sighup)
+        service.tenant_caps = auth.caps
     app.wrap_handlers(InitWatcher().wrap)
     app.wrap_handlers(state.metrics.wrap)
     return state

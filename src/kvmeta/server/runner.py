@@ -15,7 +15,7 @@ from typing import Any
 from kvmeta.config import Settings
 from kvmeta.errors import ConfigError, MissingExtra
 from kvmeta.server.app import App
-from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets
+from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets, in_task
 from kvmeta.server.ops_routes import Drain
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
@@ -165,20 +165,23 @@ async def run(
     publisher = _start_events(settings, backend, service, loop) if settings.events else None
     drain = Drain()
     app = build_app(settings, service, drain)
-    from kvmeta.server.oplog import access_logged, log_startup
+    from kvmeta.server.oplog import access_logged, log_startup, refusals_logged
 
     handler = access_logged(app, bool(settings.auth_file)) if settings.access_log else app
-    # A shared backend waits on the network in every request, and redis-py's timeouts need a
-    # Task from the first step on: no bare first step (see server.http).
+    refused = refusals_logged(bool(settings.auth_file)) if settings.access_log else None
+    if settings.backend:
+        # A shared backend waits on the network in every request, and redis-py's timeouts
+        # need a Task from the first line on (see server.stepping).
+        handler = in_task(handler)
     server = HttpServer(
         handler,
         _http_limits(settings, quiet=not announce),
         loop,
         head_check=app.head_check,
-        eager=not settings.backend,
         epoch=lambda: backend.epoch,
+        refused=refused,
     )
-    app.auth_in_head = True  # the token is checked on the headers, before any body is read
+    app.head_checked = True  # token and guard are checked on the headers, before any body
     ctx = _ssl_context(settings)
     addrs = await server.listen(sockets, ssl_context=ctx)
     # Signals are ours before the listening line: whoever waits for that line (a supervisor,

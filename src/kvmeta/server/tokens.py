@@ -38,7 +38,7 @@ import re
 import stat
 import sys
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -54,6 +54,7 @@ __all__ = [
     "BURST_RANGE",
     "MAX_TENANT_PAGES",
     "MAX_TENANT_POOLS",
+    "NO_TOKENS",
     "RATE_RANGE",
     "RIGHTS",
     "Scope",
@@ -61,6 +62,7 @@ __all__ = [
     "TokenTable",
     "digest",
     "load_tokens",
+    "operator_table",
     "parse_tokens",
 ]
 
@@ -182,11 +184,33 @@ class TokenTable:
         """The scope of a presented token: hashed, looked up by digest, and the stored digest
         compared with ``hmac.compare_digest`` (a guess's timing never depends on how many of
         a secret's characters it got right: only digests are ever compared)."""
-        d = digest(token)
-        hit = self.scopes.get(d)
+        return self.find(digest(token))
+
+    def find(self, token_digest: bytes) -> Scope | None:
+        """``lookup`` for a token already hashed (one hash serves several tables)."""
+        hit = self.scopes.get(token_digest)
         if hit is None:
             return None
-        return hit if hmac.compare_digest(hit.key, d) else None
+        return hit if hmac.compare_digest(hit.key, token_digest) else None
+
+
+NO_TOKENS = TokenTable({}, {})
+
+
+def operator_table(token: str) -> TokenTable:
+    """``--auth-token`` as a token table: one entry, all access (tenant ``""``), so one lookup
+    serves it and a tokens file alike.
+
+    Raises:
+        ConfigError: an empty token (leave ``--auth-token`` unset to turn auth off).
+    """
+    if not token:
+        raise ConfigError(
+            "--auth-token is empty; give a token, or leave it unset to turn auth off",
+            "auth_token",
+        )
+    d = digest(token.encode())
+    return TokenTable({d: replace(ALL_ACCESS, key=d)}, {})
 
 
 def _where(path: str | None) -> str:
