@@ -20,7 +20,8 @@ import pytest
 
 from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.store.base import Backend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import RedisBackend
 
 T = TypeVar("T")
@@ -53,7 +54,7 @@ def _redis(url_fixture: str) -> Factory:
 def _memory(
     ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
 ) -> Backend:
-    return MemoryBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
+    return LocalBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
 
 
 BACKENDS: dict[str, Factory] = {
@@ -88,7 +89,7 @@ class Sync:
     def check(self) -> None:
         """Assert the page invariant of every pool holds, and every hash index matches its
         pool's stored keys."""
-        if isinstance(self.backend, MemoryBackend):
+        if isinstance(self.backend, LocalBackend):
             store = self.backend.store
             for pool in store.pools.values():
                 check_pool(pool)

@@ -18,7 +18,7 @@ from kvmeta.errors import QuotaExceeded
 from kvmeta.service.limits import NO_CAPS, TenantCaps
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import pool_prefix
 from tests.contract.conftest import BACKENDS
@@ -57,7 +57,7 @@ class SyncService:
 
 def _durable(ttl: float, lease: float, directory: Path) -> Backend:
     store = MemoryStore(reservation_ttl=ttl, read_lease=lease)
-    return DurableBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0.0))
+    return LocalBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0.0))
 
 
 @pytest.fixture(params=["durable", *sorted(BACKENDS)])

@@ -16,7 +16,8 @@ from kvmeta.service.core import Op, Operations, run_async, run_sync
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_ERROR, SCHEDULER_MESSAGE
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from tests.unit.store.durable_support import open_backend
 
 S0, S1 = PoolId("s", 0, "kv"), PoolId("s", 1, "kv")
@@ -88,7 +89,7 @@ def test_sync_store_and_async_backends_agree(tmp_path: Path) -> None:
         finally:
             await backend.close()
 
-    plain = asyncio.run(on(MemoryBackend(MemoryStore(read_lease=0.0))))
+    plain = asyncio.run(on(LocalBackend(MemoryStore(read_lease=0.0))))
     journaled = asyncio.run(durable())
     for name, got in (("memory", plain), ("durable", journaled)):
         # (stats differ only in timing-free counters; compare all but the last reply)
@@ -151,7 +152,7 @@ def test_refused_before_any_store_call(make: Any, error: type[Exception]) -> Non
         run_sync(make(Operations(LIMITS)), NoStore())
 
 
-class SlowStats(MemoryBackend):
+class SlowStats(LocalBackend):
     """Yields to the loop between reading the budget and creating the pool, as a journaled
     or networked backend does."""
 
@@ -182,7 +183,7 @@ def test_not_initialized_comes_from_the_store_in_the_dialects_words() -> None:
 
 def test_service_runs_vllm_initialize_whole() -> None:
     """What the dialect-V route needs in one call: fields as decoded, reply and warnings."""
-    service = Service(MemoryBackend(MemoryStore()), LIMITS)
+    service = Service(LocalBackend(MemoryStore()), LIMITS)
 
     async def run() -> None:
         with pytest.raises(InvalidRequest, match="needs `num_pages`, which is missing"):

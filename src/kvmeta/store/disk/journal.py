@@ -14,7 +14,7 @@ group: with a writer thread the journal added CPU to every request even with ``-
 Failure (disk full, out of file descriptors, fsync failing, the helper dying over and over):
 the journal stops writing at once (a half-written group must never be followed by more), every
 waiter gets ``JournalFailed`` and so does every later ``wait``; ``failed`` says why. Records
-appended meanwhile are only counted. The owner (``store.disk.durable``) then refuses changes and,
+appended meanwhile are only counted. The owner (``store.disk.local``) then refuses changes and,
 once the cause is gone, writes a snapshot of the state in memory into a new segment number and
 calls ``recovered``: everything up to then is durable again, and writing resumes in a fresh
 segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
@@ -71,8 +71,9 @@ from kvmeta.store.disk.codec import (
     Record,
     RecordTooLarge,
     Remove,
+    TenantWorldSize,
+    WorldSize,
     encode_records,
-    has_tenant,
     segment_header,
 )
 from kvmeta.store.disk.mounts import describe_disk
@@ -106,6 +107,15 @@ _HELPER = str(Path(__file__).with_name("fsync_helper.py"))
 _MAX_HELPER_STARTS = 5
 _HELPER_WINDOW = 60.0
 _REMOVALS = (Remove, Clear)
+
+
+def _has_tenant(record: Record) -> bool:
+    """Whether ``record`` belongs to a tenant other than the default one (format 3)."""
+    if isinstance(record, TenantWorldSize):
+        return True
+    if isinstance(record, WorldSize):
+        return False
+    return record.pool.tenant != ""
 
 
 def segment_path(directory: Path, segment: int) -> Path:
@@ -178,6 +188,9 @@ class Journal:
         self._last_reply = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_from: float | None = None  # loop time the stalled fsync began
+        # Whether changes are refused now (failed or stalled: ``refusal`` says why), kept as a
+        # plain attribute so the check before every change costs one attribute read.
+        self.refusing = False
         self.stalls = 0
         # Told after a group is written once ``bytes_written`` has reached ``grow_at`` (0:
         # never): the owner's size-driven snapshot (``store.disk.compaction``) waits for it. One
@@ -237,7 +250,7 @@ class Journal:
             # snapshot (which has no per-record limit) makes it durable.
             frames = []
             self._fail(str(exc), "Lower the limit named above")
-        if not self._tenants and has_tenant(record):
+        if not self._tenants and _has_tenant(record):
             self._mark_tenants()
         self.seq += len(frames) or 1
         if isinstance(record, _REMOVALS):
@@ -321,6 +334,7 @@ class Journal:
             self._start_helper()
         self._buf = bytearray()
         self._failed = None
+        self.refusing = self._stalled_from is not None
         self.failed_at = 0.0
         self.written_seq = self._requested = seq
         self._on_durable(seq)
@@ -442,6 +456,7 @@ class Journal:
         )
         logger.error("%s", error)
         self._failed = error
+        self.refusing = True
         self.failed_at = time.time()
         self.failed_seq = self.durable_seq
         self._buf = bytearray()
@@ -489,6 +504,7 @@ class Journal:
             self._watch()  # the helper answered meanwhile: check its current fsync
             return
         self._stalled_from = self._busy_since()
+        self.refusing = True
         self.stalls += 1
         error = self._stall_error()
         logger.error("%s", error)
@@ -507,6 +523,7 @@ class Journal:
         if self._stalled_from is not None:
             took = self._last_reply - self._stalled_from
             self._stalled_from = None
+            self.refusing = self._failed is not None
             logger.warning(
                 "the journal's fsync in %s completed after %.1f s: the disk answers again; "
                 "everything acknowledged or refused while it hung is durable now, and changes "
