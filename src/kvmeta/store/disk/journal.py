@@ -53,12 +53,9 @@ fsync modes:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -76,6 +73,7 @@ from kvmeta.store.disk.codec import (
     encode_records,
     segment_header,
 )
+from kvmeta.store.disk.fsync_link import HELPER, FsyncHelper
 from kvmeta.store.disk.mounts import describe_disk
 
 __all__ = [
@@ -101,7 +99,6 @@ DEFAULT_FSYNC_INTERVAL = 0.025
 DEFAULT_FSYNC_TIMEOUT = 5.0
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)
-_HELPER = str(Path(__file__).with_name("fsync_helper.py"))
 # The helper may die (OOM killer, an operator's kill); it is restarted, but this many exits
 # within _HELPER_WINDOW seconds mean something is wrong with it: the journal fails.
 _MAX_HELPER_STARTS = 5
@@ -179,10 +176,9 @@ class Journal:
         self._closed = False
         self._fd = -1
         self._fd_segment = -1
-        self._helper: subprocess.Popen[bytes] | None = None
+        self._helper: FsyncHelper | None = None
         self._helper_exits: deque[float] = deque(maxlen=_MAX_HELPER_STARTS)
         self._requested = 0  # highest seq the helper was asked to make durable
-        self._replies = b""
         # Stall watch: unanswered requests (seq, loop time sent), oldest first.
         self._outstanding: deque[tuple[int, float]] = deque()
         self._last_reply = 0.0
@@ -378,7 +374,7 @@ class Journal:
             self._close_segment()
         helper, self._helper = self._helper, None
         if helper is not None:
-            self._stop_helper(helper)
+            helper.stop(self.stall_timeout)
 
     def _close_segment(self) -> None:
         """Write the open group and fdatasync and close the segment file, on the loop (rotation
@@ -550,21 +546,10 @@ class Journal:
     # ------------------------------------------------------------------ fsync helper
 
     def _start_helper(self) -> None:
-        helper = subprocess.Popen(
-            [sys.executable, "-I", "-S", _HELPER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            close_fds=True,
-            start_new_session=True,  # Ctrl-C stops the server, which then stops the helper
+        self._helper = FsyncHelper(
+            self.loop, self.directory, self._on_answers, self._fail, self._helper_exited
         )
-        assert helper.stdin is not None and helper.stdout is not None
-        os.set_blocking(helper.stdin.fileno(), False)
-        os.set_blocking(helper.stdout.fileno(), False)
-        self.loop.add_reader(helper.stdout.fileno(), self._on_reply)
-        self._helper = helper
         self._requested = 0
-        self._replies = b""
         self._outstanding.clear()  # the new helper is asked again, from now
         self._request()
 
@@ -576,71 +561,23 @@ class Journal:
         helper = self._helper
         if helper is None or self._requested >= self.written_seq or self._fd_segment < 0:
             return
-        path = segment_path(self.directory, self._fd_segment)
-        try:
-            os.write(helper.stdin.fileno(), b"%d %s\n" % (self.written_seq, os.fsencode(path)))  # type: ignore[union-attr]
-        except BlockingIOError:
+        if not helper.request(self.written_seq, segment_path(self.directory, self._fd_segment)):
             return
-        except OSError:
-            return  # the helper died: its reader sees EOF and restarts it
         self._requested = self.written_seq
         self._outstanding.append((self.written_seq, self.loop.time()))
         self._watch()
 
-    def _on_reply(self) -> None:
-        helper = self._helper
-        if helper is None:
-            return
-        try:
-            data = os.read(helper.stdout.fileno(), 65536)  # type: ignore[union-attr]
-        except BlockingIOError:
-            return
-        if not data:
-            self._helper_exited(helper)
-            return
-        lines, _, self._replies = (self._replies + data).rpartition(b"\n")
-        durable = 0
-        for line in lines.split(b"\n") if lines else ():
-            if line.startswith(b"E "):
-                message = line[2:].decode(errors="replace")
-                self._fail(f"cannot fsync the journal in {self.directory}: {message}")
-                return
-            try:
-                seq, micros = line.split()
-                took = int(micros) / 1e6
-            except ValueError:
-                self._fail(f"the journal's fsync helper ({_HELPER}) answered {line[:80]!r}")
-                return
+    def _on_answers(self, durable: int, seconds: list[float]) -> None:
+        for took in seconds:
             self.fsyncs += 1
             self.fsync_seconds_total += took
             self.fsync_seconds_max = max(self.fsync_seconds_max, took)
-            durable = max(durable, int(seq))
-        if lines:
+        if seconds:
             self._answered(durable)
         self._request()
 
-    def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
-        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code.
-
-        A helper stuck in an fsync gets ``stall_timeout`` to finish, then SIGKILL; one the
-        kernel holds in the fsync even so is left to exit by itself (-1)."""
-        self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
-        try:
-            helper.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass  # a dead helper's pipe: EPIPE on the last flush
-        code = -1
-        try:
-            code = helper.wait(self.stall_timeout)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = helper.wait(self.stall_timeout)
-        helper.stdout.close()  # type: ignore[union-attr]
-        return code
-
-    def _helper_exited(self, helper: subprocess.Popen[bytes]) -> None:
-        code = self._stop_helper(helper)
+    def _helper_exited(self, helper: FsyncHelper) -> None:
+        code = helper.stop(self.stall_timeout)
         self._helper = None
         if self._closed or self._failed is not None:
             return
@@ -649,7 +586,7 @@ class Journal:
         exits.append(now)
         if len(exits) == exits.maxlen and now - exits[0] <= _HELPER_WINDOW:
             self._fail(
-                f"the journal's fsync helper process ({_HELPER}) exited (code {code}) "
+                f"the journal's fsync helper process ({HELPER}) exited (code {code}) "
                 f"{len(exits)} times in {now - exits[0]:.0f} s",
                 "Check what kills it (dmesg for the OOM killer) or run it by hand "
                 "(python -I -S <path>)",
@@ -659,4 +596,4 @@ class Journal:
         try:
             self._start_helper()
         except OSError as exc:
-            self._fail(f"cannot start the journal's fsync helper ({_HELPER}): {exc}")
+            self._fail(f"cannot start the journal's fsync helper ({HELPER}): {exc}")
