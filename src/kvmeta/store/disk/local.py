@@ -193,6 +193,7 @@ class LocalBackend:
         removal = rule.before(target, keys)
         if removal.wait:
             await self._wait_for_disk(removal.wait)
+            target = store.pool(pool)  # a vLLM rank may have been removed and registered again
             rule.waited(target, removal)
         out = store.reserve(pool, keys, removal)
         seq = rule.after(target, out, removal)
