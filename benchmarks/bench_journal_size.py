@@ -40,7 +40,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 sys.path.insert(0, str(SRC))
 
 from kvmeta.store.disk.compaction import JournalBudget  # noqa: E402
-from kvmeta.store.disk.durable import DurabilityOptions  # noqa: E402
+from kvmeta.store.disk.local import DurabilityOptions  # noqa: E402
 
 _LISTEN_RE = re.compile(r"kvmeta listening on http://([^\s:]+):(\d+)")
 _RECOVERED_RE = re.compile(r"recovered .* (\d+) keys .* in ([\d.]+) s")

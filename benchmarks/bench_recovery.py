@@ -22,8 +22,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 from kvmeta._types import PoolId  # noqa: E402
 from kvmeta.core.pool import Pool  # noqa: E402
 from kvmeta.store.disk.codec import HEADER, encode_record  # noqa: E402
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend  # noqa: E402
 from kvmeta.store.disk.history import write_head  # noqa: E402
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend  # noqa: E402
 from kvmeta.store.disk.memory import MemoryStore  # noqa: E402
 from kvmeta.store.disk.recovery import install, recover  # noqa: E402
 from kvmeta.store.disk.snapshot import capture, write_snapshot  # noqa: E402
@@ -72,7 +72,7 @@ def bench_recovery(n: int, scratch: Path) -> None:
 async def _live_snapshot(n: int, directory: Path) -> tuple[float, float, float]:
     """(copy stall, longest event-loop gap while the snapshot ran, snapshot seconds)."""
     store = MemoryStore()
-    backend = DurableBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0))
+    backend = LocalBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0))
     await backend.start()
     store.pools[PID] = Pool.from_lru(n, {k: i for i, k in enumerate(_keys(n))})
     gaps: list[float] = []

@@ -28,7 +28,8 @@ from kvmeta.server.runner import build_app  # noqa: E402
 from kvmeta.server.status_page import StatusState  # noqa: E402
 from kvmeta.service.limits import RequestLimits  # noqa: E402
 from kvmeta.service.ops import Service  # noqa: E402
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore  # noqa: E402
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore  # noqa: E402
 
 
 def _spread(times: list[float]) -> str:
@@ -62,7 +63,7 @@ async def _sample_with_stall(state: StatusState, now: float, wall: float) -> tup
 
 async def _measure(pools: int, calls: int) -> None:
     limits = RequestLimits(max_pools_per_tenant=max(pools, RequestLimits.max_pools_per_tenant))
-    app = build_app(Settings(in_memory=True), Service(MemoryBackend(MemoryStore()), limits))
+    app = build_app(Settings(in_memory=True), Service(LocalBackend(MemoryStore()), limits))
     (state,) = [
         job.__self__
         for job in app.background

@@ -17,7 +17,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from kvmeta.errors import ConfigError
-from kvmeta.store.disk.durable import DurabilityOptions
+from kvmeta.store.disk.datadir import DurabilityOptions
 from kvmeta.store.redis.url import redact_url
 
 __all__ = [

@@ -4,8 +4,10 @@ A backend is built by a factory ``(reservation_ttl, read_lease, fixture, hash_in
 Backend``, where ``fixture(name)`` returns a pytest fixture's value (e.g. ``"redis_cluster_url"``:
 an empty cluster), requested only by the factories that need it, and ``hash_index`` is the
 server's ``--hash-index``; ``BACKENDS`` maps each fixture id to
-its factory, so adding a backend (or a Redis topology) is one line. Redis runs on every
-topology kvmeta supports: one node, a 3-primary + 3-replica cluster, and a Sentinel group.
+its factory, so adding a backend (or a Redis topology) is one line. The local backend runs in
+memory and durable (a data directory with ``--fsync batch`` and the real fsync helper, the
+server's default); Redis runs on every topology kvmeta supports: one node, a 3-primary +
+3-replica cluster, and a Sentinel group.
 ``Sync`` drives the async Backend from plain tests on a private event loop, and ``check()``
 validates the full page invariant (and the hash indexes) in whichever store it is.
 """
@@ -13,14 +15,17 @@ validates the full page invariant (and the hash indexes) in whichever store it i
 from __future__ import annotations
 
 import asyncio
+import tempfile
 from collections.abc import Callable, Coroutine, Iterator
+from pathlib import Path
 from typing import Any, Protocol, TypeVar
 
 import pytest
 
 from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.store.base import Backend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import RedisBackend
 
 T = TypeVar("T")
@@ -53,11 +58,22 @@ def _redis(url_fixture: str) -> Factory:
 def _memory(
     ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
 ) -> Backend:
-    return MemoryBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
+    return LocalBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
+
+
+def _durable(
+    ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+) -> Backend:
+    """The default durable server: a data directory of its own, ``--fsync batch`` with the
+    real fsync helper process."""
+    directory = Path(tempfile.mkdtemp(dir=fixture("tmp_path")))
+    store = MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index)
+    return LocalBackend(store, DurabilityOptions(data_dir=directory))
 
 
 BACKENDS: dict[str, Factory] = {
     "memory": _memory,
+    "durable": _durable,
     "redis": _redis("redis_url"),
     "redis-cluster": _redis("redis_cluster_url"),
     "redis-sentinel": _redis("redis_sentinel_url"),
@@ -88,7 +104,7 @@ class Sync:
     def check(self) -> None:
         """Assert the page invariant of every pool holds, and every hash index matches its
         pool's stored keys."""
-        if isinstance(self.backend, MemoryBackend):
+        if isinstance(self.backend, LocalBackend):
             store = self.backend.store
             for pool in store.pools.values():
                 check_pool(pool)

@@ -42,7 +42,8 @@ from kvmeta.core.pool import RELEASE_GRACE
 from kvmeta.errors import KvmetaError
 from kvmeta.store.base import Backend
 from kvmeta.store.changes import CLEARED, LOST, REMOVED, STORED, Change
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import POOL_PARTS, RedisBackend, pool_keys
 from tests.redis_support import RedisCluster, RedisServer, SentinelGroup
 
@@ -122,7 +123,7 @@ class Differential(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         self.clock.now = START
-        self.memory = MemoryBackend(MemoryStore(clock=self.clock))
+        self.memory = LocalBackend(MemoryStore(clock=self.clock))
         self.writers: list[Writer] = []
         self.confirms: list[tuple[PoolId, list[tuple[str, int]], list[int]]] = []
         self.steps = 0

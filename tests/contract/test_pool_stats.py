@@ -17,8 +17,8 @@ import requests
 
 from kvmeta._types import PoolId
 from kvmeta.store.base import Backend, PoolStats
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import RedisBackend
 from tests.contract.conftest import Sync
 from tests.support import ServerProcess
@@ -28,8 +28,8 @@ LEASE = 60.0  # read leases that outlast the test however loaded the machine
 
 Factory = Callable[[pytest.FixtureRequest, Path], Backend]
 FACTORIES: dict[str, Factory] = {
-    "memory": lambda request, tmp: MemoryBackend(MemoryStore(read_lease=LEASE)),
-    "durable": lambda request, tmp: DurableBackend(
+    "memory": lambda request, tmp: LocalBackend(MemoryStore(read_lease=LEASE)),
+    "durable": lambda request, tmp: LocalBackend(
         MemoryStore(read_lease=LEASE),
         DurabilityOptions(data_dir=tmp / "data", fsync="never", snapshot_interval=0.0),
     ),

@@ -19,7 +19,7 @@ from kvmeta.service.limits import NO_CAPS, TenantCaps
 from kvmeta.service.ops import Service
 from kvmeta.service.warnings import Outcome
 from kvmeta.store.base import Backend
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.redis.backend import pool_prefix
 from tests.contract.conftest import BACKENDS
@@ -63,7 +63,7 @@ def _value(result: Any) -> Any:
 
 def _durable(ttl: float, lease: float, directory: Path) -> Backend:
     store = MemoryStore(reservation_ttl=ttl, read_lease=lease)
-    return DurableBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0.0))
+    return LocalBackend(store, DurabilityOptions(data_dir=directory, snapshot_interval=0.0))
 
 
 @pytest.fixture(params=["durable", *sorted(BACKENDS)])

@@ -17,7 +17,7 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.store.base import PoolStats
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
 from tests.contract.conftest import BACKENDS, Sync
 
@@ -39,7 +39,7 @@ def make(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[Callable[..
 
     def build(lease: float = 0.0) -> Sync:
         if request.param == "durable":
-            backend = DurableBackend(
+            backend = LocalBackend(
                 MemoryStore(read_lease=lease),
                 DurabilityOptions(data_dir=tmp_path / "data", snapshot_interval=0.0),
             )

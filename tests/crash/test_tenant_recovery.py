@@ -31,11 +31,11 @@ import asyncio, sys
 from pathlib import Path
 from kvmeta._types import PoolId
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
 
 async def main():
-    backend = DurableBackend(
+    backend = LocalBackend(
         MemoryStore(read_lease=0.0),
         DurabilityOptions(data_dir=Path(sys.argv[1]), fsync="always", snapshot_interval=0.0),
     )

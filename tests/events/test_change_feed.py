@@ -18,13 +18,14 @@ from kvmeta.store.changes import (
     STORED,
     Change,
 )
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from tests.unit.store.durable_support import crash, open_backend
 
 S0 = PoolId("s", 0, "kv")
 
 
-async def _cycle(backend: MemoryBackend, pid: PoolId, keys: list[str]) -> None:
+async def _cycle(backend: LocalBackend, pid: PoolId, keys: list[str]) -> None:
     out = await backend.reserve(pid, keys)
     await backend.confirm(
         pid, [(k, p) for k, (hit, p) in zip(keys, out, strict=True) if not hit and p >= 0], []
@@ -50,7 +51,7 @@ def _stored(store: MemoryStore) -> dict[PoolId, set[str]]:
 
 def test_memory_backend_reports_every_change_with_its_reason() -> None:
     async def main() -> list[Change]:
-        backend = MemoryBackend(MemoryStore(read_lease=0.0))
+        backend = LocalBackend(MemoryStore(read_lease=0.0))
         seen: list[Change] = []
         backend.set_change_listener(seen.extend)
         await backend.initialize(S0, 4)
@@ -91,7 +92,7 @@ def test_memory_backend_reports_every_change_with_its_reason() -> None:
 
 def test_no_listener_no_changes_collected() -> None:
     store = MemoryStore()
-    assert store.on_change is None
+    assert store.changes is None
 
 
 def test_durable_backend_delivers_only_once_fsynced(tmp_path: Path) -> None:

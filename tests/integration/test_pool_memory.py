@@ -16,7 +16,8 @@ from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, PayloadTooLarge
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 HUGE = 1 << 48
 LIMITS = RequestLimits(max_pages=HUGE, max_total_pages=HUGE * 4)
@@ -24,7 +25,7 @@ LIMITS = RequestLimits(max_pages=HUGE, max_total_pages=HUGE * 4)
 
 def test_a_pool_bigger_than_the_memory_is_created_and_serves() -> None:
     store = MemoryStore()
-    service = Service(MemoryBackend(store), LIMITS)
+    service = Service(LocalBackend(store), LIMITS)
     pid = PoolId("s", 0, "kv")
 
     async def run() -> None:
@@ -44,7 +45,7 @@ def test_a_pool_whose_first_pages_cannot_be_had_is_a_413(
 ) -> None:
     """A MemoryError while creating a pool is a 413 that created nothing, never a 500."""
     store = MemoryStore()
-    service = Service(MemoryBackend(store), LIMITS)
+    service = Service(LocalBackend(store), LIMITS)
 
     def no_memory(*_: Any, **__: Any) -> Any:
         raise MemoryError

@@ -21,7 +21,8 @@ from kvmeta.config import Settings
 from kvmeta.server.access import ROUTE_RULES
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from tests.support import ServerProcess
 from tests.tenants.conftest import TOKENS, Client, token
 
@@ -143,7 +144,7 @@ SCOPED_ROUTES = {"/{rank}/", "/rank/{rank}/", "/keys/"}
 
 def app_routes() -> set[tuple[str, str]]:
     settings = Settings(in_memory=True, auth_token="x" * 20)
-    app = build_app(settings, Service(MemoryBackend(MemoryStore())))
+    app = build_app(settings, Service(LocalBackend(MemoryStore())))
     return set(app.routes())
 
 

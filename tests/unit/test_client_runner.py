@@ -17,12 +17,13 @@ from kvmeta.client.vllm import Hf3fsLocalMetadataClient as VLLMLocal
 from kvmeta.errors import KvmetaError, NotInitialized
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import V_EXISTS_STEP, MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import V_EXISTS_STEP, MemoryStore
 
 S0 = PoolId("s", 0, "kv")
 
 
-class Pausing(MemoryBackend):
+class Pausing(LocalBackend):
     """Pauses inside its operations the ways a backend can: bare yields (``asyncio.sleep(0)``,
     as the in-memory backend between chunks of a long walk), a timer or a worker thread."""
 
@@ -88,7 +89,7 @@ def test_inside_a_running_loop_the_callers_loop_is_left_alone() -> None:
 
 
 def test_a_walk_that_pauses_in_steps_finishes_in_process() -> None:
-    """``MemoryBackend.v_exists`` pauses (bare yields) between steps of a large batch."""
+    """``LocalBackend.v_exists`` pauses (bare yields) between steps of a large batch."""
     keys = [f"k{i}" for i in range(V_EXISTS_STEP + 5)]
     client = VLLMLocal(limits=RequestLimits(max_keys=len(keys)))
     client.initialize(0, 4)

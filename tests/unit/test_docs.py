@@ -12,7 +12,8 @@ import pytest
 from kvmeta.config import Settings
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -47,7 +48,7 @@ def test_nothing_points_outside_the_repository() -> None:
 
 
 def _registered_routes() -> list[tuple[str, str]]:
-    app = build_app(Settings(in_memory=True), Service(MemoryBackend(MemoryStore())))
+    app = build_app(Settings(in_memory=True), Service(LocalBackend(MemoryStore())))
     return app.routes()
 
 

@@ -14,7 +14,8 @@ from kvmeta.server.app import BodyDecoder, parse_rank, reply
 from kvmeta.server.http import Response
 from kvmeta.service.limits import CONFIRM_FIELDS, RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 S, V = CONFIRM_FIELDS["s"], CONFIRM_FIELDS["v"]
 
@@ -111,7 +112,7 @@ def test_warning_header_is_ascii_and_bounded() -> None:
 def test_pool_creation_is_all_or_nothing() -> None:
     store = MemoryStore()
     service = Service(
-        MemoryBackend(store), RequestLimits(max_pages=64, max_total_pages=100, max_world_size=4)
+        LocalBackend(store), RequestLimits(max_pages=64, max_total_pages=100, max_world_size=4)
     )
 
     async def run() -> None:

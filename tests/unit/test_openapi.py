@@ -11,11 +11,12 @@ from kvmeta.config import Settings
 from kvmeta.server.openapi import CATALOGUE, SCHEMAS, build_document
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 
 def served_routes() -> list[tuple[str, str]]:
-    app = build_app(Settings(in_memory=True), Service(MemoryBackend(MemoryStore())))
+    app = build_app(Settings(in_memory=True), Service(LocalBackend(MemoryStore())))
     return app.routes()
 
 

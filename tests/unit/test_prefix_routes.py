@@ -16,14 +16,15 @@ from kvmeta.server import prefix_routes
 from kvmeta.server.http import Request, Response
 from kvmeta.service.limits import MAX_DUMP_LIMIT, RequestLimits
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 S0 = PoolId("s", 0, "kv")
 V1 = PoolId("v", 1, "")
 
 
 def _service(max_keys: int = 65536) -> Service:
-    svc = Service(MemoryBackend(MemoryStore()), RequestLimits(max_keys=max_keys))
+    svc = Service(LocalBackend(MemoryStore()), RequestLimits(max_keys=max_keys))
     store = svc.backend.store  # type: ignore[attr-defined]
     store.initialize(S0, 64)
     store.v_register(1, 64, None)
@@ -108,7 +109,7 @@ def test_prefix_match_refuses_bad_bodies_naming_the_field() -> None:
 
 def _hash_service(max_keys: int = 24) -> tuple[Service, list[str]]:
     """A server with --hash-index: pool S0 stores four SHA-256 keys, V1 two keys."""
-    svc = Service(MemoryBackend(MemoryStore(hash_index=True)), RequestLimits(max_keys=max_keys))
+    svc = Service(LocalBackend(MemoryStore(hash_index=True)), RequestLimits(max_keys=max_keys))
     store = svc.backend.store  # type: ignore[attr-defined]
     store.initialize(S0, 64)
     store.v_register(1, 64, None)

@@ -18,13 +18,14 @@ from kvmeta.server.guard import bound_to_loopback
 from kvmeta.server.http import Request, Response
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 OWN = b"127.0.0.1:18000"
 
 
 def make_app(**settings: Any) -> App:
-    service = Service(MemoryBackend(MemoryStore()))
+    service = Service(LocalBackend(MemoryStore()))
     return build_app(Settings(in_memory=True, **settings), service)
 
 

@@ -19,7 +19,8 @@ from kvmeta.server.app import App, Route
 from kvmeta.server.http import Request, Response
 from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_FIELDS
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 
 def call(route: Route, ctx: Any, body: Any = b"", rank: int = 0) -> Response:
@@ -38,7 +39,7 @@ def json_of(response: Response) -> Any:
 
 
 def new_service() -> Service:
-    return Service(MemoryBackend(MemoryStore()))
+    return Service(LocalBackend(MemoryStore()))
 
 
 def test_sglang_handlers_alone() -> None:

@@ -32,7 +32,8 @@ from kvmeta.service.ops import Service
 from kvmeta.service.vllm import INIT_ERROR, SCHEDULER_MESSAGE
 from kvmeta.service.warnings import Outcome
 from kvmeta.store.base import InitResult
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from tests.unit.store.durable_support import open_backend
 
 S0, S1 = PoolId("s", 0, "kv"), PoolId("s", 1, "kv")
@@ -87,7 +88,7 @@ def outcome(run: Callable[[], Any]) -> Any:
 
 
 def test_in_process_runner_and_event_loop_backends_agree(tmp_path: Path) -> None:
-    inproc = Service(MemoryBackend(MemoryStore(read_lease=0.0)), LIMITS)
+    inproc = Service(LocalBackend(MemoryStore(read_lease=0.0)), LIMITS)
     sync = [outcome(lambda c=c: run_now(c(inproc))) for c in script()]
 
     async def on(backend: Any) -> list[Any]:
@@ -107,7 +108,7 @@ def test_in_process_runner_and_event_loop_backends_agree(tmp_path: Path) -> None
         finally:
             await backend.close()
 
-    plain = asyncio.run(on(MemoryBackend(MemoryStore(read_lease=0.0))))
+    plain = asyncio.run(on(LocalBackend(MemoryStore(read_lease=0.0))))
     journaled = asyncio.run(durable())
     for name, got in (("memory", plain), ("durable", journaled)):
         # (stats differ only in timing-free counters; compare all but the last reply)
@@ -122,7 +123,7 @@ def test_in_process_runner_and_event_loop_backends_agree(tmp_path: Path) -> None
 
 
 def test_warnings_travel_with_the_outcome() -> None:
-    service = Service(MemoryBackend(MemoryStore()), LIMITS)
+    service = Service(LocalBackend(MemoryStore()), LIMITS)
 
     async def run() -> None:
         assert (await service.initialize(S0, 8)).warnings == ()
@@ -173,7 +174,7 @@ def test_refused_before_any_store_call(make: Call, error: type[Exception]) -> No
         asyncio.run(make(Service(NoStore(), LIMITS)))  # type: ignore[arg-type]
 
 
-class SlowBudget(MemoryBackend):
+class SlowBudget(LocalBackend):
     """Yields to the loop between reading the budget and creating the pool, as a journaled
     or networked backend does."""
 
@@ -199,14 +200,14 @@ def test_budget_check_and_creation_do_not_interleave() -> None:
 
 
 def test_not_initialized_comes_from_the_store_in_the_dialects_words() -> None:
-    service = Service(MemoryBackend(MemoryStore()))
+    service = Service(LocalBackend(MemoryStore()))
     with pytest.raises(NotInitialized, match="Rank 3 not initialized|rank 3"):
         asyncio.run(service.get(PoolId("v", 3, ""), ["a"]))
 
 
 def test_service_runs_vllm_initialize_whole() -> None:
     """What the dialect-V route needs in one call: fields as decoded, reply and warnings."""
-    service = Service(MemoryBackend(MemoryStore()), LIMITS)
+    service = Service(LocalBackend(MemoryStore()), LIMITS)
 
     async def run() -> None:
         with pytest.raises(InvalidRequest, match="needs `num_pages`, which is missing"):
@@ -227,7 +228,7 @@ def test_service_runs_vllm_initialize_whole() -> None:
 # ---------------------------------------------------------------------- the out-of-range page
 
 
-class NoStats(MemoryBackend):
+class NoStats(LocalBackend):
     """Counts ``stats`` calls: naming a page outside the pool must not read every pool."""
 
     stats_calls = 0
@@ -364,7 +365,7 @@ ROUTES = [
 def test_handlers_send_the_services_warnings_and_build_none(
     table: Any, pattern: str, body: dict[str, Any], said: Any
 ) -> None:
-    service = Scripted(MemoryBackend(MemoryStore()))
+    service = Scripted(LocalBackend(MemoryStore()))
     service.said = said
     (route,) = [r for r in table if r.pattern == pattern]
     request = Request(route.method, route.pattern, "", msgspec.json.encode(body), None)

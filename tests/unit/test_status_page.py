@@ -25,7 +25,8 @@ from kvmeta.server.status_page import (
 from kvmeta.server.tokens import ALL_ACCESS
 from kvmeta.service.ops import Service
 from kvmeta.store.base import PoolId, PoolStats
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 
 def _route(method: str, pattern: str, count: int, seconds: float) -> RouteStats:
@@ -117,7 +118,7 @@ def test_status_with_1000_pools_answers_every_pool_and_a_full_history() -> None:
     whole history. Every sample runs on the test's clock (a sample on the host's monotonic
     clock would fall before the test's times on a host up for less than 1,300 s). What an
     answer costs is measured in benchmarks/bench_status.py, not asserted here."""
-    service = Service(MemoryBackend(MemoryStore()))
+    service = Service(LocalBackend(MemoryStore()))
     app = build_app(Settings(in_memory=True), service)
     (state,) = [
         job.__self__  # type: ignore[attr-defined]
@@ -149,7 +150,7 @@ def test_status_with_1000_pools_answers_every_pool_and_a_full_history() -> None:
 
 @pytest.mark.parametrize("path", ["/", "/ui", "/ui/status.js", "/ui/status.css"])
 def test_page_routes_answer_their_files(path: str) -> None:
-    app = build_app(Settings(in_memory=True), Service(MemoryBackend(MemoryStore())))
+    app = build_app(Settings(in_memory=True), Service(LocalBackend(MemoryStore())))
 
     async def go() -> Any:
         return await app(Request("GET", path, "", b"", None))
@@ -176,7 +177,7 @@ def test_a_sample_of_many_pools_lets_the_loop_run_between_small_chunks(
     from kvmeta.core.pool import Pool
 
     pools = 3000
-    service = Service(MemoryBackend(MemoryStore()))
+    service = Service(LocalBackend(MemoryStore()))
     app = build_app(Settings(in_memory=True), service)
     (state,) = [
         job.__self__

@@ -15,7 +15,8 @@ from kvmeta.config import Settings
 from kvmeta.server.http import Request
 from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 
 def _stored_everywhere(store: MemoryStore, ranks: int, keys: list[str]) -> None:
@@ -34,7 +35,7 @@ def test_a_large_batch_exists_lets_other_requests_run(monkeypatch: pytest.Monkey
     keys = [f"block-{i}" for i in range(step)]
     store = MemoryStore()
     _stored_everywhere(store, ranks, keys)
-    app = build_app(Settings(in_memory=True), Service(MemoryBackend(store)))
+    app = build_app(Settings(in_memory=True), Service(LocalBackend(store)))
     body = msgspec.json.encode({"keys": [*keys, "missing"]})
 
     async def scenario() -> tuple[list[str], int, Any]:
@@ -99,7 +100,7 @@ def test_registering_a_rank_does_not_walk_every_pool() -> None:
         store.initialize(PoolId("s", rank, "kv"), 4)
         store.initialize(PoolId("v", rank, "", "other"), 4)
     store.pools = _CountingPools(store.pools)
-    service = Service(MemoryBackend(store))
+    service = Service(LocalBackend(store))
 
     async def scenario() -> list[bool]:
         for rank in (0, 1, 2, 77):

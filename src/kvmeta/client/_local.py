@@ -33,7 +33,8 @@ from kvmeta.lograte import warn_limited
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.service.warnings import Outcome
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.epoch import new_epoch
 
 __all__ = ["LocalState", "run_now"]
@@ -88,7 +89,7 @@ class LocalState:
         limits: RequestLimits | None = None,
     ) -> None:
         self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
-        self._service = Service(MemoryBackend(self._store), limits)
+        self._service = Service(LocalBackend(self._store), limits)
         self._lock = threading.Lock()
         self._epoch = new_epoch()
 

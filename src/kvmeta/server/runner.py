@@ -20,7 +20,8 @@ from kvmeta.server.ops_routes import Drain
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
 from kvmeta.store.base import Backend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 
 __all__ = ["build_app", "build_backend", "run", "serve"]
 
@@ -51,9 +52,7 @@ def build_backend(settings: Settings) -> Backend:
         hash_index=settings.hash_index,
     )
     if settings.in_memory and not settings.persistence_path:
-        return MemoryBackend(store)
-    from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
-
+        return LocalBackend(store)
     legacy = Path(settings.persistence_path) if settings.persistence_path else None
     options = DurabilityOptions(
         data_dir=None if settings.in_memory else Path(settings.data_dir),
@@ -67,7 +66,7 @@ def build_backend(settings: Settings) -> Backend:
         persistence_path=legacy,
         save_interval=settings.save_interval,
     )
-    return DurableBackend(store, options)
+    return LocalBackend(store, options)
 
 
 def build_app(settings: Settings, service: Service, drain: Drain | None = None) -> App:

@@ -19,6 +19,7 @@ __all__ = [
     "STATS_CHUNK",
     "Backend",
     "Budget",
+    "IN_USE",
     "CheckReport",
     "InitResult",
     "PoolStats",
@@ -79,16 +80,42 @@ class PoolStats:
     held_after_restart: int = 0
 
 
-@dataclass(frozen=True)
-class CheckReport:
-    """What the full page-invariant check found over ``checked`` pools (``GET /v1/check``)."""
+# ``kvmeta check``'s exit code when the directory it checked is in use by a running server.
+IN_USE = 3
 
-    problems: list[str]  # one line per violation, naming its pool; empty: consistent
-    checked: int
+
+@dataclass
+class CheckReport:
+    """What a consistency check found: a backend's page invariants over ``checked`` pools
+    (``GET /v1/check``) or a data directory read offline (``kvmeta check``: ``lines`` to print,
+    ``in_use`` when a server holds it). One class for both, so a problem reads the same
+    wherever it was found; ``ok`` and ``exit_code`` decide the outcome."""
+
+    problems: list[str] = field(default_factory=list)  # one line per violation; empty: ok
+    checked: int = 0
+    lines: list[str] = field(default_factory=list)
+    in_use: bool = False
 
     @property
     def ok(self) -> bool:
         return not self.problems
+
+    @property
+    def exit_code(self) -> int:
+        if self.problems:
+            return 1
+        return IN_USE if self.in_use else 0
+
+    @property
+    def summary(self) -> str:
+        if self.problems:
+            found = f"{len(self.problems)} problem(s) found"
+            return found + (" (the directory is in use: may be stale)" if self.in_use else "")
+        if self.in_use:
+            return (
+                "no problem found, but the directory is in use by a running server: not definitive"
+            )
+        return "ok"
 
 
 def required_ranks(ranks: Collection[int], world_size: int | None) -> range:

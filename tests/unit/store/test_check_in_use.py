@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 from pathlib import Path
 
-from kvmeta.store.disk.check import IN_USE, check_data_dir
+from kvmeta.store.base import IN_USE, CheckReport
+from kvmeta.store.disk.check import check_data_dir
 from tests.support import kvmeta_check
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend
 
@@ -38,3 +39,12 @@ def test_check_creates_no_lock_file(tmp_path: Path) -> None:
     (tmp_path / "d" / "EPOCH").write_text("0123456789abcdef0123456789abcdef\n")  # a copy, no LOCK
     assert check_data_dir(tmp_path / "d").exit_code == 0
     assert not (tmp_path / "d" / "LOCK").exists()
+
+
+def test_the_offline_check_and_the_backends_check_report_in_one_class(tmp_path: Path) -> None:
+    """One report class: a problem found offline reads like one found by ``GET /v1/check``."""
+    report = check_data_dir(tmp_path / "missing")
+    assert type(report) is CheckReport
+    assert not report.ok and report.exit_code == 1 and report.checked == 0
+    assert CheckReport(problems=[], checked=2).exit_code == 0
+    assert CheckReport(in_use=True).summary.startswith("no problem found")

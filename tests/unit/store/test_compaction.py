@@ -7,7 +7,7 @@ import time
 from pathlib import Path
 
 from kvmeta.store.disk.compaction import RATIO_FLOOR, JournalBudget
-from kvmeta.store.disk.durable import DurableBackend
+from kvmeta.store.disk.local import LocalBackend
 from kvmeta.store.disk.recovery import list_data_dir
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
@@ -29,7 +29,7 @@ def _disk(directory: Path) -> tuple[int, int]:
 
 
 async def _confirm_stream(
-    backend: DurableBackend, directory: Path, journal_bytes: int
+    backend: LocalBackend, directory: Path, journal_bytes: int
 ) -> tuple[int, int, dict[str, int]]:
     """Reserve and confirm batches of new keys (a small pool, so they evict) until the journal
     has written ``journal_bytes``; returns the largest data directory and snapshot seen, and
@@ -54,7 +54,7 @@ def test_the_data_directory_stays_bounded_under_a_stream_of_confirms(tmp_path: P
         b = await open_backend(tmp_path, snapshot_journal_bytes=LIMIT, snapshot_journal_ratio=0.0)
         try:
             most, biggest, _ = await _confirm_stream(b, tmp_path, 20 * LIMIT)
-            assert b.snapshots >= 5, "no snapshot was taken for the journal's size"
+            assert b.disk.snapshots >= 5, "no snapshot was taken for the journal's size"
             # Slack: the group being written and the files' headers, HEAD, EPOCH.
             assert most <= 2 * biggest + 2 * LIMIT, (most, biggest)
             segments = list_data_dir(tmp_path).segments
@@ -70,7 +70,7 @@ def test_after_a_crash_every_confirmed_key_is_back(tmp_path: Path) -> None:
         b = await open_backend(tmp_path, snapshot_journal_bytes=LIMIT, snapshot_journal_ratio=0.0)
         _, _, stored = await _confirm_stream(b, tmp_path, 8 * LIMIT)
         before = state(b)
-        assert b.snapshots >= 2 and len(stored) > 400
+        assert b.disk.snapshots >= 2 and len(stored) > 400
         await crash(b)
         b = await open_backend(tmp_path, snapshot_journal_bytes=LIMIT)
         try:
@@ -88,15 +88,15 @@ def test_a_start_that_replays_a_journal_over_budget_snapshots_at_once(tmp_path: 
     async def main() -> None:
         b = await open_backend(tmp_path, snapshot_journal_bytes=0, snapshot_journal_ratio=0.0)
         await _confirm_stream(b, tmp_path, 4 * LIMIT)
-        assert b.snapshots == 0
+        assert b.disk.snapshots == 0
         before = state(b)
         await crash(b)
         b = await open_backend(tmp_path, snapshot_journal_bytes=LIMIT)
         try:
             deadline = time.monotonic() + 30
-            while b.snapshots == 0 and time.monotonic() < deadline:
+            while b.disk.snapshots == 0 and time.monotonic() < deadline:
                 await asyncio.sleep(0.01)
-            assert b.snapshots == 1  # without a single new change
+            assert b.disk.snapshots == 1  # without a single new change
             listing = list_data_dir(tmp_path)
             assert all(s >= listing.snapshots[-1] for s in listing.segments)
             assert state(b) == before
@@ -111,7 +111,7 @@ def test_no_size_driven_snapshot_when_both_limits_are_off(tmp_path: Path) -> Non
         b = await open_backend(tmp_path, snapshot_journal_bytes=0, snapshot_journal_ratio=0.0)
         try:
             await _confirm_stream(b, tmp_path, 4 * LIMIT)
-            assert b.snapshots == 0
+            assert b.disk.snapshots == 0
         finally:
             await b.close()
 

@@ -319,7 +319,7 @@ def test_full_pool_evicts_ahead_so_reserves_need_not_wait(tmp_path: Path) -> Non
             pool = b.store.pool(S0)
             check_pool(pool)
             assert pool.withheld_count + pool.allocatable_count >= 4
-            rule = b.store.write_ahead
+            rule = b.rule
             assert rule is not None
             withheld = {p for _, _, pages, held in rule._pending if held for p in pages}
             assert len(withheld) == pool.withheld_count

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import pytest
 
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.disk.recovery import list_data_dir
 from tests.unit.store.durable_support import S0, crash, cycle, open_backend, state
 
@@ -23,7 +23,7 @@ def _epoch_file(directory: Path) -> Path:
 
 
 def test_memory_backend_gets_a_new_epoch_each_start() -> None:
-    a, b = MemoryBackend(MemoryStore()), MemoryBackend(MemoryStore())
+    a, b = LocalBackend(MemoryStore()), LocalBackend(MemoryStore())
     assert a.epoch and b.epoch and a.epoch != b.epoch
     assert a.epoch == a.epoch  # stable within one process
 
@@ -168,7 +168,7 @@ def test_legacy_file_without_data_dir_is_a_new_epoch_each_start(tmp_path: Path) 
     async def main() -> None:
         epochs = []
         for _ in range(2):
-            b = DurableBackend(
+            b = LocalBackend(
                 MemoryStore(), DurabilityOptions(data_dir=None, persistence_path=legacy)
             )
             await b.start()

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from kvmeta.errors import StorageError
-from kvmeta.store.disk import journal as journal_module
+from kvmeta.store.disk import fsync_link
 from kvmeta.store.disk.recovery import recover
 from tests.unit.store.durable_support import S0, open_backend, state
 
@@ -48,7 +48,7 @@ def test_helper_stops_when_the_journal_closes(tmp_path: Path) -> None:
     async def main() -> int:
         b = await open_backend(tmp_path / "data", fsync="batch")
         assert b.journal is not None and b.journal._helper is not None
-        helper = b.journal._helper
+        helper = b.journal._helper.process
         await b.close()
         return helper.wait(timeout=5)
 
@@ -70,7 +70,7 @@ def test_a_broken_helper_fails_the_waiters_with_a_clear_error(
 ) -> None:
     fake = tmp_path / "helper.py"
     fake.write_text(script)
-    monkeypatch.setattr(journal_module, "_HELPER", str(fake))
+    monkeypatch.setattr(fsync_link, "HELPER", str(fake))
 
     async def main() -> None:
         b = await open_backend(tmp_path / "data", fsync="batch")
@@ -107,7 +107,7 @@ def test_helper_runs_without_site_packages(tmp_path: Path) -> None:
     target = tmp_path / "f"
     target.write_bytes(b"x")
     proc = subprocess.run(
-        [sys.executable, "-I", "-S", journal_module._HELPER],
+        [sys.executable, "-I", "-S", fsync_link.HELPER],
         input=f"7 {target}\n".encode(),
         capture_output=True,
         timeout=20,

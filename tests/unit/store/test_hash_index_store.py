@@ -15,10 +15,9 @@ from kvmeta._types import PoolId
 from kvmeta.core.invariants import check_hash_index, check_pool
 from kvmeta.errors import NoHashIndex
 from kvmeta.events.wire import sglang_hash
-from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
-from tests.unit.store.durable_support import crash
-from tests.unit.store.test_evict_ahead import Sink
+from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
+from kvmeta.store.disk.memory import MemoryStore
+from tests.unit.store.durable_support import FakeJournal, crash, journaled, now
 
 S0 = PoolId("s", 0, "kv")
 S1 = PoolId("s", 1, "kv")
@@ -38,23 +37,23 @@ def _in_step(store: MemoryStore) -> None:
         check_hash_index(pool.stored_keys(), index.counts())
 
 
-def _store(store: MemoryStore, pid: PoolId, keys: list[str]) -> None:
-    out = store.reserve(pid, keys)
+def _store(backend: LocalBackend, pid: PoolId, keys: list[str]) -> None:
+    out = now(backend.reserve(pid, keys))
     pairs = [(k, page) for k, (hit, page) in zip(keys, out, strict=True) if not hit and page >= 0]
-    store.confirm(pid, pairs, [])
+    now(backend.confirm(pid, pairs, []))
 
 
-@pytest.mark.parametrize("journaled", [False, True], ids=["memory", "write-ahead"])
-def test_the_index_follows_every_store_and_removal(journaled: bool) -> None:
+@pytest.mark.parametrize("write_ahead", [False, True], ids=["memory", "write-ahead"])
+def test_the_index_follows_every_store_and_removal(write_ahead: bool) -> None:
     rng = random.Random(7)
     clock = [0.0]
-    sink = Sink()
+    sink = FakeJournal()
     store = MemoryStore(read_lease=0.0, clock=lambda: clock[0], sink=sink, hash_index=True)
-    if journaled:  # evictions ahead of need: another path that removes stored keys
-        store.set_withhold(sink)
-    store.initialize(S0, 40)
-    store.initialize(S1, 200)
-    store.v_register(0, 40, None)
+    # With the rule, evictions ahead of need: another path that removes stored keys.
+    backend = journaled(store, sink) if write_ahead else LocalBackend(store)
+    now(backend.initialize(S0, 40))
+    now(backend.initialize(S1, 200))
+    now(backend.v_register(0, 40, None))
     # Keys sharing a head with another (upper case), and keys with no hex head at all.
     universe = [_key(i) for i in range(120)] + [_key(i).upper() + "!" for i in range(10)]
     universe += [f"odd-{i}" for i in range(10)]
@@ -63,14 +62,15 @@ def test_the_index_follows_every_store_and_removal(journaled: bool) -> None:
         pid = rng.choice([S0, S0, S1, V0])
         roll = rng.random()
         if roll < 0.7:
-            _store(store, pid, rng.sample(universe, rng.randint(1, 16)))
+            _store(backend, pid, rng.sample(universe, rng.randint(1, 16)))
         elif roll < 0.9:
-            store.delete(pid, rng.sample(universe, rng.randint(1, 20)))
+            now(backend.delete(pid, rng.sample(universe, rng.randint(1, 20))))
         elif roll < 0.97:
-            store.clear(pid)
+            now(backend.clear(pid))
         else:
-            store.v_clear()
+            now(backend.v_clear())
         _in_step(store)
+    _in_step(store)
     stored = store.pools[S0].stored_keys()
     hashes = [sglang_hash(k) for k in stored if not k.startswith("odd")]
     assert store.prefix_length_hashes(S0, hashes) == len(hashes)
@@ -87,8 +87,8 @@ def test_only_sglang_pools_on_a_server_with_the_flag_answer_hashes() -> None:
         indexed.prefix_length_hashes(V0, [1])
 
 
-async def _open(directory: Path, hash_index: bool) -> DurableBackend:
-    backend = DurableBackend(
+async def _open(directory: Path, hash_index: bool) -> LocalBackend:
+    backend = LocalBackend(
         MemoryStore(read_lease=0.0, hash_index=hash_index),
         DurabilityOptions(data_dir=directory, fsync="always", snapshot_interval=0.0),
     )
@@ -125,11 +125,11 @@ def test_a_restart_rebuilds_the_index_from_the_recovered_keys(tmp_path: Path) ->
 
 
 def test_check_reports_an_index_out_of_step_with_the_stored_keys() -> None:
-    backend = MemoryBackend(MemoryStore(read_lease=0.0, hash_index=True))
+    backend = LocalBackend(MemoryStore(read_lease=0.0, hash_index=True))
     store = backend.store
     store.initialize(S0, 16)
     keys = [_key(i) for i in range(6)]
-    _store(store, S0, keys)
+    _store(backend, S0, keys)
     assert asyncio.run(backend.check()).problems == []
     assert store.hash_indexes is not None
     store.hash_indexes[S0].remove(keys[:1])  # a stored page hidden from routers

@@ -179,7 +179,7 @@ def test_shutdown_while_failed_says_what_is_lost(
         _break_writes(b.journal, monkeypatch, errno.ENOSPC)
         await cycle(b, S0, ["a"])  # acknowledged in batch mode, then its write fails
         await _until(lambda: b.failure is not None)
-        monkeypatch.setattr(b, "_write_and_compact", _full_disk)
+        monkeypatch.setattr(b.disk, "_write_and_compact", _full_disk)
         await b.close()
 
     asyncio.run(main())
@@ -220,10 +220,10 @@ def test_the_gc_runs_while_a_snapshot_is_written(
     """gc.disable is process-wide: it may cover the synchronous capture, never the await."""
     import gc
 
-    from kvmeta.store.disk.durable import DurableBackend
+    from kvmeta.store.disk.datadir import DataDir
 
     seen: list[bool] = []
-    real = DurableBackend._write_and_compact
+    real = DataDir._write_and_compact
 
     def write(*args: object) -> Path:
         seen.append(gc.isenabled())
@@ -232,7 +232,7 @@ def test_the_gc_runs_while_a_snapshot_is_written(
     async def main() -> None:
         b = await open_backend(tmp_path, fsync="batch")
         try:
-            monkeypatch.setattr(b, "_write_and_compact", write)
+            monkeypatch.setattr(b.disk, "_write_and_compact", write)
             await b.initialize(S0, 8)
             await b.snapshot()
         finally:

@@ -141,14 +141,14 @@ def test_the_import_is_one_snapshot_written_before_any_journal_record(tmp_path: 
 
 
 def test_in_memory_mode_imports_at_every_start_and_writes_back(tmp_path: Path) -> None:
-    from kvmeta.store.disk.durable import DurabilityOptions, DurableBackend
+    from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
     from kvmeta.store.disk.memory import MemoryStore
 
     legacy = tmp_path / "state.json"
     legacy.write_text(json.dumps(LEGACY))
 
     async def main() -> None:
-        b = DurableBackend(
+        b = LocalBackend(
             MemoryStore(read_lease=0.0),
             DurabilityOptions(data_dir=None, persistence_path=legacy, save_interval=0.05),
         )

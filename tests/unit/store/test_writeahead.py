@@ -11,13 +11,14 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 
+from kvmeta._types import PoolId
 from kvmeta.core import check_pool
-from kvmeta.store.disk.durable import DurableBackend
+from kvmeta.store.disk.local import LocalBackend
 from tests.unit.store.durable_support import S0, cycle, open_backend
 
 
 @asynccontextmanager
-async def stalled_disk(b: DurableBackend) -> AsyncIterator[None]:
+async def stalled_disk(b: LocalBackend) -> AsyncIterator[None]:
     """The journal's fsync helper stopped (SIGSTOP): nothing becomes durable until the end."""
     journal = b.journal
     assert journal is not None and journal._helper is not None
@@ -99,6 +100,34 @@ def test_page_released_and_handed_out_again_waits_for_the_eviction(tmp_path: Pat
                 assert not await replied(b.reserve(S0, ["other"]))
                 assert j.durable_seq < removal
             assert await first == [(False, 0)]
+        finally:
+            await b.close()
+
+    asyncio.run(main())
+
+
+def test_a_removed_rank_registered_again_waits_for_its_removal_and_no_other_rank_does(
+    tmp_path: Path,
+) -> None:
+    """A rank registered again reuses its page file: not before its removal is durable. The
+    wait is that rank's own: registering another rank reuses no page of the removed one."""
+
+    async def main() -> None:
+        b = await open_backend(tmp_path, fsync="batch", fsync_interval=0.05)
+        try:
+            await b.v_register(0, 8, None)
+            await b.v_register(1, 8, None)
+            async with stalled_disk(b):
+                removal = asyncio.ensure_future(b.v_remove(1))
+                await asyncio.sleep(0.05)
+                assert not removal.done()  # replies once durable
+                again = asyncio.ensure_future(b.v_register(1, 8, None))
+                other = asyncio.ensure_future(b.v_register(2, 8, None))
+                await asyncio.sleep(0.2)
+                assert PoolId("v", 1, "") not in b.store.pools, "registered before the removal"
+                assert PoolId("v", 2, "") in b.store.pools, "another rank waited for it"
+            await asyncio.gather(removal, again, other)
+            assert PoolId("v", 1, "") in b.store.pools
         finally:
             await b.close()
 

@@ -1,18 +1,22 @@
 """Power loss at any journal boundary never maps a key onto another key's bytes.
 
-A hypothesis state machine drives a journaled ``MemoryStore`` the way the durable backend does
-(``WriteAhead.wait_before`` / ``wait_after`` decide when a reserve reply may leave) with several
-writers, joins, retried reserves and confirms, duplicate and repeated releases, deletes, clears,
-lease expiry and a disk that makes records durable only when the test says so. Writers write a
-page's bytes (``disk[page] = key``) only once their reply has left, and only while their lease
-lasts. At any step the power may fail: the journal is cut anywhere between its durable length
-and its full length (un-fsynced records may or may not have reached the disk), the state is
-replayed from that prefix, and every recovered ``key -> page`` must find its own bytes there.
+A hypothesis state machine drives the journaled ``LocalBackend`` itself (its write-ahead rule,
+``WriteAhead.before`` / ``after``, decides when a reserve runs and when its reply may leave:
+a reply that waits for the disk is a suspended call, resumed whenever the disk moves) with
+several writers, joins, retried reserves and confirms, duplicate and repeated releases,
+deletes, clears, lease expiry and a disk that makes records durable only when the test says
+so. Writers write a page's bytes (``disk[page] = key``) only once their reply has left, and
+only while their lease lasts. At any step the power may fail: the journal is cut anywhere
+between its durable length and its full length (un-fsynced records may or may not have reached
+the disk), the state is replayed from that prefix, and every recovered ``key -> page`` must
+find its own bytes there.
 """
 
 from __future__ import annotations
 
+from collections.abc import Coroutine
 from dataclasses import dataclass, field
+from typing import Any
 
 from hypothesis import settings
 from hypothesis import strategies as st
@@ -21,9 +25,9 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from kvmeta._types import PoolId
 from kvmeta.core import Pool, check_pool
 from kvmeta.core.pool import RELEASE_GRACE
-from kvmeta.store.disk.codec import Record
 from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.disk.recovery import Recovered, _apply
+from tests.unit.store.durable_support import FakeJournal, journaled, now
 
 P = PoolId("s", 0, "kv")
 PAGES = 2
@@ -32,24 +36,11 @@ RETRY_WINDOW = 2.0  # the engines' clients resend a request within about two sec
 KEYS = st.sampled_from([f"k{i}" for i in range(3)])
 
 
-class Journal:
-    """Records in memory; ``durable_seq`` moves only when the test syncs."""
-
-    def __init__(self) -> None:
-        self.records: list[Record] = []
-        self.seq = 0
-        self.durable_seq = 0
-
-    def append(self, record: Record) -> None:
-        self.records.append(record)
-        self.seq += 1
-
-
 @dataclass
 class Writer:
     keys: list[str]
     sent: float
-    wait: int  # journal seq the reply waits for
+    call: Coroutine[Any, Any, list[tuple[bool, int]]] | None  # the reserve, until it replies
     out: list[tuple[bool, int]] = field(default_factory=list)
     written: list[tuple[str, int]] = field(default_factory=list)
     failed: list[int] = field(default_factory=list)
@@ -64,13 +55,12 @@ class PowerLoss(RuleBasedStateMachine):
         self.waiting: list[Writer] = []  # reserve replies not yet sent
         self.writers: list[Writer] = []  # replies sent, write not yet confirmed
         self.confirms: list[tuple[float, list[tuple[str, int]], list[int]]] = []
-        self._boot(Journal(), None)
+        self._boot(FakeJournal(auto=False), None)
 
-    def _boot(self, journal: Journal, recovered: Recovered | None) -> None:
+    def _boot(self, journal: FakeJournal, recovered: Recovered | None) -> None:
         self.journal = journal
         self.store = MemoryStore(reservation_ttl=TTL, read_lease=0.0, clock=lambda: self.now)
-        self.store.sink = journal
-        self.store.set_withhold(journal)
+        self.backend = journaled(self.store, journal)
         if recovered is None or P not in recovered.pools:
             self.store.initialize(P, PAGES)
         else:
@@ -85,14 +75,8 @@ class PowerLoss(RuleBasedStateMachine):
 
     @rule(keys=st.lists(KEYS, min_size=1, max_size=3))
     def reserve(self, keys: list[str]) -> None:
-        rule_ = self.store.write_ahead
-        assert rule_ is not None
-        before = rule_.wait_before(self.pool, keys)
-        if before:
-            self.sync(before)  # the reserve waited for the disk, then ran
-        out = self.store.reserve(P, keys)
-        writer = Writer(keys, self.now, rule_.wait_after(self.pool, out), out)
-        self.waiting.append(writer)
+        """The reserve runs at once, or once the disk has the removals it waits for."""
+        self.waiting.append(Writer(keys, self.now, self.backend.reserve(P, keys)))
         self._send_replies()
 
     @precondition(lambda self: self.writers or self.waiting)
@@ -127,7 +111,7 @@ class PowerLoss(RuleBasedStateMachine):
         self.writers.remove(writer)
         if self.now - writer.sent >= TTL:
             return
-        self.store.confirm(P, writer.written, writer.failed)
+        now(self.backend.confirm(P, writer.written, writer.failed))
         self.confirms.append((self.now, writer.written, writer.failed))
 
     @precondition(lambda self: self.confirms)
@@ -135,16 +119,16 @@ class PowerLoss(RuleBasedStateMachine):
     def retried_confirm(self, data: st.DataObject) -> None:
         sent, ok, failed = data.draw(st.sampled_from(self.confirms))
         if self.now - sent <= RETRY_WINDOW:
-            self.store.confirm(P, ok, failed)
+            now(self.backend.confirm(P, ok, failed))
 
     @rule(keys=st.lists(KEYS, max_size=3))
     def get_and_delete(self, keys: list[str]) -> None:
-        self.store.get(P, keys)
-        self.store.delete(P, keys)
+        now(self.backend.get(P, keys))
+        now(self.backend.delete(P, keys))
 
     @rule()
     def clear(self) -> None:
-        self.store.clear(P)
+        now(self.backend.clear(P))
 
     @rule(dt=st.sampled_from([0.5, RETRY_WINDOW, RELEASE_GRACE, TTL]))
     def advance(self, dt: float) -> None:
@@ -163,9 +147,15 @@ class PowerLoss(RuleBasedStateMachine):
         self._send_replies()
 
     def _send_replies(self) -> None:
-        ready = [w for w in self.waiting if w.wait <= self.journal.durable_seq]
-        self.waiting = [w for w in self.waiting if w.wait > self.journal.durable_seq]
-        self.writers += ready
+        """Resume every waiting reserve: those whose wait is over run on and reply."""
+        for writer in list(self.waiting):
+            assert writer.call is not None
+            try:
+                writer.call.send(None)
+            except StopIteration as done:
+                writer.out, writer.call = done.value, None
+                self.waiting.remove(writer)
+                self.writers.append(writer)
 
     @rule(data=st.data())
     def power_loss(self, data: st.DataObject) -> None:
@@ -177,9 +167,12 @@ class PowerLoss(RuleBasedStateMachine):
         recovered = Recovered()
         for record in journal.records[:cut]:
             _apply(recovered, record)
-        survivor = Journal()
+        survivor = FakeJournal(auto=False)
         survivor.records = journal.records[:cut]
         survivor.seq = survivor.durable_seq = cut
+        for writer in self.waiting:  # the process died with these replies unsent
+            assert writer.call is not None
+            writer.call.close()
         self.waiting, self.writers, self.confirms = [], [], []
         self._boot(survivor, recovered)
         self.every_key_finds_its_own_bytes("after power loss")

@@ -6,7 +6,8 @@ tail instead of cutting it), then runs the full page invariant on every pool.
 On a directory a running server holds (its ``LOCK`` is locked) the check still runs, but the
 files change under it (appends, snapshots, compaction), so what it finds may be stale or show a
 torn tail that is only a write in progress: the report says so, and the exit code is
-``IN_USE`` (3) rather than 0 when nothing was found, because "ok" would not be definitive.
+``store.base.IN_USE`` (3) rather than 0 when nothing was found, because "ok" would not be
+definitive.
 Exit codes: 0 ok, 1 problems found, 3 no problem found but the directory is in use.
 
 A directory that does not exist, or holds none of the files a server keeps in its data
@@ -21,51 +22,20 @@ from __future__ import annotations
 
 import fcntl
 import os
-from dataclasses import dataclass, field
 from pathlib import Path
 
 from kvmeta.core.invariants import InvariantViolation, check_pool
 from kvmeta.errors import InvalidRequest, JournalCorrupt
+from kvmeta.store.base import CheckReport
 from kvmeta.store.disk.history import HEAD_FILE, moved
 from kvmeta.store.disk.recovery import DataDirListing, corrupt, list_data_dir, recover
 from kvmeta.store.epoch import EPOCH_FILE
 
-__all__ = ["IN_USE", "CheckReport", "check_data_dir", "lock_held"]
+__all__ = ["check_data_dir", "lock_held"]
 
-IN_USE = 3
 # Files of a data directory besides journal segments and snapshots (which ``list_data_dir``
 # finds): any one of them marks a directory a server has used.
 _MARKERS = ("LOCK", EPOCH_FILE)
-
-
-@dataclass
-class CheckReport:
-    """What ``kvmeta check`` found; ``ok`` and ``in_use`` decide the exit code."""
-
-    lines: list[str] = field(default_factory=list)
-    problems: list[str] = field(default_factory=list)
-    in_use: bool = False
-
-    @property
-    def ok(self) -> bool:
-        return not self.problems
-
-    @property
-    def exit_code(self) -> int:
-        if self.problems:
-            return 1
-        return IN_USE if self.in_use else 0
-
-    @property
-    def summary(self) -> str:
-        if self.problems:
-            found = f"{len(self.problems)} problem(s) found"
-            return found + (" (the directory is in use: may be stale)" if self.in_use else "")
-        if self.in_use:
-            return (
-                "no problem found, but the directory is in use by a running server: not definitive"
-            )
-        return "ok"
 
 
 def lock_held(directory: Path) -> bool:

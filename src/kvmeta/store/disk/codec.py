@@ -88,7 +88,6 @@ __all__ = [
     "decode_frames",
     "encode_record",
     "encode_records",
-    "has_tenant",
     "predecessor",
     "salvage_records",
     "segment_header",
@@ -162,15 +161,6 @@ Record: TypeAlias = NewPool | Commit | Remove | Clear | WorldSize | Drop | Tenan
 
 _encode_any = msgspec.msgpack.Encoder().encode
 _replace = msgspec.structs.replace
-
-
-def has_tenant(record: Record) -> bool:
-    """Whether ``record`` belongs to a tenant other than the default one (format 3)."""
-    if isinstance(record, TenantWorldSize):
-        return True
-    if isinstance(record, WorldSize):
-        return False
-    return record.pool.tenant != ""
 
 
 # The default tenant's payloads are [tag, [dialect, rank, namespace], *fields]: the head up to

@@ -14,7 +14,7 @@ group: with a writer thread the journal added CPU to every request even with ``-
 Failure (disk full, out of file descriptors, fsync failing, the helper dying over and over):
 the journal stops writing at once (a half-written group must never be followed by more), every
 waiter gets ``JournalFailed`` and so does every later ``wait``; ``failed`` says why. Records
-appended meanwhile are only counted. The owner (``store.disk.durable``) then refuses changes and,
+appended meanwhile are only counted. The owner (``store.disk.local``) then refuses changes and,
 once the cause is gone, writes a snapshot of the state in memory into a new segment number and
 calls ``recovered``: everything up to then is durable again, and writing resumes in a fresh
 segment. The old segment, whose tail may be torn, is covered by that snapshot and deleted. No
@@ -53,12 +53,9 @@ fsync modes:
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import heapq
 import logging
 import os
-import subprocess
-import sys
 import time
 from collections import deque
 from collections.abc import Callable
@@ -71,10 +68,12 @@ from kvmeta.store.disk.codec import (
     Record,
     RecordTooLarge,
     Remove,
+    TenantWorldSize,
+    WorldSize,
     encode_records,
-    has_tenant,
     segment_header,
 )
+from kvmeta.store.disk.fsync_link import HELPER, FsyncHelper
 from kvmeta.store.disk.mounts import describe_disk
 
 __all__ = [
@@ -100,12 +99,20 @@ DEFAULT_FSYNC_INTERVAL = 0.025
 DEFAULT_FSYNC_TIMEOUT = 5.0
 # Appends only need the data and the file size on disk, not the mtime: fdatasync is enough.
 _sync = getattr(os, "fdatasync", os.fsync)
-_HELPER = str(Path(__file__).with_name("fsync_helper.py"))
 # The helper may die (OOM killer, an operator's kill); it is restarted, but this many exits
 # within _HELPER_WINDOW seconds mean something is wrong with it: the journal fails.
 _MAX_HELPER_STARTS = 5
 _HELPER_WINDOW = 60.0
 _REMOVALS = (Remove, Clear)
+
+
+def _has_tenant(record: Record) -> bool:
+    """Whether ``record`` belongs to a tenant other than the default one (format 3)."""
+    if isinstance(record, TenantWorldSize):
+        return True
+    if isinstance(record, WorldSize):
+        return False
+    return record.pool.tenant != ""
 
 
 def segment_path(directory: Path, segment: int) -> Path:
@@ -169,15 +176,17 @@ class Journal:
         self._closed = False
         self._fd = -1
         self._fd_segment = -1
-        self._helper: subprocess.Popen[bytes] | None = None
+        self._helper: FsyncHelper | None = None
         self._helper_exits: deque[float] = deque(maxlen=_MAX_HELPER_STARTS)
         self._requested = 0  # highest seq the helper was asked to make durable
-        self._replies = b""
         # Stall watch: unanswered requests (seq, loop time sent), oldest first.
         self._outstanding: deque[tuple[int, float]] = deque()
         self._last_reply = 0.0
         self._stall_timer: asyncio.TimerHandle | None = None
         self._stalled_from: float | None = None  # loop time the stalled fsync began
+        # Whether changes are refused now (failed or stalled: ``refusal`` says why), kept as a
+        # plain attribute so the check before every change costs one attribute read.
+        self.refusing = False
         self.stalls = 0
         # Told after a group is written once ``bytes_written`` has reached ``grow_at`` (0:
         # never): the owner's size-driven snapshot (``store.disk.compaction``) waits for it. One
@@ -237,7 +246,7 @@ class Journal:
             # snapshot (which has no per-record limit) makes it durable.
             frames = []
             self._fail(str(exc), "Lower the limit named above")
-        if not self._tenants and has_tenant(record):
+        if not self._tenants and _has_tenant(record):
             self._mark_tenants()
         self.seq += len(frames) or 1
         if isinstance(record, _REMOVALS):
@@ -321,6 +330,7 @@ class Journal:
             self._start_helper()
         self._buf = bytearray()
         self._failed = None
+        self.refusing = self._stalled_from is not None
         self.failed_at = 0.0
         self.written_seq = self._requested = seq
         self._on_durable(seq)
@@ -364,7 +374,7 @@ class Journal:
             self._close_segment()
         helper, self._helper = self._helper, None
         if helper is not None:
-            self._stop_helper(helper)
+            helper.stop(self.stall_timeout)
 
     def _close_segment(self) -> None:
         """Write the open group and fdatasync and close the segment file, on the loop (rotation
@@ -442,6 +452,7 @@ class Journal:
         )
         logger.error("%s", error)
         self._failed = error
+        self.refusing = True
         self.failed_at = time.time()
         self.failed_seq = self.durable_seq
         self._buf = bytearray()
@@ -489,6 +500,7 @@ class Journal:
             self._watch()  # the helper answered meanwhile: check its current fsync
             return
         self._stalled_from = self._busy_since()
+        self.refusing = True
         self.stalls += 1
         error = self._stall_error()
         logger.error("%s", error)
@@ -507,6 +519,7 @@ class Journal:
         if self._stalled_from is not None:
             took = self._last_reply - self._stalled_from
             self._stalled_from = None
+            self.refusing = self._failed is not None
             logger.warning(
                 "the journal's fsync in %s completed after %.1f s: the disk answers again; "
                 "everything acknowledged or refused while it hung is durable now, and changes "
@@ -533,21 +546,10 @@ class Journal:
     # ------------------------------------------------------------------ fsync helper
 
     def _start_helper(self) -> None:
-        helper = subprocess.Popen(
-            [sys.executable, "-I", "-S", _HELPER],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            bufsize=0,
-            close_fds=True,
-            start_new_session=True,  # Ctrl-C stops the server, which then stops the helper
+        self._helper = FsyncHelper(
+            self.loop, self.directory, self._on_answers, self._fail, self._helper_exited
         )
-        assert helper.stdin is not None and helper.stdout is not None
-        os.set_blocking(helper.stdin.fileno(), False)
-        os.set_blocking(helper.stdout.fileno(), False)
-        self.loop.add_reader(helper.stdout.fileno(), self._on_reply)
-        self._helper = helper
         self._requested = 0
-        self._replies = b""
         self._outstanding.clear()  # the new helper is asked again, from now
         self._request()
 
@@ -559,71 +561,23 @@ class Journal:
         helper = self._helper
         if helper is None or self._requested >= self.written_seq or self._fd_segment < 0:
             return
-        path = segment_path(self.directory, self._fd_segment)
-        try:
-            os.write(helper.stdin.fileno(), b"%d %s\n" % (self.written_seq, os.fsencode(path)))  # type: ignore[union-attr]
-        except BlockingIOError:
+        if not helper.request(self.written_seq, segment_path(self.directory, self._fd_segment)):
             return
-        except OSError:
-            return  # the helper died: its reader sees EOF and restarts it
         self._requested = self.written_seq
         self._outstanding.append((self.written_seq, self.loop.time()))
         self._watch()
 
-    def _on_reply(self) -> None:
-        helper = self._helper
-        if helper is None:
-            return
-        try:
-            data = os.read(helper.stdout.fileno(), 65536)  # type: ignore[union-attr]
-        except BlockingIOError:
-            return
-        if not data:
-            self._helper_exited(helper)
-            return
-        lines, _, self._replies = (self._replies + data).rpartition(b"\n")
-        durable = 0
-        for line in lines.split(b"\n") if lines else ():
-            if line.startswith(b"E "):
-                message = line[2:].decode(errors="replace")
-                self._fail(f"cannot fsync the journal in {self.directory}: {message}")
-                return
-            try:
-                seq, micros = line.split()
-                took = int(micros) / 1e6
-            except ValueError:
-                self._fail(f"the journal's fsync helper ({_HELPER}) answered {line[:80]!r}")
-                return
+    def _on_answers(self, durable: int, seconds: list[float]) -> None:
+        for took in seconds:
             self.fsyncs += 1
             self.fsync_seconds_total += took
             self.fsync_seconds_max = max(self.fsync_seconds_max, took)
-            durable = max(durable, int(seq))
-        if lines:
+        if seconds:
             self._answered(durable)
         self._request()
 
-    def _stop_helper(self, helper: subprocess.Popen[bytes]) -> int:
-        """Close its pipes (it exits when stdin closes) and reap it; returns its exit code.
-
-        A helper stuck in an fsync gets ``stall_timeout`` to finish, then SIGKILL; one the
-        kernel holds in the fsync even so is left to exit by itself (-1)."""
-        self.loop.remove_reader(helper.stdout.fileno())  # type: ignore[union-attr]
-        try:
-            helper.stdin.close()  # type: ignore[union-attr]
-        except OSError:
-            pass  # a dead helper's pipe: EPIPE on the last flush
-        code = -1
-        try:
-            code = helper.wait(self.stall_timeout)
-        except subprocess.TimeoutExpired:
-            helper.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                code = helper.wait(self.stall_timeout)
-        helper.stdout.close()  # type: ignore[union-attr]
-        return code
-
-    def _helper_exited(self, helper: subprocess.Popen[bytes]) -> None:
-        code = self._stop_helper(helper)
+    def _helper_exited(self, helper: FsyncHelper) -> None:
+        code = helper.stop(self.stall_timeout)
         self._helper = None
         if self._closed or self._failed is not None:
             return
@@ -632,7 +586,7 @@ class Journal:
         exits.append(now)
         if len(exits) == exits.maxlen and now - exits[0] <= _HELPER_WINDOW:
             self._fail(
-                f"the journal's fsync helper process ({_HELPER}) exited (code {code}) "
+                f"the journal's fsync helper process ({HELPER}) exited (code {code}) "
                 f"{len(exits)} times in {now - exits[0]:.0f} s",
                 "Check what kills it (dmesg for the OOM killer) or run it by hand "
                 "(python -I -S <path>)",
@@ -642,4 +596,4 @@ class Journal:
         try:
             self._start_helper()
         except OSError as exc:
-            self._fail(f"cannot start the journal's fsync helper ({_HELPER}): {exc}")
+            self._fail(f"cannot start the journal's fsync helper ({HELPER}): {exc}")

@@ -1,9 +1,10 @@
-"""State held in this process: the core pools, plus an optional journal for durability.
+"""State held in this process: the core pools, writing its changes to an optional journal.
 
-``MemoryStore`` is synchronous (the embedded clients call it directly); ``MemoryBackend`` is the
-async face the server uses, which is also where a reply waits for its journal group to be
-durable (docs/durability.md, the write-ahead rule: a page that held a removed key is handed to a
-new writer only after the removal is on disk).
+``MemoryStore`` is synchronous (the embedded clients call it directly; the server reaches it
+through ``store.disk.local.LocalBackend``). It only ever calls down, into its pools and the
+journal: what an operation removed comes back to the caller (a reserve's ``Removal``, the
+pages the pools withhold, the ``changes`` outbox), and the caller decides what waits for the
+disk (``store.disk.writeahead``).
 
 Journal records are the typed records of ``store.disk.codec`` (``NewPool``, ``Commit``, ``Remove``
 for deletes and evictions, ``Clear``, ``WorldSize``/``TenantWorldSize``, ``Drop`` for a vLLM
@@ -17,34 +18,18 @@ vLLM index is per tenant too: each tenant has its own registered ranks (its pool
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Generator
+from collections.abc import Callable, Generator
 from operator import itemgetter
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 from kvmeta._types import PoolId
 from kvmeta.core.hash_index import HashIndex
-from kvmeta.core.invariants import (
-    InvariantViolation,
-    PoolCopy,
-    check_copy,
-    check_hash_index,
-    copy_pool,
-)
 from kvmeta.core.pool import Pool
 from kvmeta.errors import Forbidden, NoHashIndex, NotInitialized, PayloadTooLarge, RankInUse
 from kvmeta.lograte import warn_limited
-from kvmeta.store.base import (
-    STATS_CHUNK,
-    Budget,
-    CheckReport,
-    InitResult,
-    PoolStats,
-    VIndex,
-    parse_cursor,
-)
+from kvmeta.store.base import Budget, InitResult, PoolStats, VIndex, parse_cursor
 from kvmeta.store.changes import (
     CLEARED,
     REASON_CAPACITY,
@@ -54,7 +39,6 @@ from kvmeta.store.changes import (
     REMOVED,
     STORED,
     Change,
-    ChangeListener,
 )
 from kvmeta.store.disk.codec import (
     Clear,
@@ -66,20 +50,15 @@ from kvmeta.store.disk.codec import (
     TenantWorldSize,
     WorldSize,
 )
-from kvmeta.store.disk.writeahead import DurableSink, WriteAhead
-from kvmeta.store.epoch import new_epoch
 
-__all__ = ["V_EXISTS_STEP", "ChangeSink", "MemoryBackend", "MemoryStore"]
+if TYPE_CHECKING:  # the caller's request and report (the store never calls the rule)
+    from kvmeta.store.disk.writeahead import Removal
+
+__all__ = ["V_EXISTS_STEP", "ChangeSink", "MemoryStore"]
 
 logger = logging.getLogger(__name__)
 
 _first = itemgetter(0)
-
-# ``MemoryBackend.check``: pages copied per step before the copies are checked in a thread. The
-# loop pauses for one copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy
-# must be consistent).
-_CHECK_BATCH_PAGES = 1 << 17
-
 
 # ``MemoryStore.v_exists_steps``: key lookups between two pauses of a completeness walk
 # (about 5 ms of CPU, a few times that on a busy machine: a batch of 65,536 keys stored on
@@ -125,12 +104,13 @@ class MemoryStore:
         # tenant's registry and required pools are read without walking every pool of every
         # tenant, or building a PoolId per rank.
         self.vllm_rank_pools: dict[str, dict[int, Pool]] = {}
-        # The write-ahead rule, when a journal that waits is attached (``set_withhold``).
-        self.write_ahead: WriteAhead | None = None
-        # Where each change of stored keys goes (``store.changes``), made next to its journal
-        # record because the record does not say why keys went (capacity vs delete). None:
-        # nothing is built, one attribute test per change.
-        self.on_change: Callable[[Change], None] | None = None
+        # Each change of stored keys (``store.changes``), made next to its journal record
+        # because the record does not say why keys went (capacity vs delete); the caller
+        # takes them after each operation. None: nobody listens, nothing is built.
+        self.changes: list[Change] | None = None
+        # Whether new pools withhold the pages their removals free (``Pool.withhold``): set
+        # by a caller that keeps the write-ahead rule, which releases them once durable.
+        self.withhold = False
         # SGLang pools' stored keys by block hash (``--hash-index``; None: off). Kept in step
         # by ``_record``, so an index changes exactly when the journal does.
         self.hash_indexes: dict[PoolId, HashIndex] | None = {} if hash_index else None
@@ -216,7 +196,7 @@ class MemoryStore:
         old = self.pools.get(pid)
         if old is not None:
             self._count(pid, -old.num_pages, -1)
-        pool.withhold = self.write_ahead is not None
+        pool.withhold = self.withhold
         self.pools[pid] = pool
         if pid.dialect == "v":
             self.vllm_rank_pools.setdefault(pid.tenant, {})[pid.rank] = pool
@@ -236,23 +216,53 @@ class MemoryStore:
             self.tenant_pools.pop(tenant, None)
             self.tenant_pages.pop(tenant, None)
 
-    def set_withhold(self, sink: DurableSink | None) -> None:
-        """Keep the write-ahead rule for ``sink`` (``store.disk.writeahead``); None: stop.
-
-        Deletes, clears and evictions ahead of need withhold their pages until the removal is
-        durable, so reserves rarely wait; a page evicted on the spot is marked, and the
-        caller makes any reply that hands it out wait (``WriteAhead.wait_after``).
-        """
-        self.write_ahead = None if sink is None else WriteAhead(sink, self.clock)
+    def withhold_removed(self) -> None:
+        """From now on every pool withholds the pages its removals free, until the caller
+        releases them (``store.disk.writeahead``: a page is handed out again only once the
+        removal of its old key is durable)."""
+        self.withhold = True
         for pool in self.pools.values():
-            pool.withhold = sink is not None
+            pool.withhold = True
 
-    def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int, rule: WriteAhead) -> None:
-        """Keep ``spare_target`` pages spare once the pool is full: each reserve tops the spare
-        up by what it used, so evictions made ahead stream through the journal and are durable
-        by the time a writer needs their pages."""
-        spare = pool.allocatable_count + pool.withheld_count
-        target = rule.spare_target(pool, batch)
+    # ------------------------------------------------------------------ operations
+
+    def exists(self, pid: PoolId, keys: list[str]) -> list[bool]:
+        return self.pool(pid).exists(keys)
+
+    def reserve(
+        self, pid: PoolId, keys: list[str], removal: Removal | None = None
+    ) -> list[tuple[bool, int]]:
+        """Reserve ``keys``; with ``removal``, report what was removed for them into it and
+        keep its spare (module docstring)."""
+        pool = self.pool(pid)
+        evicted = [] if removal is None else removal.evicted
+        refused = pool.counters.reservations_refused
+        # vLLM's batches are all or nothing (``Pool.reserve``, docs/guarantees.md); SGLang writes
+        # the pages it gets, so its batches are per key.
+        out = pool.reserve(keys, self.clock(), evicted, pid.dialect == "v")
+        if pool.frontier_raised:
+            # Pages past the recorded frontier go out only once its new place is journaled
+            # (the reply waits for it: ``WriteAhead.after``).
+            pool.frontier_raised = False
+            self._record(NewPool(pid, pool.num_pages, pool.frontier))
+            if removal is not None:
+                removal.frontier = True
+        if evicted:
+            self._record(Remove(pid, evicted))
+            if self.changes is not None:
+                self._changed(pid, REMOVED, evicted, REASON_CAPACITY)
+        # (A call that found nothing evictable already scanned its allowance: no more.)
+        if removal is not None and removal.spare and pool.counters.reservations_refused == refused:
+            self._evict_ahead(pid, pool, len(keys), removal)
+        return out
+
+    def _evict_ahead(self, pid: PoolId, pool: Pool, batch: int, removal: Removal) -> None:
+        """Keep ``removal.spare`` pages spare once the pool is full: each reserve tops the
+        spare up by what it used, so evictions made ahead stream through the journal and are
+        durable by the time a writer needs their pages (the pool withholds them until then).
+        (A reserve withholds nothing: ``removal.held`` is still the pool's withheld count.)"""
+        target = removal.spare
+        spare = pool.allocatable_count + removal.held
         if spare >= target:
             return
         # At most two batches per call: the spare keeps pace with what reserves take, and a
@@ -260,50 +270,15 @@ class MemoryStore:
         removed = pool.evict_ahead(min(target - spare, 2 * batch), self.clock())
         if removed:
             self._record(Remove(pid, removed))
-            if self.on_change is not None:
+            if self.changes is not None:
                 self._changed(pid, REMOVED, removed, REASON_CAPACITY)
-            rule.withheld(pool)
-
-    # ------------------------------------------------------------------ operations
-
-    def exists(self, pid: PoolId, keys: list[str]) -> list[bool]:
-        return self.pool(pid).exists(keys)
-
-    def reserve(self, pid: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        pool = self.pool(pid)
-        rule = self.write_ahead
-        if rule is not None:
-            rule.catch_up()
-        evicted: list[tuple[str, int]] = []
-        refused = pool.counters.reservations_refused
-        # vLLM's batches are all or nothing (``Pool.reserve``, docs/guarantees.md); SGLang writes
-        # the pages it gets, so its batches are per key.
-        out = pool.reserve(keys, self.clock(), evicted, pid.dialect == "v")
-        if pool.frontier_raised:
-            # Pages past the recorded frontier go out only once its new place is journaled
-            # (the reply waits for it: ``WriteAhead.wait_after``).
-            pool.frontier_raised = False
-            self._record(NewPool(pid, pool.num_pages, pool.frontier))
-            if rule is not None:
-                rule.frontier_moved(pool)
-        if evicted:
-            self._record(Remove(pid, evicted))
-            if self.on_change is not None:
-                self._changed(pid, REMOVED, evicted, REASON_CAPACITY)
-        if rule is not None:
-            if evicted:
-                rule.evicted_in_place(pool, [page for _, page in evicted])
-            if pool.counters.reservations_refused == refused:
-                # (A call that found nothing evictable already scanned its allowance: no more.)
-                self._evict_ahead(pid, pool, len(keys), rule)
-        return out
 
     def confirm(self, pid: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
         """Returns how many pairs were refused (stale or foreign pages)."""
         outcome = self.pool(pid).confirm(pairs, release, self.clock())
         if outcome.committed:
             self._record(Commit(pid, outcome.committed))
-            if self.on_change is not None:
+            if self.changes is not None:
                 self._changed(pid, STORED, outcome.committed, "")
         if outcome.refused:
             warn_limited(
@@ -325,18 +300,16 @@ class MemoryStore:
         removed = pool.delete(keys, self.clock())
         if removed:
             self._record(Remove(pid, removed))
-            if self.on_change is not None:
+            if self.changes is not None:
                 self._changed(pid, REMOVED, removed, REASON_DELETE)
-            self._withheld(pool)
         return len(removed)
 
     def clear(self, pid: PoolId) -> int:
         pool = self.pool(pid)
         count = pool.clear(self.clock())
         self._record(Clear(pid))
-        if self.on_change is not None:
-            self.on_change(Change(pid, CLEARED, (), REASON_CLEAR))
-        self._withheld(pool)
+        if self.changes is not None:
+            self.changes.append(Change(pid, CLEARED, (), REASON_CLEAR))
         return count
 
     def prefix_length(self, pid: PoolId, keys: list[str]) -> int:
@@ -463,7 +436,7 @@ class MemoryStore:
 
         Journaled as one ``drop`` record (a snapshot simply no longer holds the pool). A
         journaled caller must not let the rank's page file be written again before that record
-        is durable (``DurableBackend.v_register`` waits for it).
+        is durable (``LocalBackend.v_register`` waits for it: ``WriteAhead.before_register``).
         """
         pid = PoolId("v", rank, "", tenant)
         pool = self.pools.get(pid)
@@ -482,8 +455,8 @@ class MemoryStore:
         self._count(pid, -pool.num_pages, -1)
         self.size_conflicts.pop(pid, None)
         self._record(Drop(pid))
-        if self.on_change is not None:
-            self.on_change(Change(pid, CLEARED, (), REASON_DROP))
+        if self.changes is not None:
+            self.changes.append(Change(pid, CLEARED, (), REASON_DROP))
         return pool.stored_count
 
     def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
@@ -561,201 +534,6 @@ class MemoryStore:
         elif isinstance(record, Clear):
             index.clear()
 
-    def _withheld(self, pool: Pool) -> None:
-        if self.write_ahead is not None:
-            self.write_ahead.withheld(pool)
-
     def _changed(self, pid: PoolId, kind: str, pairs: list[tuple[str, int]], reason: str) -> None:
-        assert self.on_change is not None
-        self.on_change(Change(pid, kind, tuple(map(_first, pairs)), reason))
-
-
-class MemoryBackend:
-    """The async ``Backend`` over a ``MemoryStore``; every call runs to completion on the loop,
-    so calls are atomic without locks. The exception is a ``v_exists`` larger than one step of
-    its walk, which pauses between steps (``MemoryStore.v_exists_steps`` says what its answer
-    then promises)."""
-
-    name = "memory"
-
-    def __init__(self, store: MemoryStore) -> None:
-        self.store = store
-        # The state lives and dies with this process: a new one each start.
-        self._epoch = new_epoch()
-        self._listener: ChangeListener | None = None
-
-    @property
-    def epoch(self) -> str:
-        return self._epoch
-
-    @property
-    def describe(self) -> str:
-        return "memory"
-
-    @property
-    def failure(self) -> str | None:
-        return None  # nothing to fail: the state is only in memory
-
-    def set_change_listener(self, listener: ChangeListener | None) -> None:
-        """Memory: each change is final once made, so it goes out at once."""
-        self._listener = listener
-        self.store.on_change = None if listener is None else self._deliver_now
-
-    def _deliver_now(self, change: Change) -> None:
-        listener = self._listener
-        if listener is not None:
-            listener([change])
-
-    async def dump(self, pool: PoolId, cursor: str, limit: int) -> tuple[list[str], str]:
-        return self.store.dump(pool, cursor, limit)
-
-    async def settle_changes(self, pool: PoolId) -> None:
-        return None
-
-    async def prefix_length(self, pool: PoolId, keys: list[str]) -> int:
-        return self.store.prefix_length(pool, keys)
-
-    async def prefix_length_hashes(self, pool: PoolId, hashes: list[int]) -> int:
-        return self.store.prefix_length_hashes(pool, hashes)
-
-    def durability_stats(self) -> dict[str, float]:
-        return {}
-
-    async def start(self) -> None:
-        return None
-
-    async def close(self) -> None:
-        return None
-
-    async def ready(self) -> bool:
-        return True
-
-    async def _durable(self) -> None:
-        """Wait until every change made so far is durable (no-op without a journal)."""
-        return None
-
-    async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
-        result = self.store.initialize(pool, num_pages)
-        await self._durable()
-        return result
-
-    async def exists(self, pool: PoolId, keys: list[str]) -> list[bool]:
-        return self.store.exists(pool, keys)
-
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        out = self.store.reserve(pool, keys)
-        await self._durable()
-        return out
-
-    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
-        refused = self.store.confirm(pool, pairs, release)
-        await self._durable()
-        return refused
-
-    async def get(self, pool: PoolId, keys: list[str]) -> list[int | None]:
-        return self.store.get(pool, keys)
-
-    async def delete(self, pool: PoolId, keys: list[str]) -> int:
-        count = self.store.delete(pool, keys)
-        await self._durable()
-        return count
-
-    async def clear(self, pool: PoolId) -> int:
-        count = self.store.clear(pool)
-        await self._durable()
-        return count
-
-    async def v_register(
-        self,
-        rank: int,
-        num_pages: int,
-        world_size: int | None,
-        tenant: str = "",
-        change_world: bool = True,
-    ) -> InitResult:
-        result = self.store.v_register(rank, num_pages, world_size, tenant, change_world)
-        await self._durable()
-        return result
-
-    async def v_exists(self, keys: list[str], tenant: str = "") -> list[bool]:
-        """The walk runs in steps with a pause (one loop turn) between them, so one large
-        batch never holds the loop for more than a step (``V_EXISTS_STEP``); the other
-        requests run in between."""
-        steps = self.store.v_exists_steps(keys, tenant)
-        while True:
-            try:
-                next(steps)
-            except StopIteration as done:
-                return done.value  # type: ignore[no-any-return]
-            await asyncio.sleep(0)
-
-    async def v_clear(self, tenant: str = "") -> int:
-        count = self.store.v_clear(tenant)
-        await self._durable()
-        return count
-
-    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
-        return self.store.v_remove(rank, tenant, force)
-
-    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
-        self.store.v_set_world_size(world_size, tenant)
-
-    async def v_index(self, tenant: str = "") -> VIndex:
-        return self.store.v_index(tenant)
-
-    async def stats(self) -> list[PoolStats]:
-        """Every pool's stats, read in ``stats_chunks``: one pass over thousands of pools held
-        the loop for hundreds of ms (~7 us a pool)."""
-        out: list[PoolStats] = []
-        async for chunk in self.stats_chunks():
-            out += chunk
-        return out
-
-    async def stats_chunks(self, size: int = STATS_CHUNK) -> AsyncIterator[list[PoolStats]]:
-        store = self.store
-        pids = sorted(store.pools)
-        for i in range(0, len(pids), size):
-            if i:
-                await asyncio.sleep(0)
-            yield store.stats_of(pids[i : i + size])
-
-    async def budget(self, pool: PoolId) -> Budget:
-        return self.store.budget(pool)
-
-    async def check(self) -> CheckReport:
-        """Each pool is copied in one step on the loop (consistent, C-speed) and the copies
-        are checked in a thread, so requests keep being served while the check runs."""
-        pools = self.store.pools
-        problems: list[str] = []
-        checked = 0
-        indexes = self.store.hash_indexes or {}
-        batch: list[tuple[PoolId, PoolCopy, dict[int, int] | None]] = []
-        pages = 0
-        for pid in sorted(pools):
-            pool = pools.get(pid)
-            if pool is None:  # removed while the check ran
-                continue
-            index = indexes.get(pid)
-            batch.append((pid, copy_pool(pool), None if index is None else index.counts()))
-            checked += 1
-            pages += pool.num_pages
-            if pages >= _CHECK_BATCH_PAGES:
-                problems += await asyncio.to_thread(_check_batch, batch)
-                batch, pages = [], 0
-            elif checked % 256 == 0:
-                await asyncio.sleep(0)
-        if batch:
-            problems += await asyncio.to_thread(_check_batch, batch)
-        return CheckReport(problems=problems, checked=checked)
-
-
-def _check_batch(batch: list[tuple[PoolId, PoolCopy, dict[int, int] | None]]) -> list[str]:
-    found = []
-    for pid, copy, hash_counts in batch:
-        try:
-            check_copy(copy)
-            if hash_counts is not None:
-                check_hash_index(list(copy._stored), hash_counts)
-        except InvariantViolation as exc:
-            found.append(f"{pid}: {exc}")
-    return found
+        assert self.changes is not None
+        self.changes.append(Change(pid, kind, tuple(map(_first, pairs)), reason))

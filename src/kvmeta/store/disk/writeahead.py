@@ -20,9 +20,14 @@ To keep waits rare, a full pool keeps a *spare* of pages evicted ahead of need
 pages and decays back with a half-life of ``_GROWTH_HALF_LIFE`` seconds once waits stop, so a
 burst does not keep half of a pool empty for good.
 
+A vLLM rank removed and registered again reuses its page file: its registration waits until
+the removal is durable (``before_register``), the same rule for a whole pool.
+
 ``Pool`` holds only the mechanism (withheld pages, eviction ahead); this module decides what
 waits for what. It performs no I/O: the journal (``DurableSink``) numbers records and reports
-how far they are durable, and the caller does the waiting.
+how far they are durable. Its one caller (``store.disk.local.LocalBackend``) asks it before
+each change what to wait for, and tells it after the change what was removed (``before`` /
+``after``; ``withheld`` after a delete or clear), then does the waiting.
 """
 
 from __future__ import annotations
@@ -31,10 +36,11 @@ from collections import deque
 from collections.abc import Callable
 from typing import Protocol
 
+from kvmeta._types import PoolId
 from kvmeta.core.pool import Pool
 from kvmeta.store.disk.codec import Record
 
-__all__ = ["DurableSink", "WriteAhead"]
+__all__ = ["DurableSink", "Removal", "WriteAhead"]
 
 # Spare pages kept ahead of need: 32 batches of the reserve at hand (enough for one journal
 # group at a few thousand reserves per second), at most 1/8 of the pool; both scaled by the
@@ -59,6 +65,24 @@ class DurableSink(Protocol):
     def append(self, record: Record) -> None: ...
 
 
+class Removal:
+    """One reserve of a caller that keeps the write-ahead rule (``WriteAhead.before`` makes
+    it): what the reserve removed besides answering, the (key, page) pairs it evicted on the
+    spot and whether it moved the pool's frontier, both journaled already. In: ``spare``, the
+    spare pages to keep once the pool is full (the store tops the spare up by evicting ahead
+    of need), ``held``, how many of the pool's pages are withheld now (part of its spare), and
+    ``wait``, the journal position the caller waits for before the reserve."""
+
+    __slots__ = ("evicted", "frontier", "held", "spare", "wait")
+
+    def __init__(self, spare: int, held: int, wait: int) -> None:
+        self.spare = spare
+        self.held = held
+        self.wait = wait
+        self.evicted: list[tuple[str, int]] = []
+        self.frontier = False
+
+
 class WriteAhead:
     """Pending removals of every pool of one store, and the waits they impose."""
 
@@ -67,6 +91,9 @@ class WriteAhead:
         self.clock = clock
         # (journal seq of the removal, pool, pages, withheld?) in journal order.
         self._pending: deque[tuple[int, Pool, list[int], bool]] = deque()
+        # Pages each pool withholds for the pending removals (every page a pool withholds:
+        # the caller hands each removal's pages here), so a reserve's checks read no pool.
+        self._held: dict[Pool, int] = {}
         # Pages handed out (or free again) before their previous key's removal is durable:
         # pool -> page -> journal seq of that removal.
         self._marks: dict[Pool, dict[int, int]] = {}
@@ -76,6 +103,52 @@ class WriteAhead:
         # handing out a page past the frontier before waits for it (a crash must not forget
         # that the page was handed out: ``Pool.hold_after_restart``).
         self._frontiers: dict[Pool, int] = {}
+        # Journal seq of each vLLM rank's removal not yet known durable (``before_register``).
+        self._dropped: dict[PoolId, int] = {}
+
+    # ------------------------------------------------------------------ around a reserve
+
+    def before(self, pool: Pool, keys: list[str]) -> Removal:
+        """The reserve of ``keys`` to run: the spare its pool keeps and the journal position
+        it waits for first (``Removal.wait``, 0: none). A wait means the spare was too small,
+        so it grows (``spare_too_small``)."""
+        seq = self.wait_before(pool, keys)
+        if seq:
+            self.spare_too_small(pool)
+        return Removal(self.spare_target(pool, len(keys)), self._held.get(pool, 0), seq)
+
+    def waited(self, pool: Pool, removal: Removal) -> None:
+        """The reserve waited for ``removal.wait``: release what is durable now, before it
+        runs (the pages it waited for)."""
+        self.catch_up()
+        removal.held = self._held.get(pool, 0)
+
+    def after(self, pool: Pool, out: list[tuple[bool, int]], removal: Removal) -> int:
+        """The reserve that answered ``out`` removed ``removal`` (journaled just now): mark
+        what it evicted on the spot, withhold what it evicted ahead, and return the journal
+        position its reply waits for (0: none)."""
+        if removal.evicted:
+            self.evicted_in_place(pool, [page for _, page in removal.evicted])
+        if removal.frontier:
+            self.frontier_moved(pool)
+        self.withheld(pool)
+        return self.wait_after(pool, out)
+
+    # ------------------------------------------------------------------ vLLM ranks
+
+    def dropped(self, pid: PoolId) -> None:
+        """The record just appended removed the vLLM rank ``pid`` (its whole pool)."""
+        self._dropped[pid] = self.sink.seq
+
+    def before_register(self, pid: PoolId) -> int:
+        """Journal position registering ``pid`` waits for (0: none): its removal, since the
+        new pool hands out the old one's pages (a crash must not bring back ``key -> page``
+        over new bytes)."""
+        seq = self._dropped.get(pid, 0)
+        if seq and seq <= self.sink.durable_seq:
+            del self._dropped[pid]
+            return 0
+        return seq
 
     # ------------------------------------------------------------------ removals
 
@@ -84,6 +157,7 @@ class WriteAhead:
         pages = pool.collect_withheld()
         if pages:
             self._pending.append((self.sink.seq, pool, pages, True))
+            self._held[pool] = self._held.get(pool, 0) + len(pages)
 
     def evicted_in_place(self, pool: Pool, pages: list[int]) -> None:
         """The removal just appended freed ``pages`` that a reserve took at once: mark them."""
@@ -103,13 +177,19 @@ class WriteAhead:
         if self._frontiers:
             for pool in [p for p, seq in self._frontiers.items() if seq <= durable]:
                 del self._frontiers[pool]
+        if self._dropped:
+            for pid in [p for p, seq in self._dropped.items() if seq <= durable]:
+                del self._dropped[pid]
         if not pending or pending[0][0] > durable:
             return
-        now = self.clock()
+        released: dict[Pool, list[int]] = {}
         while pending and pending[0][0] <= durable:
             seq, pool, pages, withheld = pending.popleft()
             if withheld:
-                pool.release_withheld(pages, now)
+                if pool in released:
+                    released[pool] += pages
+                else:
+                    released[pool] = pages
                 continue
             marks = self._marks.get(pool)
             if marks is None:
@@ -119,6 +199,15 @@ class WriteAhead:
                     del marks[page]
             if not marks:
                 del self._marks[pool]
+        if released:
+            now, held = self.clock(), self._held
+            for pool, pages in released.items():  # one call per pool, in journal order
+                pool.release_withheld(pages, now)
+                left = held[pool] - len(pages)
+                if left:
+                    held[pool] = left
+                else:
+                    del held[pool]
 
     # ------------------------------------------------------------------ waits
 
@@ -127,7 +216,7 @@ class WriteAhead:
         the oldest pending removals whose withheld pages cover what the free pages do not
         (waiting for them beats evicting live keys)."""
         self.catch_up()
-        if pool.withheld_count == 0 or pool.allocatable_count >= len(keys):
+        if pool not in self._held or pool.allocatable_count >= len(keys):
             return 0
         need = pool.new_keys(keys) - pool.allocatable_count
         if need <= 0:

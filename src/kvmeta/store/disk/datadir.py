@@ -1,9 +1,11 @@
-"""The embedded durable backend: ``MemoryBackend`` + journal + snapshots + legacy file.
+"""The files of a durable local backend: its data directory (journal, snapshots) and the
+SGLang persistence file, and the background work that keeps them (``DataDir``). The requests'
+side of durability, what waits for the disk, is ``store.disk.local``.
 
 Start-up recovers the data directory (snapshot + journal replay), or imports an SGLang
 persistence file into an empty one (as one snapshot, before any journal record: all or
-nothing). While serving, every durable change goes to the journal and replies wait as the
-write-ahead rule needs (docs/durability.md):
+nothing). While serving, every durable change goes to the journal and ``LocalBackend`` makes
+replies wait as the write-ahead rule needs (docs/durability.md):
 
 - initialize (pool creation, vLLM rank registration) waits until it is durable
   (``--fsync always|batch``): engines must never see "not initialized" after a restart;
@@ -50,16 +52,10 @@ import functools
 import logging
 import os
 import time
-from collections import deque
-from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Concatenate, ParamSpec, TypeVar
 
-from kvmeta._types import PoolId
 from kvmeta.errors import JournalFailed, StorageError
-from kvmeta.store.base import InitResult
-from kvmeta.store.changes import Change, ChangeListener
 from kvmeta.store.disk.compaction import DEFAULT_JOURNAL_BYTES, DEFAULT_JOURNAL_RATIO, JournalBudget
 from kvmeta.store.disk.history import read_head, write_head
 from kvmeta.store.disk.journal import (
@@ -69,38 +65,18 @@ from kvmeta.store.disk.journal import (
     segment_path,
 )
 from kvmeta.store.disk.legacy import LegacyPool, read_legacy, write_legacy
-from kvmeta.store.disk.memory import MemoryBackend, MemoryStore
+from kvmeta.store.disk.memory import MemoryStore
 from kvmeta.store.disk.recovery import gc_paused, install, list_data_dir, lock_data_dir, recover
 from kvmeta.store.disk.snapshot import StoreImage, capture, snapshot_path, write_snapshot
 from kvmeta.store.epoch import data_dir_epoch
 
-__all__ = ["DurabilityOptions", "DurableBackend"]
+__all__ = ["DataDir", "DurabilityOptions"]
 
 logger = logging.getLogger(__name__)
 
 # After a journal failure: first retry after this many seconds, doubling up to _RETRY_MAX.
 _RETRY_FIRST = 1.0
 _RETRY_MAX = 8.0
-
-_T = TypeVar("_T")
-_P = ParamSpec("_P")
-_Method = Callable[Concatenate["DurableBackend", _P], Coroutine[Any, Any, _T]]
-
-
-def _refused_while_failed(method: _Method[_P, _T]) -> _Method[_P, _T]:
-    """A change is refused while the journal is failed or stalled, before it touches the
-    state: a change that cannot be made durable must not be applied (or acknowledged)."""
-
-    @functools.wraps(method)
-    async def guarded(self: DurableBackend, /, *args: _P.args, **kwargs: _P.kwargs) -> _T:
-        journal = self.journal
-        if journal is not None:
-            refusal = journal.refusal()
-            if refusal is not None:
-                raise refusal
-        return await method(self, *args, **kwargs)
-
-    return guarded
 
 
 @dataclass(frozen=True)
@@ -119,20 +95,21 @@ class DurabilityOptions:
     save_interval: float = 60.0
 
 
-class DurableBackend(MemoryBackend):
-    """State in this process, kept in ``options.data_dir`` across restarts."""
-
-    name = "memory+journal"
+class DataDir:
+    """The files of a local backend's state, kept in ``options.data_dir`` across restarts
+    (or only in the SGLang persistence file), and the tasks that keep them: snapshots, the
+    retries after a journal failure, the SGLang file's rewrites."""
 
     def __init__(self, store: MemoryStore, options: DurabilityOptions) -> None:
-        super().__init__(store)
+        self.store = store
         self.options = options
         self.journal: Journal | None = None
+        # The data directory's id (``store.epoch``); None: no data directory, the state is
+        # new at each start like plain memory (an SGLang persistence file is rewritten only
+        # every ``--save-interval``, so a restart may have lost pools created since).
+        self.epoch: str | None = None
         self.snapshots = 0
         self.snapshot_stall_max = 0.0
-        self.reserve_waits = 0  # reserves that waited for the disk (write-ahead rule)
-        self.reserve_wait_seconds = 0.0  # and how long, in all
-        self._drop_seq = 0  # journal position of the last vLLM rank removal
         self._snapshot_records = 0
         self._budget = JournalBudget(options.snapshot_journal_ratio, options.snapshot_journal_bytes)
         self._grown = asyncio.Event()  # the journal outgrew its budget (``store.disk.compaction``)
@@ -141,15 +118,6 @@ class DurableBackend(MemoryBackend):
         self._lock_fd = -1
         self._closed = False
         self._retry_wake = asyncio.Event()
-        # Changes waiting for their journal records to be durable: (seq, change), seq ascending.
-        self._undelivered: deque[tuple[int, Change]] = deque()
-
-    @property
-    def epoch(self) -> str:
-        """With a data directory, the id kept in it (``store.epoch``); with only an SGLang
-        persistence file, a new one each start like plain memory: that file is rewritten only
-        every ``--save-interval``, so a restart may have lost pools created since."""
-        return self._epoch
 
     @property
     def describe(self) -> str:
@@ -160,7 +128,10 @@ class DurableBackend(MemoryBackend):
 
     # ------------------------------------------------------------------ lifecycle
 
-    async def start(self) -> None:
+    async def open(self) -> Journal | None:
+        """Recover (or import) the state into the store and open the journal it writes to
+        next (None: no data directory). The caller attaches the journal, then ``start``s the
+        upkeep."""
         opts = self.options
         loop = asyncio.get_running_loop()
         if opts.data_dir is not None:
@@ -171,7 +142,7 @@ class DurableBackend(MemoryBackend):
                 tmp.unlink()
             # Before recovery: a directory that had no state gets a new epoch even when the
             # legacy import below fills it (new state in a new place).
-            self._epoch = data_dir_epoch(directory, has_state=not listing.empty)
+            self.epoch = data_dir_epoch(directory, has_state=not listing.empty)
             state = recover(directory)
             install(self.store, state, directory)
             self._budget.snapshot_bytes = _size(directory, state.snapshot)
@@ -206,13 +177,13 @@ class DurableBackend(MemoryBackend):
             self.journal.on_grown = self._grown.set
             self.journal.grow_at = self._budget.grow_at()
             self.journal.start()
-            self.store.sink = self.journal
-            if self._listener is not None:  # set before start: now it waits for the journal
-                self.set_change_listener(self._listener)
-            if self.journal.waits:
-                self.store.set_withhold(self.journal)
         elif opts.persistence_path is not None:
             self._import_legacy(opts.persistence_path)
+        return self.journal
+
+    def start(self) -> None:
+        """Start the background upkeep (snapshots, retries, the SGLang file's rewrites)."""
+        opts = self.options
         if self.journal is not None:
             self._tasks.append(asyncio.create_task(self._recover_when_possible()))
         if opts.data_dir is not None and opts.snapshot_interval > 0:
@@ -345,9 +316,6 @@ class DurableBackend(MemoryBackend):
         journal = self.journal
         refusal = None if journal is None else journal.refusal()
         return None if refusal is None else str(refusal)
-
-    async def ready(self) -> bool:
-        return self.failure is None
 
     async def _recover_when_possible(self) -> None:
         """While the journal is failed, try to make the in-memory state durable again."""
@@ -507,152 +475,6 @@ class DurableBackend(MemoryBackend):
         with gc_paused():  # only around the synchronous copy (see _capture)
             image = capture(self.store)
         await asyncio.to_thread(_write_legacy_image, path, image)
-
-    # ------------------------------------------------------------------ change feed
-
-    def set_change_listener(self, listener: ChangeListener | None) -> None:
-        """Changes go out once the journal records holding them are fsynced (at once with
-        ``--fsync never`` or without a journal): a crash must not undo an announced change."""
-        self._listener = listener
-        journal = self.journal
-        if listener is None:
-            self.store.on_change = None
-            self._undelivered.clear()
-            if journal is not None:
-                journal.on_durable = None
-        elif journal is None or not journal.waits:
-            self.store.on_change = self._deliver_now
-        else:
-            self.store.on_change = self._hold_until_durable
-            journal.on_durable = self._deliver_durable
-
-    def _hold_until_durable(self, change: Change) -> None:
-        journal = self.journal
-        assert journal is not None
-        # The store journals a change's record just before reporting it: ``seq`` covers it.
-        self._undelivered.append((journal.seq, change))
-
-    def _deliver_durable(self, durable_seq: int) -> None:
-        pending = self._undelivered
-        if not pending or pending[0][0] > durable_seq:
-            return
-        out = []
-        while pending and pending[0][0] <= durable_seq:
-            out.append(pending.popleft()[1])
-        listener = self._listener
-        if listener is not None:
-            listener(out)
-
-    # ------------------------------------------------------------------ waits
-
-    async def _durable(self) -> None:
-        """confirm/delete/clear: acknowledged only once durable in ``always`` mode."""
-        journal = self.journal
-        if journal is not None and journal.mode == "always" and journal.durable_seq < journal.seq:
-            await journal.wait(journal.seq)
-
-    async def _created(self) -> None:
-        journal = self.journal
-        if journal is not None and journal.durable_seq < journal.seq:
-            await journal.wait(journal.seq)
-
-    @_refused_while_failed
-    async def initialize(self, pool: PoolId, num_pages: int) -> InitResult:
-        result = self.store.initialize(pool, num_pages)
-        await self._created()
-        return result
-
-    @_refused_while_failed
-    async def v_register(
-        self,
-        rank: int,
-        num_pages: int,
-        world_size: int | None,
-        tenant: str = "",
-        change_world: bool = True,
-    ) -> InitResult:
-        # A removed rank registered again reuses its page file: not before the removal is on
-        # disk, or a crash could bring back its old ``key -> page`` over new bytes.
-        journal = self.journal
-        if journal is not None and journal.durable_seq < self._drop_seq:
-            await journal.wait(self._drop_seq)
-        result = self.store.v_register(rank, num_pages, world_size, tenant, change_world)
-        await self._created()
-        return result
-
-    @_refused_while_failed
-    async def v_remove(self, rank: int, tenant: str = "", force: bool = False) -> int | None:
-        """Replies once the removal is durable (operators expect it to stick)."""
-        dropped = self.store.v_remove(rank, tenant, force)
-        if dropped is not None and self.journal is not None:
-            self._drop_seq = self.journal.seq
-            await self._created()
-        return dropped
-
-    @_refused_while_failed
-    async def v_set_world_size(self, world_size: int | None, tenant: str = "") -> None:
-        self.store.v_set_world_size(world_size, tenant)
-        await self._created()
-
-    @_refused_while_failed
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
-        """A reserve, with the waits of the write-ahead rule (``store.disk.writeahead``)."""
-        rule, journal = self.store.write_ahead, self.journal
-        if rule is None or journal is None:  # no journal, or ``--fsync never``
-            return self.store.reserve(pool, keys)
-        seq = rule.wait_before(self.store.pool(pool), keys)
-        if seq:
-            self.reserve_waits += 1
-            rule.spare_too_small(self.store.pool(pool))
-            await self._wait_for_disk(journal, seq)
-        out = self.store.reserve(pool, keys)
-        seq = rule.wait_after(self.store.pool(pool), out)
-        if seq:
-            self.reserve_waits += 1
-            await self._wait_for_disk(journal, seq)
-        return out
-
-    async def _wait_for_disk(self, journal: Journal, seq: int) -> None:
-        started = time.monotonic()
-        try:
-            await journal.wait(seq)
-        finally:
-            self.reserve_wait_seconds += time.monotonic() - started
-
-    @_refused_while_failed
-    async def confirm(self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]) -> int:
-        return await super().confirm(pool, pairs, release)
-
-    @_refused_while_failed
-    async def delete(self, pool: PoolId, keys: list[str]) -> int:
-        return await super().delete(pool, keys)
-
-    @_refused_while_failed
-    async def clear(self, pool: PoolId) -> int:
-        return await super().clear(pool)
-
-    @_refused_while_failed
-    async def v_clear(self, tenant: str = "") -> int:
-        return await super().v_clear(tenant)
-
-    def durability_stats(self) -> dict[str, float]:
-        """Counters for metrics (another module exports them)."""
-        j = self.journal
-        return {
-            "fsyncs": float(j.fsyncs if j else 0),
-            "fsync_seconds_total": j.fsync_seconds_total if j else 0.0,
-            "fsync_seconds_max": j.fsync_seconds_max if j else 0.0,
-            "journal_bytes": float(j.bytes_written if j else 0),
-            "journal_records": float(j.records if j else 0),
-            "snapshots": float(self.snapshots),
-            "snapshot_stall_seconds_max": self.snapshot_stall_max,
-            "reserve_waits": float(self.reserve_waits),
-            "reserve_wait_seconds": self.reserve_wait_seconds,
-            "journal_failed": 1.0 if j is not None and j.failed is not None else 0.0,
-            "fsync_stalled": 1.0 if j is not None and j.stalled else 0.0,
-            "fsync_stalls": float(j.stalls if j else 0),
-            "fsync_pending_seconds": j.fsync_pending_seconds() if j else 0.0,
-        }
 
 
 def _size(directory: Path, snapshot: int | None) -> int:
