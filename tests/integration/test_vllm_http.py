@@ -1,4 +1,4 @@
-"""Dialect V through a real ``kvmeta serve``: every route, status code, shape and error, and the
+"""Dialect V over HTTP: every route, status code, shape and error, and the
 regression tests for the failures 3, 6, 13 and 14 of docs/guarantees.md on vLLM's routes."""
 
 from __future__ import annotations
