@@ -239,10 +239,7 @@ def self_signed_cert(directory: Path, name: str = "") -> tuple[Path, Path]:
 
 
 class _ThreadLog(logging.Handler):
-    """The log lines of one in-process server: records from its loop thread and from the
-    helper threads it starts, rendered with the ``--log-format`` formatter. Records of the
-    test's main thread (in-process clients, the test itself) and of other in-process servers'
-    loops are not the server's, as they would not be in a child process's stderr."""
+    """The log lines of one in-process server, rendered with its ``--log-format`` formatter."""
 
     def __init__(self, level: str, fmt: str) -> None:
         super().__init__(level.upper())
@@ -250,35 +247,60 @@ class _ThreadLog(logging.Handler):
 
         self.setFormatter(log_formatter(fmt))
         self.lines: list[str] = []
-        self.thread = 0
 
     def emit(self, record: logging.LogRecord) -> None:
-        if record.thread != self.thread and (
-            record.thread == threading.main_thread().ident or record.thread in _SERVER_THREADS
-        ):
-            return
         self.lines.append(self.format(record) + "\n")
 
 
-_SERVER_THREADS: set[int | None] = set()
-_ROOT_LEVEL: list[int] = []  # the root logger's level before the first server attached
+_SERVER_THREADS: dict[int, _ThreadLog] = {}  # loop thread -> its server's log
 
 
-def _attach(handler: logging.Handler) -> None:
-    """The root logger passes the server's records at its ``--log-level``, as in ``serve``."""
-    root = logging.getLogger()
-    if not any(isinstance(h, _ThreadLog) for h in root.handlers):
-        _ROOT_LEVEL[:] = [root.level]
-    root.addHandler(handler)
-    if root.getEffectiveLevel() > handler.level:
-        root.setLevel(handler.level)
+class _Router(logging.Handler):
+    """Sorts the ``kvmeta`` loggers' records as two processes would: a record of a server's
+    loop goes to that server's log only, a record of the test's main thread (in-process
+    clients, the test) to the root handlers only (``caplog``, pytest's report), so that no
+    server line can satisfy an assertion about the client's log or the other way round. A
+    record of another thread (a server's helper thread) goes to every running server."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        own = _SERVER_THREADS.get(record.thread or 0)
+        if own is not None:
+            own.handle(record)
+        elif record.thread == threading.main_thread().ident:
+            root = logging.getLogger()
+            if record.levelno >= root.getEffectiveLevel():
+                for handler in root.handlers:
+                    if record.levelno >= handler.level:
+                        handler.handle(record)
+        else:
+            for log in list(_SERVER_THREADS.values()):
+                log.handle(record)
 
 
-def _detach(handler: logging.Handler) -> None:
-    root = logging.getLogger()
-    root.removeHandler(handler)
-    if _ROOT_LEVEL and not any(isinstance(h, _ThreadLog) for h in root.handlers):
-        root.setLevel(_ROOT_LEVEL.pop())
+_ROUTER = _Router()
+_LOGS: list[_ThreadLog] = []  # the servers' logs while they run
+
+
+def _attach(log: _ThreadLog) -> None:
+    """While a server runs, the ``kvmeta`` loggers pass their records to ``_Router`` instead
+    of propagating them to the root logger."""
+    _LOGS.append(log)
+    kvmeta = logging.getLogger("kvmeta")
+    kvmeta.propagate = False
+    if _ROUTER not in kvmeta.handlers:
+        kvmeta.addHandler(_ROUTER)
+    kvmeta.setLevel(logging.DEBUG)  # each log, and the root logger, applies its own level
+
+
+def _detach(log: _ThreadLog) -> None:
+    if log in _LOGS:
+        _LOGS.remove(log)
+    kvmeta = logging.getLogger("kvmeta")
+    if _LOGS:
+        return
+    kvmeta.removeHandler(_ROUTER)
+    kvmeta.propagate = True
+    kvmeta.setLevel(logging.NOTSET)
 
 
 def _reset_process_counters() -> None:
@@ -382,8 +404,7 @@ class InProcessServer(Server):
         from kvmeta.server.runner import run
 
         assert self._handler is not None
-        self._handler.thread = threading.get_ident()
-        _SERVER_THREADS.add(threading.get_ident())
+        _SERVER_THREADS[threading.get_ident()] = self._handler
         loop = self._loop = uvloop.new_event_loop()
         asyncio.set_event_loop(loop)
 
@@ -404,7 +425,7 @@ class InProcessServer(Server):
         finally:
             started.set()
             loop.close()
-            _SERVER_THREADS.discard(threading.get_ident())
+            _SERVER_THREADS.pop(threading.get_ident(), None)
 
     def stop(self, timeout: float = 15.0) -> int:
         """Stop as SIGTERM does with no drain window (final snapshot, ``kvmeta stopped``)."""
