@@ -253,54 +253,67 @@ class _ThreadLog(logging.Handler):
 
 
 _SERVER_THREADS: dict[int, _ThreadLog] = {}  # loop thread -> its server's log
+_LOGS: list[_ThreadLog] = []  # the logs of the servers running
+_CALL_HANDLERS = logging.Logger.callHandlers
 
 
-class _Router(logging.Handler):
-    """Sorts the ``kvmeta`` loggers' records as two processes would: a record of a server's
-    loop goes to that server's log only, a record of the test's main thread (in-process
-    clients, the test) to the root handlers only (``caplog``, pytest's report), so that no
-    server line can satisfy an assertion about the client's log or the other way round. A
-    record of another thread (a server's helper thread) goes to every running server."""
+def _server_logs(record: logging.LogRecord) -> list[_ThreadLog]:
+    """The logs a record belongs to: its server's if a server's loop logged it; every running
+    server's if a server's helper thread did (a ``kvmeta`` record of neither the test's main
+    thread nor an in-process client); else none (the test's own)."""
+    own = _SERVER_THREADS.get(record.thread or 0)
+    if own is not None:
+        return [own]
+    if (
+        _LOGS
+        and record.thread != threading.main_thread().ident
+        and record.name.startswith("kvmeta.")
+        and not record.name.startswith("kvmeta.client")
+    ):
+        return list(_LOGS)
+    return []
 
-    def emit(self, record: logging.LogRecord) -> None:
-        own = _SERVER_THREADS.get(record.thread or 0)
-        if own is not None:
-            own.handle(record)
-        elif record.thread == threading.main_thread().ident:
-            root = logging.getLogger()
-            if record.levelno >= root.getEffectiveLevel():
-                for handler in root.handlers:
-                    if record.levelno >= handler.level:
-                        handler.handle(record)
-        else:
-            for log in list(_SERVER_THREADS.values()):
+
+def _level_of_the_test(logger: logging.Logger) -> int:
+    """The level ``logger`` has for the test's records: its own or its parents', passing over
+    the ``kvmeta`` level set for the servers' records."""
+    node: logging.Logger | None = logger
+    kvmeta = logging.getLogger("kvmeta")
+    while node is not None:
+        if node.level and node is not kvmeta:
+            return node.level
+        node = node.parent
+    return logging.NOTSET
+
+
+def _call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+    """Records sorted as two processes would sort them: a server's go to its log only, never
+    to the test's handlers (``caplog``, pytest's report), so that no server line can satisfy
+    an assertion about a client's log or the other way round."""
+    logs = _server_logs(record)
+    if logs:
+        for log in logs:
+            if record.levelno >= log.level:
                 log.handle(record)
-
-
-_ROUTER = _Router()
-_LOGS: list[_ThreadLog] = []  # the servers' logs while they run
+        return
+    if record.levelno >= _level_of_the_test(self):
+        _CALL_HANDLERS(self, record)
 
 
 def _attach(log: _ThreadLog) -> None:
-    """While a server runs, the ``kvmeta`` loggers pass their records to ``_Router`` instead
-    of propagating them to the root logger."""
+    """While servers run, the ``kvmeta`` loggers make every record (a server applies its
+    ``--log-level``; the test's records are held to the levels it set) and sort them."""
     _LOGS.append(log)
-    kvmeta = logging.getLogger("kvmeta")
-    kvmeta.propagate = False
-    if _ROUTER not in kvmeta.handlers:
-        kvmeta.addHandler(_ROUTER)
-    kvmeta.setLevel(logging.DEBUG)  # each log, and the root logger, applies its own level
+    logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
+    logging.getLogger("kvmeta").setLevel(logging.DEBUG)
 
 
 def _detach(log: _ThreadLog) -> None:
     if log in _LOGS:
         _LOGS.remove(log)
-    kvmeta = logging.getLogger("kvmeta")
-    if _LOGS:
-        return
-    kvmeta.removeHandler(_ROUTER)
-    kvmeta.propagate = True
-    kvmeta.setLevel(logging.NOTSET)
+    if not _LOGS:
+        logging.getLogger("kvmeta").setLevel(logging.NOTSET)
+        logging.Logger.callHandlers = _CALL_HANDLERS  # type: ignore[method-assign]
 
 
 def _reset_process_counters() -> None:
