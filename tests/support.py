@@ -347,7 +347,7 @@ class InProcessServer(Server):
     ) -> None:
         self.args = list(args)
         self.env = env
-        self.cwd = Path(cwd) if cwd is not None else Path(tempfile.mkdtemp(prefix="kvmeta-"))
+        self.cwd = Path(cwd) if cwd is not None else None
         self.url = ""
         self.port = 0
         self.settings: Any = None
@@ -377,7 +377,8 @@ class InProcessServer(Server):
         file_values = load_config_file(path) if path else None
         settings = settings_from_args(parsed, environ, file_values=file_values)
         assert settings.workers == 1, "--workers needs processes: use ServerProcess"
-        if not Path(settings.data_dir).is_absolute():  # a child process runs in self.cwd
+        if not Path(settings.data_dir).is_absolute():  # relative to a child process's cwd
+            self.cwd = self.cwd or Path(tempfile.mkdtemp(prefix="kvmeta-"))
             settings = dataclasses.replace(settings, data_dir=str(self.cwd / settings.data_dir))
         return settings
 
