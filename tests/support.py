@@ -339,7 +339,10 @@ class InProcessServer(Server):
     out, so a request -> reply test pays no interpreter start-up and no imports. It listens on
     an ephemeral loopback port, so ``requests`` and raw sockets talk to it as to a child
     process. Tests where the process is the point (signals, exit codes, ``--workers``, fd
-    limits, crashes, the CLI) use ``ServerProcess``.
+    limits, memory, crashes, the CLI, whatever it writes to stderr outside the log) use
+    ``ServerProcess``; so do tests that time serving against load, which would share this
+    interpreter's lock with the test here. Per-process series (caller warnings, prefix hits,
+    refused batches) start at zero with each server, and servers running at once share them.
     """
 
     def __init__(
