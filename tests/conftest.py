@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import pytest
 
@@ -18,7 +19,7 @@ from tests.redis_support import (  # noqa: F401  (shared fixtures)
     redis_url,
     replica_pair,
 )
-from tests.support import ServerProcess
+from tests.support import STARTS, InProcessServer, ServerProcess
 
 
 @pytest.fixture(autouse=True)
@@ -26,6 +27,28 @@ def _clean_environ(monkeypatch: pytest.MonkeyPatch) -> None:
     for name in list(os.environ):
         if name.startswith("KVMETA_"):
             monkeypatch.delenv(name)
+
+
+_STARTED_BY: dict[str, set[str]] = {"process": set(), "in_process": set()}
+
+
+@pytest.fixture(autouse=True)
+def _count_servers(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Note which tests started a ``kvmeta serve`` child process (or an in-process server)."""
+    before = dict(STARTS)
+    yield
+    for kind, count in STARTS.items():
+        if count > before[kind]:
+            _STARTED_BY[kind].add(request.node.nodeid)
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    if any(_STARTED_BY.values()):
+        terminalreporter.write_line(
+            f"servers: {len(_STARTED_BY['process'])} tests started a kvmeta serve process "
+            f"({STARTS['process']} starts), {len(_STARTED_BY['in_process'])} an in-process "
+            f"server ({STARTS['in_process']} starts)"
+        )
 
 
 @pytest.fixture(autouse=True)
@@ -55,3 +78,25 @@ def make_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[.
 def server(make_server: Callable[..., ServerProcess]) -> ServerProcess:
     """A fresh in-memory server with short leases."""
     return make_server("--in-memory", "--read-lease", "0")
+
+
+@pytest.fixture
+def make_app(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Callable[..., InProcessServer]]:
+    """Like ``make_server``, but the server runs in this process (``InProcessServer``): for
+    tests that check what a request gets back, not what the process does."""
+    started: list[InProcessServer] = []
+
+    def start(*args: str, env: dict[str, str] | None = None) -> InProcessServer:
+        server = InProcessServer(*args, env=env, cwd=tmp_path_factory.mktemp("server"))
+        started.append(server)
+        return server.start()
+
+    yield start
+    for server in started:
+        server.stop()
+
+
+@pytest.fixture
+def app_server(make_app: Callable[..., InProcessServer]) -> InProcessServer:
+    """The in-process twin of ``server``: in memory, short leases."""
+    return make_app("--in-memory", "--read-lease", "0")

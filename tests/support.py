@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
+import dataclasses
+import logging
 import os
 import re
 import signal
@@ -48,7 +51,41 @@ def child_env() -> dict[str, str]:
     return env
 
 
-class ServerProcess:
+# Servers started by this test process, by kind: a session summary reports how many tests
+# still pay for a child process (``tests/conftest.py``).
+STARTS = {"process": 0, "in_process": 0}
+
+
+class Server:
+    """What a test sees of a running server: its URL, its log, a JSON POST.
+
+    ``ServerProcess`` (a child process) and ``InProcessServer`` (a thread of the test
+    process) share it, so a helper taking a ``Server`` works with either."""
+
+    url: str
+    port: int
+
+    @property
+    def log(self) -> str:
+        raise NotImplementedError
+
+    @property
+    def lines(self) -> list[str]:
+        return self.log.splitlines(keepends=True)
+
+    def wait_for_log(self, needle: str, timeout: float = 10.0) -> None:
+        try:
+            wait_until(lambda: needle in self.log, timeout, repr(needle))
+        except AssertionError:
+            raise AssertionError(f"{needle!r} not in server log:\n{self.log}") from None
+
+    def post(self, path: str, body: Any = None, **kwargs: Any) -> requests.Response:
+        if body is not None and not isinstance(body, (bytes, str)):
+            return requests.post(self.url + path, json=body, timeout=30, **kwargs)
+        return requests.post(self.url + path, data=body, timeout=30, **kwargs)
+
+
+class ServerProcess(Server):
     """``kvmeta serve`` in a child process; ``url`` is set once it listens.
 
     Its stderr goes to an unnamed file, not a pipe: whatever the server logged before it
@@ -78,11 +115,8 @@ class ServerProcess:
             return ""
         return os.pread(self._stderr, 1 << 30, 0).decode(errors="replace")
 
-    @property
-    def lines(self) -> list[str]:
-        return self.log.splitlines(keepends=True)
-
     def start(self, timeout: float = 20.0) -> ServerProcess:
+        STARTS["process"] += 1
         args = list(self.args)
         if "--port" not in args:
             args += ["--port", "0"]
@@ -117,19 +151,6 @@ class ServerProcess:
             time.sleep(0.02)
         self.kill()
         raise RuntimeError(f"kvmeta serve did not start within {timeout}s:\n{self.log}")
-
-    def wait_for_log(self, needle: str, timeout: float = 10.0) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if needle in self.log:
-                return
-            time.sleep(0.02)
-        raise AssertionError(f"{needle!r} not in server log:\n{self.log}")
-
-    def post(self, path: str, body: Any = None, **kwargs: Any) -> requests.Response:
-        if body is not None and not isinstance(body, (bytes, str)):
-            return requests.post(self.url + path, json=body, timeout=30, **kwargs)
-        return requests.post(self.url + path, data=body, timeout=30, **kwargs)
 
     def stop(self, sig: int = signal.SIGTERM, timeout: float = 15.0) -> int:
         """Signal the server and wait for it; returns its exit code."""
@@ -215,3 +236,232 @@ def self_signed_cert(directory: Path, name: str = "") -> tuple[Path, Path]:
         capture_output=True,
     )  # fmt: skip
     return cert, key
+
+
+class _ThreadLog(logging.Handler):
+    """The log lines of one in-process server, rendered with its ``--log-format`` formatter."""
+
+    def __init__(self, level: str, fmt: str) -> None:
+        super().__init__(level.upper())
+        from kvmeta.cli import log_formatter
+
+        self.setFormatter(log_formatter(fmt))
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(self.format(record) + "\n")
+
+
+_SERVER_THREADS: dict[int, _ThreadLog] = {}  # loop thread -> its server's log
+_LOGS: list[_ThreadLog] = []  # the logs of the servers running
+_CALL_HANDLERS = logging.Logger.callHandlers
+
+
+def _server_logs(record: logging.LogRecord) -> list[_ThreadLog]:
+    """The logs a record belongs to: its server's if a server's loop logged it; every running
+    server's if a server's helper thread did (a ``kvmeta`` record of neither the test's main
+    thread nor an in-process client); else none (the test's own)."""
+    own = _SERVER_THREADS.get(record.thread or 0)
+    if own is not None:
+        return [own]
+    if (
+        _LOGS
+        and record.thread != threading.main_thread().ident
+        and record.name.startswith("kvmeta.")
+        and not record.name.startswith("kvmeta.client")
+    ):
+        return list(_LOGS)
+    return []
+
+
+def _level_of_the_test(logger: logging.Logger) -> int:
+    """The level ``logger`` has for the test's records: its own or its parents', passing over
+    the ``kvmeta`` level set for the servers' records."""
+    node: logging.Logger | None = logger
+    kvmeta = logging.getLogger("kvmeta")
+    while node is not None:
+        if node.level and node is not kvmeta:
+            return node.level
+        node = node.parent
+    return logging.NOTSET
+
+
+def _call_handlers(self: logging.Logger, record: logging.LogRecord) -> None:
+    """Records sorted as two processes would sort them: a server's go to its log only, never
+    to the test's handlers (``caplog``, pytest's report), so that no server line can satisfy
+    an assertion about a client's log or the other way round."""
+    logs = _server_logs(record)
+    if logs:
+        for log in logs:
+            if record.levelno >= log.level:
+                log.handle(record)
+        return
+    if record.levelno >= _level_of_the_test(self):
+        _CALL_HANDLERS(self, record)
+
+
+def _attach(log: _ThreadLog) -> None:
+    """While servers run, the ``kvmeta`` loggers make every record (a server applies its
+    ``--log-level``; the test's records are held to the levels it set) and sort them."""
+    _LOGS.append(log)
+    logging.Logger.callHandlers = _call_handlers  # type: ignore[method-assign]
+    logging.getLogger("kvmeta").setLevel(logging.DEBUG)
+
+
+def _detach(log: _ThreadLog) -> None:
+    if log in _LOGS:
+        _LOGS.remove(log)
+    if not _LOGS:
+        logging.getLogger("kvmeta").setLevel(logging.NOTSET)
+        logging.Logger.callHandlers = _CALL_HANDLERS  # type: ignore[method-assign]
+
+
+def _reset_process_counters() -> None:
+    """Zero the per-process series a fresh ``kvmeta serve`` starts with (``/metrics``): in a
+    test process they would carry the counts of the servers of earlier tests."""
+    from kvmeta.lograte import LIMITER
+    from kvmeta.server import app, metrics
+
+    for kind in app.CALLER_WARNINGS:
+        app.CALLER_WARNINGS[kind] = 0
+    metrics.PREFIX_HITS.__init__()  # type: ignore[misc]
+    for dialect in metrics.REFUSED_BATCHES:
+        metrics.REFUSED_BATCHES[dialect] = 0
+    metrics.EVENTS.clear()
+    LIMITER.reset()
+
+
+class InProcessServer(Server):
+    """The server ``kvmeta serve FLAGS`` runs, in a thread of the test process.
+
+    The same flags parser, ``Settings`` and ``server.runner.run`` (backend, app, dialects,
+    auth, guard, operator routes, metrics, HTTP server on uvloop): only the process is left
+    out, so a request -> reply test pays no interpreter start-up and no imports. It listens on
+    an ephemeral loopback port, so ``requests`` and raw sockets talk to it as to a child
+    process. Tests where the process is the point (signals, exit codes, ``--workers``, fd
+    limits, memory, crashes, the CLI, whatever it writes to stderr outside the log) use
+    ``ServerProcess``; so do tests that time serving against load, which would share this
+    interpreter's lock with the test here. Per-process series (caller warnings, prefix hits,
+    refused batches) start at zero with each server, and servers running at once share them.
+    """
+
+    def __init__(
+        self, *args: str, env: dict[str, str] | None = None, cwd: str | Path | None = None
+    ) -> None:
+        self.args = list(args)
+        self.env = env
+        self.cwd = Path(cwd) if cwd is not None else None
+        self.url = ""
+        self.port = 0
+        self.settings: Any = None
+        self._handler: _ThreadLog | None = None
+        self._thread: threading.Thread | None = None
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._stop: asyncio.Event | None = None
+        self._failure: BaseException | None = None
+
+    @property
+    def log(self) -> str:
+        return "".join(self._handler.lines) if self._handler else ""
+
+    def _settings(self) -> Any:
+        """Settings as ``kvmeta serve`` reads them: flags > environment > settings file."""
+        from kvmeta.cli import build_parser
+        from kvmeta.config import settings_from_args
+        from kvmeta.config_file import config_path, load_config_file
+
+        args = list(self.args)
+        if "--port" not in args:
+            args += ["--port", "0"]
+        environ = child_env()
+        environ.update(self.env or {})
+        parsed = build_parser().parse_args(["serve", *args])
+        path = config_path(parsed, environ)
+        file_values = load_config_file(path) if path else None
+        settings = settings_from_args(parsed, environ, file_values=file_values)
+        assert settings.workers == 1, "--workers needs processes: use ServerProcess"
+        if not Path(settings.data_dir).is_absolute():  # relative to a child process's cwd
+            self.cwd = self.cwd or Path(tempfile.mkdtemp(prefix="kvmeta-"))
+            settings = dataclasses.replace(settings, data_dir=str(self.cwd / settings.data_dir))
+        return settings
+
+    def start(self, timeout: float = 30.0) -> InProcessServer:
+        """Raises what ``kvmeta serve`` would refuse to start with (``KvmetaError``)."""
+        from kvmeta.server.runner import serve_checks
+
+        STARTS["in_process"] += 1
+        self.settings = settings = self._settings()
+        serve_checks(settings)
+        _reset_process_counters()
+        handler = self._handler = _ThreadLog(settings.log_level, settings.log_format)
+        _attach(handler)
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._serve, args=(settings, started), name="kvmeta-inproc", daemon=True
+        )
+        self._thread.start()
+        if not started.wait(timeout):
+            self.stop()
+            raise RuntimeError(f"kvmeta serve did not start within {timeout}s:\n{self.log}")
+        if self._failure is not None:
+            self._thread.join(timeout)
+            self._thread = None
+            self._detach()
+            failure, self._failure = self._failure, None
+            raise failure
+        match = _LISTEN_RE.search(self.log)
+        assert match, self.log
+        self.port = int(match.group(3))
+        self.url = f"{match.group(1)}://{match.group(2)}:{self.port}"
+        return self
+
+    def _serve(self, settings: Any, started: threading.Event) -> None:
+        import uvloop
+
+        from kvmeta.server.runner import run
+
+        assert self._handler is not None
+        _SERVER_THREADS[threading.get_ident()] = self._handler
+        loop = self._loop = uvloop.new_event_loop()
+        asyncio.set_event_loop(loop)
+
+        async def main() -> None:
+            ready = asyncio.Event()
+            stop = self._stop = asyncio.Event()
+            task = asyncio.ensure_future(run(settings, ready=ready, stop=stop))
+            waiter = asyncio.ensure_future(ready.wait())
+            await asyncio.wait([task, waiter], return_when=asyncio.FIRST_COMPLETED)
+            started.set()
+            waiter.cancel()
+            await task
+
+        try:
+            loop.run_until_complete(main())
+        except BaseException as exc:  # a start-up refusal: raised by start() in the test
+            self._failure = exc
+        finally:
+            started.set()
+            loop.close()
+            _SERVER_THREADS.pop(threading.get_ident(), None)
+
+    def stop(self, timeout: float = 15.0) -> int:
+        """Stop as SIGTERM does with no drain window (final snapshot, ``kvmeta stopped``)."""
+        if self._thread is None:
+            return 0
+        loop, stop = self._loop, self._stop
+        if self._thread.is_alive() and loop is not None and stop is not None:
+            with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
+                loop.call_soon_threadsafe(stop.set)
+        self._thread.join(timeout)
+        assert not self._thread.is_alive(), f"server did not stop in {timeout}s:\n{self.log}"
+        self._thread = None
+        self._detach()
+        if self._failure is not None and not isinstance(self._failure, SystemExit):
+            raise self._failure
+        return 0
+
+    kill = stop
+
+    def _detach(self) -> None:
+        if self._handler is not None:
+            _detach(self._handler)

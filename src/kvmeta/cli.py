@@ -49,12 +49,16 @@ class _JsonFormatter(logging.Formatter):
         return json.dumps(line)
 
 
+def log_formatter(fmt: str = "text") -> logging.Formatter:
+    """The formatter of ``--log-format`` (shared with whatever else renders the server's log)."""
+    if fmt == "json":
+        return _JsonFormatter()
+    return logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
 def configure_logging(level: str = "info", fmt: str = "text") -> None:
     handler = logging.StreamHandler(sys.stderr)
-    if fmt == "json":
-        handler.setFormatter(_JsonFormatter())
-    else:
-        handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
+    handler.setFormatter(log_formatter(fmt))
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())

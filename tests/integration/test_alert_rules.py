@@ -13,7 +13,7 @@ import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import ServerProcess
+from tests.support import InProcessServer, Server
 
 ROOT = Path(__file__).resolve().parents[2]
 ALERTS = ROOT / "deploy" / "prometheus" / "alerts.yml"
@@ -64,7 +64,7 @@ def alert_rules() -> list[dict[str, str]]:
     return rules
 
 
-def _exposed(server: ServerProcess) -> set[str]:
+def _exposed(server: Server) -> set[str]:
     assert requests.get(server.url + "/ready", timeout=30).status_code == 200
     server.post("/0/initialize", {"num_pages": 8})
     text = requests.get(server.url + "/metrics", timeout=30).text
@@ -77,7 +77,7 @@ def exposed(tmp_path_factory: pytest.TempPathFactory, redis_url: str) -> Iterato
     Redis (replication series, after a readiness probe)."""
     names: set[str] = set()
     for args in (["--data-dir", str(tmp_path_factory.mktemp("alerts"))], ["--backend", redis_url]):
-        server = ServerProcess(*args, cwd=tmp_path_factory.mktemp("cwd")).start()
+        server = InProcessServer(*args, cwd=tmp_path_factory.mktemp("cwd")).start()
         try:
             names |= _exposed(server)
         finally:

@@ -12,19 +12,19 @@ import pytest
 import requests
 
 from kvmeta import sglang, vllm
-from tests.support import ServerProcess
+from tests.support import Server, ServerProcess
 
 HEADER = "X-Kvmeta-Epoch"
 
 
-def _epoch(server: ServerProcess) -> str:
+def _epoch(server: Server) -> str:
     resp = requests.get(server.url + "/health", timeout=30)
     assert resp.status_code == 200
     assert resp.json()["epoch"] == resp.headers[HEADER]
     return resp.headers[HEADER]
 
 
-def _raw(server: ServerProcess, data: bytes) -> bytes:
+def _raw(server: Server, data: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=30) as sock:
         sock.sendall(data)
         out = b""
@@ -36,8 +36,8 @@ def _raw(server: ServerProcess, data: bytes) -> bytes:
         return out
 
 
-def test_every_reply_carries_the_epoch(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--max-body-bytes", "4096")
+def test_every_reply_carries_the_epoch(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--max-body-bytes", "4096")
     epoch = _epoch(server)
     assert len(epoch) >= 8
     replies = [
@@ -71,8 +71,8 @@ def test_every_reply_carries_the_epoch(make_server: Callable[..., ServerProcess]
     assert HEADER in exists["200"]["headers"] and HEADER in exists["404"]["headers"]
 
 
-def test_refused_token_reply_carries_the_epoch(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--auth-token", "s3cret")
+def test_refused_token_reply_carries_the_epoch(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--auth-token", "s3cret")
     health = requests.get(server.url + "/health", timeout=30)
     refused = server.post("/0/exists", {"keys": ["a"]})
     assert refused.status_code == 401
@@ -178,8 +178,8 @@ def test_vllm_client_reinitialises_on_a_call_that_does_not_fail(
         second.kill()
 
 
-def test_same_epoch_resends_nothing(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory")
+def test_same_epoch_resends_nothing(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory")
     client = sglang.Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
     client.initialize(0, 8)
     client.exists(0, ["a"])
@@ -192,10 +192,10 @@ def test_same_epoch_resends_nothing(make_server: Callable[..., ServerProcess]) -
 
 
 def test_pool_lost_under_the_same_epoch_is_reinitialised_on_not_initialized(
-    make_server: Callable[..., ServerProcess], caplog: pytest.LogCaptureFixture
+    make_app: Callable[..., Server], caplog: pytest.LogCaptureFixture
 ) -> None:
     """The 404 path stays: another client removed this client's rank (the epoch is unchanged)."""
-    server = make_server("--in-memory")
+    server = make_app("--in-memory")
     client = vllm.Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
     operator = vllm.Hf3fsGlobalMetadataClient(server.url)
     client.initialize(0, 8)
@@ -215,10 +215,10 @@ def test_in_process_clients_have_a_fixed_epoch() -> None:
     assert a.epoch == a.epoch and a.epoch != b.epoch and len(a.epoch) == 32
 
 
-def test_kvmeta_status_shows_the_epoch(make_server: Callable[..., ServerProcess]) -> None:
+def test_kvmeta_status_shows_the_epoch(make_app: Callable[..., Server]) -> None:
     from tests.integration.test_ops_routes import run_status
 
-    server = make_server("--in-memory")
+    server = make_app("--in-memory")
     out = run_status("--url", server.url)
     assert out.returncode == 0, out.stderr
     assert f"epoch {_epoch(server)}" in out.stdout.splitlines()[0]

@@ -16,7 +16,7 @@ import requests
 from prometheus_client.parser import text_string_to_metric_families
 
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
-from tests.support import ServerProcess
+from tests.support import InProcessServer
 
 ROOT = Path(__file__).resolve().parents[2]
 DASHBOARD = ROOT / "deploy" / "grafana" / "kvmeta.json"
@@ -93,7 +93,7 @@ def exposed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]
     """Sample name -> metric type of /metrics on a server with a data directory (journal
     metrics), auth on (auth failures) and a few requests served (pool series)."""
     data = tmp_path_factory.mktemp("grafana-data")
-    server = ServerProcess("--data-dir", str(data), "--auth-token", TOKEN).start()
+    server = InProcessServer("--data-dir", str(data), "--auth-token", TOKEN).start()
     try:
         client = Hf3fsGlobalMetadataClient(server.url, auth_token=TOKEN)
         client.initialize(0, 16)

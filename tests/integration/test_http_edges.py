@@ -20,9 +20,9 @@ import msgspec
 import pytest
 import requests
 
-from tests.support import ServerProcess, self_signed_cert
+from tests.support import Server, self_signed_cert
 
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 
@@ -34,12 +34,12 @@ def _status_kib(pid: int, field: str) -> int:
     raise AssertionError(f"no {field}")
 
 
-def _peak_mib(server: ServerProcess) -> float:
+def _peak_mib(server: Server) -> float:
     """The server's peak resident memory so far (VmHWM), which no later drop can hide."""
     return _status_kib(server.pid, "VmHWM") / 1024
 
 
-def _connect(server: ServerProcess, rcvbuf: int = 0) -> socket.socket:
+def _connect(server: Server, rcvbuf: int = 0) -> socket.socket:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     if rcvbuf:  # a small receive window: replies pile up in the server, not in this kernel
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, rcvbuf)
@@ -88,7 +88,7 @@ def _get(sock: socket.socket, path: str, token: bool = False) -> bytes:
     return sock.recv(65536)
 
 
-def _store(server: ServerProcess, keys: list[str], headers: dict[str, str] | None = None) -> None:
+def _store(server: Server, keys: list[str], headers: dict[str, str] | None = None) -> None:
     kw = {"headers": headers or {}, "timeout": 60}
     for i in range(0, len(keys), 1000):
         batch = keys[i : i + 1000]
@@ -258,8 +258,8 @@ def test_token_less_connections_get_half_the_cap_and_engines_still_connect(
         sock.close()
 
 
-def test_an_upgrade_request_is_refused_before_it_runs(make_server: Make) -> None:
-    server = make_server("--in-memory")
+def test_an_upgrade_request_is_refused_before_it_runs(make_app: Make) -> None:
+    server = make_app("--in-memory")
     requests.post(server.url + "/0/initialize", json={"num_pages": 8}, timeout=10)
     _store(server, ["a"])
     for head in (

@@ -17,7 +17,7 @@ import requests
 from kvmeta import sglang, vllm
 from kvmeta.errors import KvmetaError, NotInitialized
 from kvmeta.service.limits import RequestLimits
-from tests.support import ServerProcess
+from tests.support import InProcessServer, Server
 
 LIMITS = {
     "max_keys": 4,
@@ -131,11 +131,11 @@ V_PATH_RANK: dict[str, Call] = {
 NO_BAD_INPUT = {"v": {"clear", "rank_registry"}, "s": set()}
 
 
-def limited_server() -> Iterator[ServerProcess]:
+def limited_server() -> Iterator[Server]:
     flags = [f"--{name.replace('_', '-')}={value}" for name, value in LIMITS.items()]
-    server = ServerProcess("--in-memory", *flags).start()
+    server = InProcessServer("--in-memory", *flags).start()
     yield server
-    server.kill()
+    server.stop()
 
 
 # One server per dialect: the page budget counts the pools of both.
@@ -150,11 +150,11 @@ def error_of(call: Call, client: Any) -> KvmetaError:
     return info.value
 
 
-def stats_of(server: ServerProcess) -> Any:
+def stats_of(server: Server) -> Any:
     return requests.get(server.url + "/v1/pools", timeout=30).json()["pools"]
 
 
-def pair(server: ServerProcess, dialect: str) -> tuple[Any, Any]:
+def pair(server: Server, dialect: str) -> tuple[Any, Any]:
     module = sglang if dialect == "s" else vllm
     remote = module.Hf3fsGlobalMetadataClient(server.url, max_retries=0)
     local = module.Hf3fsLocalMetadataClient(limits=RequestLimits(**LIMITS))
@@ -164,7 +164,7 @@ def pair(server: ServerProcess, dialect: str) -> tuple[Any, Any]:
     return remote, local
 
 
-def same_error(server: ServerProcess, dialect: str, call: Call, *, path_rank: bool) -> None:
+def same_error(server: Server, dialect: str, call: Call, *, path_rank: bool) -> None:
     remote, local = pair(server, dialect)
     before = stats_of(server)
     over_http, in_process = error_of(call, remote), error_of(call, local)
@@ -185,22 +185,22 @@ def same_error(server: ServerProcess, dialect: str, call: Call, *, path_rank: bo
 
 
 @pytest.mark.parametrize("case", list(S_CASES))
-def test_sglang_same_error_in_process_and_over_http(s_server: ServerProcess, case: str) -> None:
+def test_sglang_same_error_in_process_and_over_http(s_server: Server, case: str) -> None:
     same_error(s_server, "s", S_CASES[case], path_rank=False)
 
 
 @pytest.mark.parametrize("case", list(V_CASES))
-def test_vllm_same_error_in_process_and_over_http(v_server: ServerProcess, case: str) -> None:
+def test_vllm_same_error_in_process_and_over_http(v_server: Server, case: str) -> None:
     same_error(v_server, "v", V_CASES[case], path_rank=False)
 
 
 @pytest.mark.parametrize("case", list(S_PATH_RANK))
-def test_sglang_path_rank_out_of_range(s_server: ServerProcess, case: str) -> None:
+def test_sglang_path_rank_out_of_range(s_server: Server, case: str) -> None:
     same_error(s_server, "s", S_PATH_RANK[case], path_rank=True)
 
 
 @pytest.mark.parametrize("case", list(V_PATH_RANK))
-def test_vllm_path_rank_out_of_range(v_server: ServerProcess, case: str) -> None:
+def test_vllm_path_rank_out_of_range(v_server: Server, case: str) -> None:
     same_error(v_server, "v", V_PATH_RANK[case], path_rank=True)
 
 
@@ -262,7 +262,7 @@ V_SCRIPT: list[tuple[str, tuple[Any, ...]]] = [
 
 
 @pytest.mark.parametrize("dialect", ["s", "v"])
-def test_same_results_in_process_and_over_http(fresh_server: ServerProcess, dialect: str) -> None:
+def test_same_results_in_process_and_over_http(fresh_server: Server, dialect: str) -> None:
     module = sglang if dialect == "s" else vllm
     remote = module.Hf3fsGlobalMetadataClient(fresh_server.url, max_retries=0)
     local = module.Hf3fsLocalMetadataClient(limits=RequestLimits(**LIMITS))
@@ -271,7 +271,7 @@ def test_same_results_in_process_and_over_http(fresh_server: ServerProcess, dial
         assert over_http == in_process, (name, args)
 
 
-def warning_headers(server: ServerProcess, path: str, body: dict[str, Any]) -> list[str]:
+def warning_headers(server: Server, path: str, body: dict[str, Any]) -> list[str]:
     resp = requests.post(server.url + path, json=body, timeout=30)
     assert resp.ok, resp.text
     return [v for k, v in resp.headers.items() if k.lower() == "x-kvmeta-warning"]
@@ -279,7 +279,7 @@ def warning_headers(server: ServerProcess, path: str, body: dict[str, Any]) -> l
 
 @pytest.mark.parametrize("dialect", ["s", "v"])
 def test_caller_warnings_are_logged_in_process(
-    fresh_server: ServerProcess, dialect: str, caplog: pytest.LogCaptureFixture
+    fresh_server: Server, dialect: str, caplog: pytest.LogCaptureFixture
 ) -> None:
     """size_conflict and confirm_refused: the server's header text, logged by the client."""
     module = sglang if dialect == "s" else vllm

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server, ServerProcess
 
 FLAGS = (
     "--max-pages",
@@ -31,7 +31,7 @@ DEEP_OBJ = b'{"a":' * 50_000 + b"1" + b"}" * 50_000
 HUGE = "9" * 5000
 
 
-def pools(server: ServerProcess) -> list[dict[str, Any]]:
+def pools(server: Server) -> list[dict[str, Any]]:
     resp = requests.get(server.url + "/v1/pools", timeout=30)
     assert resp.status_code == 200, resp.text
     return [
@@ -40,7 +40,7 @@ def pools(server: ServerProcess) -> list[dict[str, Any]]:
     ]
 
 
-def wait_until(done: Callable[[], bool], server: ServerProcess, timeout: float = 60.0) -> None:
+def wait_until(done: Callable[[], bool], server: Server, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not done():
         assert time.monotonic() < deadline, server.log
@@ -88,8 +88,8 @@ HOSTILE: list[tuple[str, Any, int, tuple[str, ...]]] = [
 
 
 @pytest.fixture
-def durable(make_server: Callable[..., ServerProcess], tmp_path: Path) -> ServerProcess:
-    server = make_server("--data-dir", str(tmp_path / "data"), *FLAGS)
+def durable(make_app: Callable[..., Server], tmp_path: Path) -> Server:
+    server = make_app("--data-dir", str(tmp_path / "data"), *FLAGS)
     assert server.post("/0/initialize", {"num_pages": 1000}).status_code == 204
     reply = server.post("/rank/0/initialize", {"num_pages": 1000})
     assert reply.status_code == 200, reply.text

@@ -13,14 +13,14 @@ import requests
 from kvmeta.errors import KvmetaError, Unauthorized
 from kvmeta.sglang import Hf3fsGlobalMetadataClient
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess, self_signed_cert
+from tests.support import Server, ServerProcess, self_signed_cert
 
 TOKEN = "s3cret-Token_42"
 
 
 @pytest.fixture
-def authed(make_server: Callable[..., ServerProcess]) -> ServerProcess:
-    return make_server("--in-memory", "--auth-token", TOKEN)
+def authed(make_app: Callable[..., Server]) -> Server:
+    return make_app("--in-memory", "--auth-token", TOKEN)
 
 
 def with_token_in_url(url: str, user: str = "") -> str:
@@ -28,7 +28,7 @@ def with_token_in_url(url: str, user: str = "") -> str:
     return f"{scheme}://{user}:{TOKEN}@{rest}"
 
 
-def test_sglang_client_with_token_in_url_works(authed: ServerProcess) -> None:
+def test_sglang_client_with_token_in_url_works(authed: Server) -> None:
     client = Hf3fsGlobalMetadataClient(with_token_in_url(authed.url))
     client.initialize(0, 32)
     [(stored, page)] = client.reserve_and_allocate_page_indices(0, [("k1", None)])
@@ -41,7 +41,7 @@ def test_sglang_client_with_token_in_url_works(authed: ServerProcess) -> None:
     assert other.exists(0, ["k1"]) == [True]
 
 
-def test_sglang_client_without_or_with_wrong_token_is_refused(authed: ServerProcess) -> None:
+def test_sglang_client_without_or_with_wrong_token_is_refused(authed: Server) -> None:
     bare = Hf3fsGlobalMetadataClient(authed.url, max_retries=0)
     with pytest.raises(Unauthorized, match="Authentication required"):
         bare.initialize(0, 32)
@@ -54,7 +54,7 @@ def test_sglang_client_without_or_with_wrong_token_is_refused(authed: ServerProc
     assert pools["pools"] == []
 
 
-def test_bearer_token_and_401_shape(authed: ServerProcess) -> None:
+def test_bearer_token_and_401_shape(authed: Server) -> None:
     resp = authed.post("/0/initialize", {"num_pages": 8})
     assert resp.status_code == 401
     assert set(resp.json()) == {"detail"}
@@ -71,7 +71,7 @@ def test_bearer_token_and_401_shape(authed: ServerProcess) -> None:
         assert bad.status_code == 401, header
 
 
-def test_every_route_but_health_and_ready_needs_the_token(authed: ServerProcess) -> None:
+def test_every_route_but_health_and_ready_needs_the_token(authed: Server) -> None:
     assert requests.get(authed.url + "/health", timeout=10).status_code == 200
     assert requests.get(authed.url + "/ready", timeout=10).status_code == 200
     for path in ("/metrics", "/v1/pools", "/v1/check", "/openapi.json"):
@@ -83,14 +83,14 @@ def test_every_route_but_health_and_ready_needs_the_token(authed: ServerProcess)
     assert "kvmeta_auth_failures_total" in metrics
 
 
-def auth_failures(server: ServerProcess) -> str:
+def auth_failures(server: Server) -> str:
     text = requests.get(server.url + "/metrics", auth=("", TOKEN), timeout=10).text
     (line,) = [x for x in text.splitlines() if x.startswith("kvmeta_auth_failures_total")]
     return line
 
 
 def test_ready_answers_a_probe_without_the_token_and_the_detail_with_it(
-    authed: ServerProcess,
+    authed: Server,
 ) -> None:
     """A Kubernetes httpGet probe sends no header: it learns ready or not, nothing more."""
     authed.post("/0/initialize", {"num_pages": 8, "namespace": "poolname"}, auth=("", TOKEN))
@@ -113,13 +113,11 @@ def test_ready_answers_a_probe_without_the_token_and_the_detail_with_it(
 
 
 def test_not_ready_without_the_token_is_503_and_minimal(
-    make_server: Callable[..., ServerProcess],
+    make_app: Callable[..., Server],
 ) -> None:
     redis = RedisServer().start()
     try:
-        server = make_server(
-            "--backend", redis.url, "--auth-token", TOKEN, "--failover-timeout", "1"
-        )
+        server = make_app("--backend", redis.url, "--auth-token", TOKEN, "--failover-timeout", "1")
         assert requests.get(server.url + "/ready", auth=("", TOKEN), timeout=10).ok
     finally:
         redis.close()  # the backend is gone: not ready
@@ -145,8 +143,8 @@ def test_token_is_never_logged(make_server: Callable[..., ServerProcess]) -> Non
     assert TOKEN not in server.log
 
 
-def test_token_from_environment(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", env={"KVMETA_AUTH_TOKEN": TOKEN})
+def test_token_from_environment(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", env={"KVMETA_AUTH_TOKEN": TOKEN})
     assert server.post("/0/initialize", {"num_pages": 8}).status_code == 401
     assert server.post("/0/initialize", {"num_pages": 8}, auth=("", TOKEN)).status_code == 204
 
@@ -176,7 +174,7 @@ def test_tls_with_token(make_server: Callable[..., ServerProcess], tmp_path: Pat
         requests.get(server.url.replace("https://", "http://") + "/health", timeout=5)
 
 
-def test_plain_requests_with_url_credentials_like_stock_clients(authed: ServerProcess) -> None:
+def test_plain_requests_with_url_credentials_like_stock_clients(authed: Server) -> None:
     """The stock engine clients are plain `requests.post(base_url + path, json=...)` calls."""
     base = with_token_in_url(authed.url)
     resp = requests.post(base + "/0/initialize", json={"num_pages": 8}, timeout=10)

@@ -9,14 +9,21 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """Every test here checks what requests get back: the server runs in this process."""
+    return app_server
+
 
 N = 16
 
 
 @pytest.fixture
-def small(make_server: Callable[..., ServerProcess]) -> ServerProcess:
-    server = make_server(
+def small(make_app: Callable[..., Server]) -> Server:
+    server = make_app(
         "--in-memory",
         "--max-body-bytes",
         "2000",
@@ -33,7 +40,7 @@ def small(make_server: Callable[..., ServerProcess]) -> ServerProcess:
     return server
 
 
-def pools(server: ServerProcess) -> list[dict[str, Any]]:
+def pools(server: Server) -> list[dict[str, Any]]:
     resp = requests.get(server.url + "/v1/pools", timeout=10)
     assert resp.status_code == 200
     return [
@@ -49,7 +56,7 @@ def rejected(resp: requests.Response, status: int, *needles: str) -> None:
         assert needle in detail, detail
 
 
-def test_body_size_limit_413_names_flag(small: ServerProcess) -> None:
+def test_body_size_limit_413_names_flag(small: Server) -> None:
     before = pools(small)
     body = {"keys": [["k" * 60 + str(i), None] for i in range(40)]}  # > 2000 bytes
     rejected(small.post("/0/reserve_and_allocate_page_indices", body), 413, "--max-body-bytes")
@@ -60,7 +67,7 @@ def test_body_size_limit_413_names_flag(small: ServerProcess) -> None:
     assert pools(small) == before
 
 
-def test_keys_per_request_limit_413(small: ServerProcess) -> None:
+def test_keys_per_request_limit_413(small: Server) -> None:
     before = pools(small)
     keys = [f"k{i}" for i in range(9)]
     rejected(small.post("/0/exists", {"keys": keys}), 413, "--max-keys", "9")
@@ -79,7 +86,7 @@ def test_keys_per_request_limit_413(small: ServerProcess) -> None:
     assert ok.status_code == 200 and len(ok.json()["indices"]) == 8
 
 
-def test_key_length_limit_400_and_nothing_reserved(small: ServerProcess) -> None:
+def test_key_length_limit_400_and_nothing_reserved(small: Server) -> None:
     before = pools(small)
     body = {"keys": [["ok-key", None], ["x" * 71, None]]}
     rejected(small.post("/0/reserve_and_allocate_page_indices", body), 400, "--max-key-length")
@@ -89,7 +96,7 @@ def test_key_length_limit_400_and_nothing_reserved(small: ServerProcess) -> None
     assert pools(small) == before  # the valid first key was not reserved either
 
 
-def test_namespace_limits_400(small: ServerProcess) -> None:
+def test_namespace_limits_400(small: Server) -> None:
     before = pools(small)
     long_ns = {"num_pages": 8, "namespace": "n" * 13}
     rejected(small.post("/0/initialize", long_ns), 400, "--max-namespace-length", "namespace")
@@ -99,7 +106,7 @@ def test_namespace_limits_400(small: ServerProcess) -> None:
     assert pools(small) == before
 
 
-def test_num_pages_limit_400(small: ServerProcess) -> None:
+def test_num_pages_limit_400(small: Server) -> None:
     before = pools(small)
     rejected(small.post("/1/initialize", {"num_pages": 1001}), 400, "--max-pages", "1000")
     rejected(small.post("/1/initialize", {"num_pages": 0}), 400, "num_pages")
@@ -108,7 +115,7 @@ def test_num_pages_limit_400(small: ServerProcess) -> None:
     assert small.post("/1/initialize", {"num_pages": 1000}).status_code == 204
 
 
-def test_defaults_are_logged_and_generous(server: ServerProcess) -> None:
+def test_defaults_are_logged_and_generous(server: Server) -> None:
     server.wait_for_log("limits: max_body_bytes=16777216 max_keys=65536")
     assert server.post("/0/initialize", {"num_pages": 4096}).status_code == 204
     keys = [f"{i:064x}" for i in range(2048)]

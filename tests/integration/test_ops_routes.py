@@ -11,18 +11,25 @@ import sys
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import requests
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.support import SRC, ServerProcess
+from tests.support import SRC, Server, ServerProcess
 
 
-def get(server: ServerProcess, path: str) -> requests.Response:
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """The tests taking ``server`` check what requests get back: it runs in this process."""
+    return app_server
+
+
+def get(server: Server, path: str) -> requests.Response:
     return requests.get(server.url + path, timeout=10)
 
 
 def cycle(
-    server: ServerProcess, rank: int = 0, ns: str = "kv", auth: tuple[str, str] | None = None
+    server: Server, rank: int = 0, ns: str = "kv", auth: tuple[str, str] | None = None
 ) -> None:
     """Pool of 4 pages: store 3 keys, one lookup hit and one miss, one evicting reserve."""
 
@@ -42,7 +49,7 @@ def cycle(
     post(f"/{rank}/reserve_and_allocate_page_indices", body)
 
 
-def test_health_and_ready(server: ServerProcess) -> None:
+def test_health_and_ready(server: Server) -> None:
     health = get(server, "/health")
     assert health.status_code == 200 and health.json()["status"] == "ok"
     assert health.headers["content-type"] == "application/json"
@@ -51,7 +58,7 @@ def test_health_and_ready(server: ServerProcess) -> None:
     assert server.post("/health", {}).status_code == 405
 
 
-def test_pools_show_occupancy_hit_rate_and_settings(server: ServerProcess) -> None:
+def test_pools_show_occupancy_hit_rate_and_settings(server: Server) -> None:
     cycle(server)
     server.post("/0/initialize", {"num_pages": 99})  # size conflict: kept 4, warned
     server.wait_for_log("re-initialised with num_pages=99")
@@ -67,7 +74,7 @@ def test_pools_show_occupancy_hit_rate_and_settings(server: ServerProcess) -> No
     assert pool["counters"]["evictions"] == 1 and pool["counters"]["commits"] == 3
 
 
-def test_check_reports_every_pool_ok(server: ServerProcess) -> None:
+def test_check_reports_every_pool_ok(server: Server) -> None:
     cycle(server, 0)
     cycle(server, 1, "mamba")
     assert get(server, "/v1/check").json() == {
@@ -92,7 +99,7 @@ def _pool(**extra: str) -> tuple[tuple[str, str], ...]:
     )
 
 
-def test_metrics_scrape_parses_and_counts(server: ServerProcess) -> None:
+def test_metrics_scrape_parses_and_counts(server: Server) -> None:
     cycle(server)
     server.post("/0/confirm_write", {"written_keys_to_confirm": [["x", 3]]})  # refused
     server.post("/0/exists", b"{not json")
@@ -134,8 +141,8 @@ def run_status(*args: str, token_env: str | None = None) -> subprocess.Completed
     )
 
 
-def test_status_table_json_and_exit_codes(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--auth-token", "tok")
+def test_status_table_json_and_exit_codes(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--auth-token", "tok")
     cycle(server, auth=("", "tok"))
     out = run_status("--url", server.url, "--token", "tok")
     assert out.returncode == 0, out.stderr
@@ -177,8 +184,8 @@ def test_startup_log_and_json_format(make_server: Callable[..., ServerProcess]) 
     assert not any("/0/exists" in line for line in server.lines)
 
 
-def test_access_log_opt_in(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--access-log")
+def test_access_log_opt_in(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--access-log")
     server.post("/0/initialize", {"num_pages": 4})
     server.post("/nope", {})
     server.wait_for_log("POST /nope 404")
@@ -198,7 +205,7 @@ def _raw_post(url: str, path: str, body: bytes, source: str) -> int:
     return int(reply.split(b" ", 2)[1])
 
 
-def test_second_engine_on_same_pool_warns(server: ServerProcess) -> None:
+def test_second_engine_on_same_pool_warns(server: Server) -> None:
     body = b'{"num_pages": 8, "namespace": "kv"}'
     assert _raw_post(server.url, "/3/initialize", body, "127.0.0.1") == 204
     assert _raw_post(server.url, "/3/initialize", body, "127.0.0.1") == 204  # engine restart

@@ -15,11 +15,11 @@ from collections.abc import Callable, Iterator
 import pytest
 
 from tests.redis_support import SteppedRedis
-from tests.support import ServerProcess
+from tests.support import Server
 
 pytestmark = pytest.mark.slow
 
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 
 
 @pytest.fixture
@@ -31,12 +31,12 @@ def stepped() -> Iterator[SteppedRedis]:
         server.close()
 
 
-def _init(server: ServerProcess, pages: int) -> None:
+def _init(server: Server, pages: int) -> None:
     resp = server.post("/0/initialize", {"num_pages": pages})
     assert resp.status_code == 204, resp.text
 
 
-def _reserve(server: ServerProcess, key: str) -> list[object]:
+def _reserve(server: Server, key: str) -> list[object]:
     resp = server.post("/0/reserve_and_allocate_page_indices", {"keys": [[key, None]]})
     assert resp.status_code == 200, resp.text
     (got,) = resp.json()["indices"]
@@ -44,9 +44,9 @@ def _reserve(server: ServerProcess, key: str) -> list[object]:
 
 
 def test_a_forward_step_longer_than_the_reservation_never_hands_its_page_on(
-    stepped: SteppedRedis, make_server: Make
+    stepped: SteppedRedis, make_app: Make
 ) -> None:
-    server = make_server("--backend", stepped.url, "--reservation-ttl", "300")
+    server = make_app("--backend", stepped.url, "--reservation-ttl", "300")
     _init(server, 1)
     assert _reserve(server, "k") == [False, 0]
     stepped.step(600)
@@ -56,9 +56,9 @@ def test_a_forward_step_longer_than_the_reservation_never_hands_its_page_on(
 
 
 def test_a_forward_step_longer_than_the_read_lease_never_evicts_a_page_being_read(
-    stepped: SteppedRedis, make_server: Make
+    stepped: SteppedRedis, make_app: Make
 ) -> None:
-    server = make_server("--backend", stepped.url, "--read-lease", "5")
+    server = make_app("--backend", stepped.url, "--read-lease", "5")
     _init(server, 1)
     assert _reserve(server, "k") == [False, 0]
     resp = server.post("/0/confirm_write", {"written_keys_to_confirm": [["k", 0]]})
@@ -71,11 +71,11 @@ def test_a_forward_step_longer_than_the_read_lease_never_evicts_a_page_being_rea
 
 
 def test_a_backward_step_does_not_hold_a_reservation_for_the_length_of_the_step(
-    stepped: SteppedRedis, make_server: Make
+    stepped: SteppedRedis, make_app: Make
 ) -> None:
     """A clock stepped an hour back must not hold a 1 s reservation for an hour: its page is
     handed out again within a few seconds of real time (the lease and the step bound)."""
-    server = make_server("--backend", stepped.url, "--reservation-ttl", "1")
+    server = make_app("--backend", stepped.url, "--reservation-ttl", "1")
     _init(server, 1)
     assert _reserve(server, "k") == [False, 0]
     stepped.step(-3600)

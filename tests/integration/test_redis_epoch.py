@@ -13,24 +13,24 @@ import requests
 
 from kvmeta import sglang, vllm
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import Server
 
 pytestmark = pytest.mark.slow
 
 HEADER = "X-Kvmeta-Epoch"
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 
 
-def _epoch(server: ServerProcess) -> str:
+def _epoch(server: Server) -> str:
     health = requests.get(server.url + "/health", timeout=30)
     return str(health.json()["epoch"])
 
 
 @pytest.mark.parametrize("how", ["restart", "flushall"])
 def test_the_next_request_carries_the_new_epoch(
-    own_redis: RedisServer, make_server: Make, how: str
+    own_redis: RedisServer, make_app: Make, how: str
 ) -> None:
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     assert server.post("/0/initialize", {"num_pages": 8}).ok
     before = server.post("/0/exists", {"keys": ["a"]}).headers[HEADER]
     assert before == _epoch(server)
@@ -49,9 +49,9 @@ def test_the_next_request_carries_the_new_epoch(
 
 @pytest.mark.parametrize("how", ["restart", "flushall"])
 def test_clients_re_create_their_pools_after_valkey_lost_its_data(
-    own_redis: RedisServer, make_server: Make, how: str
+    own_redis: RedisServer, make_app: Make, how: str
 ) -> None:
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     s_client = sglang.Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
     v_client = vllm.Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
     try:
@@ -79,11 +79,11 @@ def test_clients_re_create_their_pools_after_valkey_lost_its_data(
 
 
 def test_a_readiness_probe_notices_a_flush_nobody_asked_about(
-    own_redis: RedisServer, make_server: Make
+    own_redis: RedisServer, make_app: Make
 ) -> None:
     """With no request finding a pool gone, the next ``/ready`` probe reads the epoch again:
     a FLUSHALL breaks no connection and keeps kvmeta's code."""
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     before = _epoch(server)
     own_redis.flush()
     ready = requests.get(server.url + "/ready", timeout=30)

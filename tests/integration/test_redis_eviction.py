@@ -16,12 +16,12 @@ from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized, PoolDamaged
 from kvmeta.store.redis.backend import RedisBackend, pool_keys
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import Server, ServerProcess
 
 pytestmark = pytest.mark.slow
 
 TOKEN = "eviction-token"
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 
 
 def _config(server: RedisServer, **settings: str) -> None:
@@ -63,17 +63,17 @@ def test_start_is_refused_while_the_policy_evicts_any_key(
 
 @pytest.mark.parametrize("policy", ["noeviction", "volatile-lru", "volatile-ttl"])
 def test_start_is_allowed_when_the_policy_never_evicts_kvmeta_keys(
-    own_redis: RedisServer, make_server: Make, policy: str
+    own_redis: RedisServer, make_app: Make, policy: str
 ) -> None:
     _config(own_redis, maxmemory="8mb", maxmemory_policy=policy)
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     assert requests.get(server.url + "/ready", timeout=10).status_code == 200
 
 
 def test_ready_turns_503_when_the_policy_turns_evicting(
-    own_redis: RedisServer, make_server: Make
+    own_redis: RedisServer, make_app: Make
 ) -> None:
-    server = make_server("--backend", own_redis.url, "--auth-token", TOKEN)
+    server = make_app("--backend", own_redis.url, "--auth-token", TOKEN)
     auth = {"Authorization": f"Bearer {TOKEN}"}
     assert requests.get(server.url + "/ready", timeout=10).status_code == 200
     _config(own_redis, maxmemory="8mb", maxmemory_policy="allkeys-lru")
@@ -202,9 +202,9 @@ def test_initialize_refuses_a_pool_whose_meta_key_is_gone(
 
 
 def test_a_partly_evicted_pool_answers_503_over_http(
-    own_redis: RedisServer, make_server: Make
+    own_redis: RedisServer, make_app: Make
 ) -> None:
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     assert server.post("/0/initialize", {"num_pages": 4}).ok
     reserve = "/0/reserve_and_allocate_page_indices"
     [[_, page]] = server.post(reserve, {"keys": [["a", None]]}).json()["indices"]

@@ -15,40 +15,40 @@ import requests
 
 from kvmeta.store.redis.backend import STEP_BOUND
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import Server
 
 pytestmark = pytest.mark.slow
 
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 
 
-def _init(server: ServerProcess) -> None:
+def _init(server: Server) -> None:
     resp = server.post("/0/initialize", {"num_pages": 4})
     assert resp.status_code == 204, resp.text
 
 
-def _reserve(server: ServerProcess, key: str) -> list[object]:
+def _reserve(server: Server, key: str) -> list[object]:
     resp = server.post("/0/reserve_and_allocate_page_indices", {"keys": [[key, None]]})
     assert resp.status_code == 200, resp.text
     (got,) = resp.json()["indices"]
     return list(got)
 
 
-def _refused(server: ServerProcess) -> int:
+def _refused(server: Server) -> int:
     pools = requests.get(server.url + "/v1/pools", timeout=30).json()["pools"]
     (pool,) = pools
     return int(pool["counters"]["reservations_refused"])
 
 
-def _notice(server: ServerProcess) -> None:
+def _notice(server: Server) -> None:
     assert requests.get(server.url + "/ready", timeout=30).status_code == 200
 
 
 @pytest.mark.parametrize("how", ["restart", "flushall"])
 def test_a_pool_created_after_a_data_loss_hands_out_no_page(
-    own_redis: RedisServer, make_server: Make, how: str
+    own_redis: RedisServer, make_app: Make, how: str
 ) -> None:
-    server = make_server("--backend", own_redis.url)
+    server = make_app("--backend", own_redis.url)
     _init(server)
     assert _reserve(server, "K") == [False, 0]  # K's writer may write page 0 for 300 s
     own_redis.lose_data(how)
@@ -62,9 +62,9 @@ def test_a_pool_created_after_a_data_loss_hands_out_no_page(
 
 
 def test_the_hold_ends_after_the_longest_lease_and_the_clock_step_bound(
-    own_redis: RedisServer, make_server: Make
+    own_redis: RedisServer, make_app: Make
 ) -> None:
-    server = make_server("--backend", own_redis.url, "--reservation-ttl", "1", "--read-lease", "0")
+    server = make_app("--backend", own_redis.url, "--reservation-ttl", "1", "--read-lease", "0")
     _init(server)
     assert _reserve(server, "K") == [False, 0]
     lost = time.monotonic()

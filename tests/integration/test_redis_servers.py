@@ -24,9 +24,9 @@ import requests
 from kvmeta._types import PoolId
 from kvmeta.store.redis.backend import RedisBackend
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import Server, ServerProcess
 
-Make = Callable[..., ServerProcess]
+Make = Callable[..., Server]
 
 
 def _check(url: str) -> list[str]:
@@ -84,8 +84,8 @@ def _vllm_writer(url: str, rank: int, rounds: int, errors: list[str]) -> None:
     asyncio.run(run())
 
 
-def test_two_servers_and_both_dialects_share_one_state(redis_url: str, make_server: Make) -> None:
-    servers = [make_server("--backend", redis_url, "--read-lease", "1") for _ in range(2)]
+def test_two_servers_and_both_dialects_share_one_state(redis_url: str, make_app: Make) -> None:
+    servers = [make_app("--backend", redis_url, "--read-lease", "1") for _ in range(2)]
     requests.post(servers[0].url + "/0/initialize", json={"num_pages": 200}, timeout=10)
     confirmed: list[dict[str, int]] = [{} for _ in range(4)]
     errors: list[str] = []
@@ -158,7 +158,7 @@ def test_a_server_killed_mid_load_loses_nothing_confirmed(
     assert _check(redis_url) == []
 
 
-def _pids(server: ServerProcess, count: int) -> list[int]:
+def _pids(server: Server, count: int) -> list[int]:
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         pids = re.findall(r"kvmeta listening on \S+ \(pid (\d+)\)", server.log)
@@ -227,10 +227,10 @@ def test_unreachable_redis_fails_at_start_naming_the_url(tmp_path: Path) -> None
     assert "hunter2" not in str(info.value)
 
 
-def test_redis_lost_mid_run_is_503_then_recovers(make_server: Make) -> None:
+def test_redis_lost_mid_run_is_503_then_recovers(make_app: Make) -> None:
     own = RedisServer().start()
     try:
-        server = make_server("--backend", own.url)
+        server = make_app("--backend", own.url)
         assert requests.post(server.url + "/0/initialize", json={"num_pages": 4}, timeout=10).ok
         own.stop()
         resp = requests.post(server.url + "/0/exists", json={"keys": ["a"]}, timeout=10)
@@ -243,11 +243,11 @@ def test_redis_lost_mid_run_is_503_then_recovers(make_server: Make) -> None:
         own.close()
 
 
-def test_password_url_and_env_fallback(make_server: Make) -> None:
+def test_password_url_and_env_fallback(make_app: Make) -> None:
     own = RedisServer(password="s3cret").start()
     try:
         url = f"redis://:s3cret@127.0.0.1:{own.port}/2"
-        server = make_server(env={"KVMETA_REDIS_URL": url})
+        server = make_app(env={"KVMETA_REDIS_URL": url})
         server.wait_for_log(f"backend: redis at redis://:***@127.0.0.1:{own.port}/2")
         assert "s3cret" not in server.log
         assert requests.post(server.url + "/0/initialize", json={"num_pages": 4}, timeout=10).ok

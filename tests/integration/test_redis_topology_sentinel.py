@@ -18,7 +18,7 @@ from kvmeta._types import PoolId
 from kvmeta.errors import BackendUnavailable, NotReplicated
 from kvmeta.store.redis.backend import RedisBackend
 from tests.redis_support import RedisServer, ReplicaPair, SentinelGroup, free_port
-from tests.support import ServerProcess
+from tests.support import InProcessServer
 
 pytestmark = pytest.mark.slow
 POOL = PoolId("s", 0, "sent")
@@ -144,7 +144,7 @@ def test_min_replicas_ack_waits_for_the_replica_and_refuses_without_it(
 def test_a_server_with_min_replicas_ack_answers_503_not_204_without_the_replica(
     replica_pair: ReplicaPair, tmp_path: Path
 ) -> None:
-    server = ServerProcess(
+    server = InProcessServer(
         "--backend",
         replica_pair.primary.url,
         "--min-replicas-ack",

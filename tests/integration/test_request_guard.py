@@ -1,4 +1,4 @@
-"""A real ``kvmeta serve`` refuses what a browser driven by another site's page sends: a Host
+"""The server refuses what a browser driven by another site's page sends: a Host
 that names no loopback address of a loopback-bound server (DNS rebinding), a change from a
 foreign Origin, a change whose body is not declared JSON. Each refusal changes nothing; the
 same request without the offending header goes through."""
@@ -10,14 +10,22 @@ import socket
 from collections.abc import Callable
 from typing import Any
 
+import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """Every test here checks what requests get back: the server runs in this process."""
+    return app_server
+
 
 TOKEN = "guard-token"
 
 
-def fill(server: ServerProcess, **kw: Any) -> None:
+def fill(server: Server, **kw: Any) -> None:
     assert server.post("/0/initialize", {"num_pages": 4}, **kw).status_code == 204
     got = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]}, **kw)
     page = got.json()["indices"][0][1]
@@ -25,12 +33,12 @@ def fill(server: ServerProcess, **kw: Any) -> None:
     assert server.post("/0/confirm_write", confirm, **kw).status_code == 204
 
 
-def stored(server: ServerProcess, **kw: Any) -> list[bool]:
+def stored(server: Server, **kw: Any) -> list[bool]:
     exists: list[bool] = server.post("/0/exists", {"keys": ["a"]}, **kw).json()["exists"]
     return exists
 
 
-def test_rebound_host_is_refused_by_a_loopback_server(server: ServerProcess) -> None:
+def test_rebound_host_is_refused_by_a_loopback_server(server: Server) -> None:
     fill(server)
     evil = {"Host": f"evil.example:{server.port}"}
     r = requests.get(server.url + "/v1/pools", headers=evil, timeout=10)
@@ -46,8 +54,8 @@ def test_rebound_host_is_refused_by_a_loopback_server(server: ServerProcess) -> 
     assert 'kvmeta_requests_refused_total{header="host"} 2.0' in metrics
 
 
-def test_allowed_hosts_names_more_hosts(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--allowed-hosts", "kvmeta.test,*.svc.test")
+def test_allowed_hosts_names_more_hosts(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--allowed-hosts", "kvmeta.test,*.svc.test")
     for host, ok in (("kvmeta.test", True), ("a.svc.test", True), ("evil.example", False)):
         r = requests.get(server.url + "/health", headers={"Host": f"{host}:1"}, timeout=10)
         assert r.ok is ok, (host, r.text)
@@ -56,10 +64,10 @@ def test_allowed_hosts_names_more_hosts(make_server: Callable[..., ServerProcess
 
 
 def test_foreign_origin_cannot_change_even_with_the_login(
-    make_server: Callable[..., ServerProcess],
+    make_app: Callable[..., Server],
 ) -> None:
     # A browser that holds the operator's login sends it along with another site's form.
-    server = make_server("--in-memory", "--auth-token", TOKEN)
+    server = make_app("--in-memory", "--auth-token", TOKEN)
     login = ("operator", TOKEN)
     fill(server, auth=login)
     for origin in ("http://evil.example", "null", f"http://127.0.0.1:{server.port + 1}"):
@@ -84,7 +92,7 @@ def test_foreign_origin_cannot_change_even_with_the_login(
     assert stored(server, auth=login) == [False]
 
 
-def _head_only(server: ServerProcess, headers: bytes) -> bytes:
+def _head_only(server: Server, headers: bytes) -> bytes:
     """Send a POST's headers announcing a body (``Expect: 100-continue``), never the body, and
     read what the server sends until it closes the connection (at most 20 s)."""
     with socket.create_connection(("127.0.0.1", server.port), timeout=20) as sock:
@@ -100,7 +108,7 @@ def _head_only(server: ServerProcess, headers: bytes) -> bytes:
 
 
 def test_refusals_come_at_the_headers_before_the_body(
-    make_server: Callable[..., ServerProcess],
+    make_server: Callable[..., Server],
 ) -> None:
     # A long --header-timeout: a server waiting for the body would not answer within the read.
     server = make_server("--in-memory", "--header-timeout", "120", "--access-log")

@@ -1,4 +1,4 @@
-"""The router routes and the prefix-hit metrics on a real ``kvmeta serve``: what a router and
+"""The router routes and the prefix-hit metrics over HTTP: what a router and
 an operator see over HTTP, on the in-memory and the Redis backends."""
 
 from __future__ import annotations
@@ -8,10 +8,10 @@ from collections.abc import Callable
 import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
 
 
-def _store(server: ServerProcess, rank: int, keys: list[str], ns: str = "kv") -> None:
+def _store(server: Server, rank: int, keys: list[str], ns: str = "kv") -> None:
     out = server.post(
         f"/{rank}/reserve_and_allocate_page_indices",
         {"keys": [[k, ""] for k in keys], "namespace": ns},
@@ -21,7 +21,7 @@ def _store(server: ServerProcess, rank: int, keys: list[str], ns: str = "kv") ->
     assert r.status_code == 204
 
 
-def _v_store(server: ServerProcess, rank: int, keys: list[str]) -> None:
+def _v_store(server: Server, rank: int, keys: list[str]) -> None:
     out = server.post("/keys/batch_allocate", {"rank": rank, "keys": keys}).json()["results"]
     r = server.post("/keys/confirm_write", {"rank": rank, "confirmations": out})
     assert r.status_code == 204
@@ -37,7 +37,7 @@ def _metric(text: str, name: str, labels: str) -> float:
     raise AssertionError(f"{name}{{{labels}}} not in /metrics")
 
 
-def _exercise(server: ServerProcess) -> None:
+def _exercise(server: Server) -> None:
     assert server.post("/0/initialize", {"num_pages": 64, "namespace": "kv"}).status_code == 204
     _store(server, 0, ["a", "b", "c", "e"])
     server.post("/rank/0/initialize", {"num_pages": 16})
@@ -114,13 +114,13 @@ def _exercise(server: ServerProcess) -> None:
 
 
 def test_router_routes_and_prefix_metrics_in_memory(
-    make_server: Callable[..., ServerProcess],
+    make_app: Callable[..., Server],
 ) -> None:
-    _exercise(make_server("--in-memory", "--read-lease", "0"))
+    _exercise(make_app("--in-memory", "--read-lease", "0"))
 
 
 @pytest.mark.slow
 def test_router_routes_and_prefix_metrics_on_redis(
-    make_server: Callable[..., ServerProcess], redis_url: str
+    make_app: Callable[..., Server], redis_url: str
 ) -> None:
-    _exercise(make_server("--backend", redis_url, "--read-lease", "0"))
+    _exercise(make_app("--backend", redis_url, "--read-lease", "0"))

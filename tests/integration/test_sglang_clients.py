@@ -18,7 +18,14 @@ from kvmeta.sglang import (
     Hf3fsLocalMetadataClient,
     Hf3fsMetadataInterface,
 )
-from tests.support import ServerProcess, silent_server, unused_port
+from tests.support import Server, ServerProcess, silent_server, unused_port
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """The tests taking ``server`` check what requests get back: it runs in this process."""
+    return app_server
+
 
 PAGE = 4096
 
@@ -88,7 +95,7 @@ def hicache_cycle(
         os.close(fd)
 
 
-def test_hicache_cycle_through_http_client(server: ServerProcess, tmp_path: Path) -> None:
+def test_hicache_cycle_through_http_client(server: Server, tmp_path: Path) -> None:
     client = Hf3fsGlobalMetadataClient(server.url)
     hicache_cycle(client, tmp_path / "data.0.bin", 0, 32)
     hicache_cycle(client, tmp_path / "data.1.bin", 1, 16, PoolName.MAMBA)
@@ -100,7 +107,7 @@ def test_hicache_cycle_through_local_client(tmp_path: Path) -> None:
     hicache_cycle(client, tmp_path / "data.0.mamba.bin", 0, 16, PoolName.MAMBA)
 
 
-def test_http_not_initialized_keeps_server_message(server: ServerProcess) -> None:
+def test_http_not_initialized_keeps_server_message(server: Server) -> None:
     client = Hf3fsGlobalMetadataClient(server.url)
     with pytest.raises(NotInitialized) as info:
         client.exists(5, ["a"])
@@ -138,7 +145,7 @@ def test_local_not_initialized_message(op: str) -> None:
     call(client)  # initialised: no error
 
 
-def test_invalid_input_raises_invalid_request_in_both(server: ServerProcess) -> None:
+def test_invalid_input_raises_invalid_request_in_both(server: Server) -> None:
     for client in (Hf3fsGlobalMetadataClient(server.url), Hf3fsLocalMetadataClient()):
         with pytest.raises(InvalidRequest, match="num_pages"):
             client.initialize(0, 0)

@@ -1,4 +1,4 @@
-"""Dialect S through a real ``kvmeta serve``: every route, status code, shape and error."""
+"""Dialect S over HTTP: every route, status code, shape and error."""
 
 from __future__ import annotations
 
@@ -7,12 +7,19 @@ import socket
 import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """Every test here checks what requests get back: the server runs in this process."""
+    return app_server
+
 
 NOT_INIT = "Rank {r} namespace '{ns}' not initialized. Please call /{r}/initialize first."
 
 
-def init(server: ServerProcess, rank: int = 0, n: int = 8, ns: str | None = None) -> None:
+def init(server: Server, rank: int = 0, n: int = 8, ns: str | None = None) -> None:
     body: dict[str, object] = {"num_pages": n}
     if ns is not None:
         body["namespace"] = ns
@@ -21,7 +28,7 @@ def init(server: ServerProcess, rank: int = 0, n: int = 8, ns: str | None = None
     assert resp.content == b""
 
 
-def test_full_cycle_with_exact_shapes(server: ServerProcess) -> None:
+def test_full_cycle_with_exact_shapes(server: Server) -> None:
     init(server)
     r = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None], ["b", "a"]]})
     assert r.status_code == 200 and r.json() == {"indices": [[False, 0], [False, 1]]}
@@ -37,7 +44,7 @@ def test_full_cycle_with_exact_shapes(server: ServerProcess) -> None:
     assert server.post("/0/exists", {"keys": ["a"]}).json() == {"exists": [False]}
 
 
-def test_namespaces_are_separate_pools(server: ServerProcess) -> None:
+def test_namespaces_are_separate_pools(server: Server) -> None:
     init(server, 0, 4)
     init(server, 0, 4, ns="mamba")
     server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
@@ -61,7 +68,7 @@ def test_namespaces_are_separate_pools(server: ServerProcess) -> None:
         "clear",
     ],
 )
-def test_uninitialised_pool_is_404_with_exact_message(server: ServerProcess, op: str) -> None:
+def test_uninitialised_pool_is_404_with_exact_message(server: Server, op: str) -> None:
     body = {"keys": [["k", None]]} if op.startswith("reserve") else {"keys": ["k"]}
     if op in ("confirm_write", "clear"):
         body = {}
@@ -70,7 +77,7 @@ def test_uninitialised_pool_is_404_with_exact_message(server: ServerProcess, op:
     assert r.json() == {"detail": NOT_INIT.format(r=3, ns="kv")}
 
 
-def test_ranks_parse_like_the_reference(server: ServerProcess) -> None:
+def test_ranks_parse_like_the_reference(server: Server) -> None:
     init(server, -1, 2)
     init(server, 7, 2)
     assert server.post("/007/exists", {"keys": []}).json() == {"exists": []}
@@ -81,7 +88,7 @@ def test_ranks_parse_like_the_reference(server: ServerProcess) -> None:
         assert "rank" in r.json()["detail"]
 
 
-def test_clear_accepts_empty_body_and_keeps_pool(server: ServerProcess) -> None:
+def test_clear_accepts_empty_body_and_keeps_pool(server: Server) -> None:
     init(server, 0, 2)
     server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
     server.post("/0/confirm_write", {"written_keys_to_confirm": [["a", 0]]})
@@ -92,7 +99,7 @@ def test_clear_accepts_empty_body_and_keeps_pool(server: ServerProcess) -> None:
     assert server.post("/0/clear", {"namespace": "kv"}).status_code == 204
 
 
-def test_reinitialise_with_other_size_keeps_pool_and_warns(server: ServerProcess) -> None:
+def test_reinitialise_with_other_size_keeps_pool_and_warns(server: Server) -> None:
     init(server, 0, 2)
     init(server, 0, 2)  # idempotent
     init(server, 0, 5)  # misconfiguration: 204 for old clients, but the pool keeps 2 pages
@@ -103,7 +110,7 @@ def test_reinitialise_with_other_size_keeps_pool_and_warns(server: ServerProcess
     server.wait_for_log("re-initialised with num_pages=5 but has 2 pages")
 
 
-def test_only_json_bodies_are_read(server: ServerProcess) -> None:
+def test_only_json_bodies_are_read(server: Server) -> None:
     init(server, 0, 2)
     r = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
     server.post("/0/confirm_write", {"written_keys_to_confirm": [["a", r.json()["indices"][0][1]]]})
@@ -156,7 +163,7 @@ BAD_BODIES = [
 
 @pytest.mark.parametrize(("op", "body", "needle"), BAD_BODIES)
 def test_failure12_malformed_bodies_are_4xx_and_change_nothing(
-    server: ServerProcess, op: str, body: bytes, needle: str
+    server: Server, op: str, body: bytes, needle: str
 ) -> None:
     init(server, 0, 8)
     server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
@@ -170,7 +177,7 @@ def test_failure12_malformed_bodies_are_4xx_and_change_nothing(
     assert r.json() == {"indices": [[False, 0], [False, 1]]}
 
 
-def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
+def test_unknown_route_and_wrong_method(server: Server) -> None:
     r = server.post("/0/nope", {})
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     r = server.post("/a/b/c/d", {})
@@ -179,14 +186,14 @@ def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
     assert r.status_code == 405 and r.json() == {"detail": "Method Not Allowed"}
 
 
-def test_oversize_body_is_413(make_server: object) -> None:
-    server = make_server("--in-memory", "--max-body-bytes", "1000")  # type: ignore[operator]
+def test_oversize_body_is_413(make_app: object) -> None:
+    server = make_app("--in-memory", "--max-body-bytes", "1000")  # type: ignore[operator]
     r = server.post("/0/initialize", b'{"num_pages": 8, "pad": "' + b"x" * 2000 + b'"}')
     assert r.status_code == 413
     assert "--max-body-bytes" in r.json()["detail"]
 
 
-def _raw(server: ServerProcess, payload: bytes) -> bytes:
+def _raw(server: Server, payload: bytes) -> bytes:
     with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
         sock.sendall(payload)
         chunks = []
@@ -198,7 +205,7 @@ def _raw(server: ServerProcess, payload: bytes) -> bytes:
         return b"".join(chunks)
 
 
-def test_http_pipelining_chunked_and_garbage(server: ServerProcess) -> None:
+def test_http_pipelining_chunked_and_garbage(server: Server) -> None:
     init(server, 0, 4)
     body = b'{"keys": ["a"]}'
     one = b"POST /0/exists HTTP/1.1\r\nHost: localhost\r\nContent-Length: %d\r\n\r\n%s" % (
@@ -216,7 +223,7 @@ def test_http_pipelining_chunked_and_garbage(server: ServerProcess) -> None:
     assert out.startswith(b"HTTP/1.1 400")
 
 
-def test_many_connections_keep_alive(server: ServerProcess) -> None:
+def test_many_connections_keep_alive(server: Server) -> None:
     init(server, 0, 64)
     with requests.Session() as s:
         for i in range(50):

@@ -12,27 +12,27 @@ import pytest
 import requests
 
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
-from tests.support import ServerProcess
+from tests.support import InProcessServer, Server
 
 TOKEN = "status-page-token"
 AUTH = ("anyone", TOKEN)
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--in-memory", "--auth-token", TOKEN).start()
+def server() -> Iterator[Server]:
+    proc = InProcessServer("--in-memory", "--auth-token", TOKEN).start()
     try:
         yield proc
     finally:
         proc.stop()
 
 
-def _get(server: ServerProcess, path: str, **kwargs: Any) -> requests.Response:
+def _get(server: Server, path: str, **kwargs: Any) -> requests.Response:
     return requests.get(server.url + path, timeout=30, **kwargs)
 
 
 @pytest.mark.parametrize("path", ["/", "/ui", "/ui/status.js", "/ui/status.css", "/v1/status"])
-def test_page_and_status_need_the_token(server: ServerProcess, path: str) -> None:
+def test_page_and_status_need_the_token(server: Server, path: str) -> None:
     refused = _get(server, path)
     assert refused.status_code == 401
     # one challenge per header line, Basic among them: a browser then asks for the token
@@ -54,14 +54,14 @@ def test_page_and_status_need_the_token(server: ServerProcess, path: str) -> Non
         ("/v1/status", "application/json"),
     ],
 )
-def test_content_types(server: ServerProcess, path: str, kind: str) -> None:
+def test_content_types(server: Server, path: str, kind: str) -> None:
     resp = _get(server, path, auth=AUTH)
     assert resp.headers["Content-Type"].startswith(kind)
     if kind == "text/html":
         assert "<title>kvmeta status</title>" in resp.text
 
 
-def _sample_after(server: ServerProcess, taken: int, timeout: float = 30.0) -> dict[str, Any]:
+def _sample_after(server: Server, taken: int, timeout: float = 30.0) -> dict[str, Any]:
     """The status once the server has taken a sample after ``taken`` samples."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -72,7 +72,7 @@ def _sample_after(server: ServerProcess, taken: int, timeout: float = 30.0) -> d
     raise AssertionError(f"no status sample taken in {timeout}s")
 
 
-def test_numbers_equal_pools_on_a_quiet_server(server: ServerProcess) -> None:
+def test_numbers_equal_pools_on_a_quiet_server(server: Server) -> None:
     client = Hf3fsGlobalMetadataClient(server.url, auth_token=TOKEN)
     for rank, ns in ((0, "kv"), (1, "kv"), (0, "other")):
         client.initialize(rank, 32, namespace=ns)

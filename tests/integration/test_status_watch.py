@@ -15,15 +15,15 @@ from collections.abc import Iterator
 import pytest
 
 from kvmeta.status import CLEAR, watch
-from tests.support import SRC, ServerProcess, unused_port
+from tests.support import SRC, InProcessServer, Server, ServerProcess, unused_port
 
 TOKEN = "watch-token"
 HEADER = "kvmeta 0.1.0 at "
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerProcess]:
-    proc = ServerProcess("--in-memory", "--auth-token", TOKEN).start()
+def server() -> Iterator[Server]:
+    proc = InProcessServer("--in-memory", "--auth-token", TOKEN).start()
     try:
         proc.post("/0/initialize", {"num_pages": 8}, headers={"Authorization": f"Bearer {TOKEN}"})
         yield proc

@@ -27,7 +27,14 @@ from kvmeta.vllm import (
     Hf3fsLocalMetadataClient,
     Hf3fsMetadataInterface,
 )
-from tests.support import ServerProcess, silent_server, unused_port
+from tests.support import Server, ServerProcess, silent_server, unused_port
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """The tests taking ``server`` check what requests get back: it runs in this process."""
+    return app_server
+
 
 PAGE = 4096
 PAGES_PER_RANK = 32
@@ -130,7 +137,7 @@ def vllm_cycle(clients: Callable[[], Hf3fsMetadataInterface], directory: Path) -
 
 
 @pytest.fixture
-def http_clients(server: ServerProcess) -> Iterator[Callable[[], Hf3fsGlobalMetadataClient]]:
+def http_clients(server: Server) -> Iterator[Callable[[], Hf3fsGlobalMetadataClient]]:
     made: list[Hf3fsGlobalMetadataClient] = []
 
     def make() -> Hf3fsGlobalMetadataClient:
@@ -251,7 +258,7 @@ def client(request: pytest.FixtureRequest) -> Iterator[Hf3fsMetadataInterface]:
     if request.param == "local":
         yield Hf3fsLocalMetadataClient()
         return
-    server: ServerProcess = request.getfixturevalue("server")
+    server: Server = request.getfixturevalue("server")
     http = Hf3fsGlobalMetadataClient(server.url)
     yield http
     http.close()

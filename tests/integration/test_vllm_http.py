@@ -1,4 +1,4 @@
-"""Dialect V through a real ``kvmeta serve``: every route, status code, shape and error, and the
+"""Dialect V over HTTP: every route, status code, shape and error, and the
 regression tests for the failures 3, 6, 13 and 14 of docs/guarantees.md on vLLM's routes."""
 
 from __future__ import annotations
@@ -12,18 +12,25 @@ import requests
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.support import ServerProcess
+from tests.support import Server
+
+
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """Every test here checks what requests get back: the server runs in this process."""
+    return app_server
+
 
 INIT_ERROR = "Invalid initialization parameters: "
 
 
-def init(server: ServerProcess, rank: int = 0, n: int = 8, **extra: Any) -> None:
+def init(server: Server, rank: int = 0, n: int = 8, **extra: Any) -> None:
     r = server.post(f"/rank/{rank}/initialize", {"role": "worker", "num_pages": n, **extra})
     assert r.status_code == 200, r.text
     assert r.json() == {"message": f"Rank {rank} initialized with {n} pages"}
 
 
-def allocate(server: ServerProcess, rank: int, keys: list[str]) -> list[int]:
+def allocate(server: Server, rank: int, keys: list[str]) -> list[int]:
     r = server.post("/keys/batch_allocate", {"rank": rank, "keys": [[k, ""] for k in keys]})
     assert r.status_code == 200, r.text
     body = r.json()
@@ -33,7 +40,7 @@ def allocate(server: ServerProcess, rank: int, keys: list[str]) -> list[int]:
 
 
 def confirm(
-    server: ServerProcess,
+    server: Server,
     rank: int,
     pairs: list[tuple[str, int]],
     release: list[int] = (),  # type: ignore[assignment]
@@ -44,26 +51,26 @@ def confirm(
     assert r.content == b""
 
 
-def save(server: ServerProcess, rank: int, keys: list[str]) -> list[int]:
+def save(server: Server, rank: int, keys: list[str]) -> list[int]:
     pages = allocate(server, rank, keys)
     assert all(p >= 0 for p in pages)
     confirm(server, rank, list(zip(keys, pages, strict=True)))
     return pages
 
 
-def exists(server: ServerProcess, keys: list[str]) -> list[bool]:
+def exists(server: Server, keys: list[str]) -> list[bool]:
     r = server.post("/keys/batch_exists", {"keys": keys})
     assert r.status_code == 200, r.text
     return list(r.json()["exists"])
 
 
-def locations(server: ServerProcess, rank: int, keys: list[str]) -> list[int | None]:
+def locations(server: Server, rank: int, keys: list[str]) -> list[int | None]:
     r = server.post("/keys/get_locations", {"rank": rank, "keys": keys})
     assert r.status_code == 200, r.text
     return list(r.json()["locations"])
 
 
-def test_full_cycle_with_exact_shapes(server: ServerProcess) -> None:
+def test_full_cycle_with_exact_shapes(server: Server) -> None:
     r = server.post("/rank/0/initialize", {"role": "scheduler", "num_pages": 0})
     assert r.status_code == 200
     assert r.json() == {"message": "Scheduler role does not require initialization"}
@@ -87,7 +94,7 @@ def test_full_cycle_with_exact_shapes(server: ServerProcess) -> None:
     assert locations(server, 0, ["a"]) == [None]
 
 
-def test_initialize_is_idempotent_and_keeps_size(server: ServerProcess) -> None:
+def test_initialize_is_idempotent_and_keeps_size(server: Server) -> None:
     init(server, 0, 4)
     init(server, 0, 4)
     r = server.post("/rank/0/initialize", {"num_pages": 9})  # role defaults to worker
@@ -125,7 +132,7 @@ BAD_INITS: list[tuple[Any, str]] = [
 
 @pytest.mark.parametrize(("body", "needle"), BAD_INITS)
 def test_invalid_initialization_is_400_and_registers_nothing(
-    server: ServerProcess, body: Any, needle: str
+    server: Server, body: Any, needle: str
 ) -> None:
     r = server.post("/rank/0/initialize", body)
     assert r.status_code == 400, r.text
@@ -138,7 +145,7 @@ def test_invalid_initialization_is_400_and_registers_nothing(
     assert r.status_code == 404
 
 
-def test_world_size_must_cover_the_rank(server: ServerProcess) -> None:
+def test_world_size_must_cover_the_rank(server: Server) -> None:
     r = server.post("/rank/2/initialize", {"role": "worker", "num_pages": 4, "world_size": 2})
     assert r.status_code == 400
     assert r.json()["detail"].startswith(INIT_ERROR + "rank 2 is outside `world_size` 2")
@@ -154,7 +161,7 @@ def test_world_size_must_cover_the_rank(server: ServerProcess) -> None:
     ],
 )
 def test_failure13_uninitialised_rank_is_404_not_500(
-    server: ServerProcess, path: str, body: dict[str, Any]
+    server: Server, path: str, body: dict[str, Any]
 ) -> None:
     # The scheduler role registers nothing, so rank 3 is still not a worker afterwards.
     assert server.post("/rank/3/initialize", {"role": "scheduler"}).status_code == 200
@@ -167,7 +174,7 @@ def test_failure13_uninitialised_rank_is_404_not_500(
     assert '"role": "worker"' in detail and "N > 0" in detail
 
 
-def test_failure13_clear_keeps_rank_registrations(server: ServerProcess) -> None:
+def test_failure13_clear_keeps_rank_registrations(server: Server) -> None:
     init(server, 0, 4)
     init(server, 1, 4)
     save(server, 0, ["a", "b"])
@@ -182,7 +189,7 @@ def test_failure13_clear_keeps_rank_registrations(server: ServerProcess) -> None
     assert exists(server, ["c", "d"]) == [True, False]
 
 
-def test_failure3_duplicates_retries_and_two_writers_share_one_page(server: ServerProcess) -> None:
+def test_failure3_duplicates_retries_and_two_writers_share_one_page(server: Server) -> None:
     init(server, 0, 4)
     assert allocate(server, 0, ["a", "a", "b", "a"]) == [0, 0, 1, 0]
     assert allocate(server, 0, ["a", "b"]) == [0, 1]  # a retry, or a second writer
@@ -201,7 +208,7 @@ def test_failure3_duplicates_retries_and_two_writers_share_one_page(server: Serv
 
 
 def test_failure6_release_of_a_stored_page_after_failed_write_is_ignored(
-    server: ServerProcess,
+    server: Server,
 ) -> None:
     init(server, 0, 3)
     [page_a] = save(server, 0, ["a"])
@@ -216,7 +223,7 @@ def test_failure6_release_of_a_stored_page_after_failed_write_is_ignored(
     assert locations(server, 0, ["a"]) == [page_a]
 
 
-def test_failure14_completeness_follows_registered_ranks(server: ServerProcess) -> None:
+def test_failure14_completeness_follows_registered_ranks(server: Server) -> None:
     init(server, 0, 4)
     save(server, 0, ["early"])
     assert exists(server, ["early"]) == [True]  # one worker: complete
@@ -230,7 +237,7 @@ def test_failure14_completeness_follows_registered_ranks(server: ServerProcess) 
     assert exists(server, ["early", "late", "never"]) == [True, True, False]
 
 
-def test_failure14_world_size_pins_the_required_ranks(server: ServerProcess) -> None:
+def test_failure14_world_size_pins_the_required_ranks(server: Server) -> None:
     init(server, 0, 4, world_size=2)
     save(server, 0, ["a"])
     assert exists(server, ["a"]) == [False]  # rank 1 is required even before it registers
@@ -241,9 +248,9 @@ def test_failure14_world_size_pins_the_required_ranks(server: ServerProcess) -> 
 
 
 def test_full_pool_evicts_lru_never_a_page_being_read(
-    make_server: Callable[..., ServerProcess],
+    make_app: Callable[..., Server],
 ) -> None:
-    server = make_server("--in-memory", "--read-lease", "30")
+    server = make_app("--in-memory", "--read-lease", "30")
     init(server, 0, 4)
     save(server, 0, ["k0", "k1", "k2", "k3"])
     assert locations(server, 0, ["k0"]) == [0]  # k0 is being read: leased
@@ -299,7 +306,7 @@ BAD_BODIES: list[tuple[str, Any, str]] = [
 
 @pytest.mark.parametrize(("path", "body", "needle"), BAD_BODIES)
 def test_failure12_malformed_bodies_are_400_and_change_nothing(
-    server: ServerProcess, path: str, body: Any, needle: str
+    server: Server, path: str, body: Any, needle: str
 ) -> None:
     init(server, 0, 8)
     assert allocate(server, 0, ["a"]) == [0]
@@ -313,7 +320,7 @@ def test_failure12_malformed_bodies_are_400_and_change_nothing(
     assert allocate(server, 0, ["a", "b"]) == [0, 1]
 
 
-def test_path_ranks_parse_like_the_reference(server: ServerProcess) -> None:
+def test_path_ranks_parse_like_the_reference(server: Server) -> None:
     init(server, -1, 2)
     r = server.post("/rank/007/initialize", {"num_pages": 2})
     assert r.json() == {"message": "Rank 7 initialized with 2 pages"}
@@ -322,7 +329,7 @@ def test_path_ranks_parse_like_the_reference(server: ServerProcess) -> None:
     assert r.status_code == 422 and "rank" in r.json()["detail"]
 
 
-def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
+def test_unknown_route_and_wrong_method(server: Server) -> None:
     r = server.post("/keys/nope", {})
     assert r.status_code == 404 and r.json() == {"detail": "Not Found"}
     r = requests.get(server.url + "/keys/batch_exists", timeout=10)
@@ -331,7 +338,7 @@ def test_unknown_route_and_wrong_method(server: ServerProcess) -> None:
     assert r.status_code == 405
 
 
-def test_only_json_bodies_are_read(server: ServerProcess) -> None:
+def test_only_json_bodies_are_read(server: Server) -> None:
     r = requests.post(
         server.url + "/keys/batch_exists",
         data=b'{"keys": ["a"]}',
@@ -350,7 +357,7 @@ def test_only_json_bodies_are_read(server: ServerProcess) -> None:
     assert requests.get(server.url + "/v1/vllm", timeout=10).json()["ranks"] == []
 
 
-def test_both_dialects_at_once_with_the_same_rank_numbers(server: ServerProcess) -> None:
+def test_both_dialects_at_once_with_the_same_rank_numbers(server: Server) -> None:
     # SGLang rank 0 and vLLM rank 0 are different pools of different sizes.
     assert server.post("/0/initialize", {"num_pages": 2}).status_code == 204
     init(server, 0, 4)
@@ -379,7 +386,7 @@ def test_both_dialects_at_once_with_the_same_rank_numbers(server: ServerProcess)
 
 
 def test_confirm_for_another_keys_page_is_refused_and_bare_keys_allocate(
-    server: ServerProcess,
+    server: Server,
 ) -> None:
     init(server, 0, 4)
     r = server.post("/keys/batch_allocate", {"rank": 0, "keys": ["a", ["b", None]]})
@@ -417,9 +424,7 @@ V_PATHS = [
     path=st.sampled_from(V_PATHS),
     body=st.dictionaries(st.sampled_from(FIELDS), JSON, max_size=4) | JSON,
 )
-def test_failure12_fuzzed_bodies_never_get_a_5xx(
-    server: ServerProcess, path: str, body: Any
-) -> None:
+def test_failure12_fuzzed_bodies_never_get_a_5xx(server: Server, path: str, body: Any) -> None:
     r = server.post(path, json.dumps(body).encode())
     assert r.status_code < 500, (path, body, r.text)
     if r.status_code >= 400:
@@ -431,7 +436,7 @@ def test_failure12_fuzzed_bodies_never_get_a_5xx(
 )
 @pytest.mark.parametrize("body", [b"[Infinity]", b"[1, NaN]", b'{"a": [Infinity]}', b"[1,"])
 def test_malformed_json_behind_a_wrong_shape_is_a_400(
-    server: ServerProcess, path: str, body: bytes
+    server: Server, path: str, body: bytes
 ) -> None:
     """The typed decoder stops at the wrong shape first; the explanation re-reads the body
     and finds it is not JSON at all: still a 400 (found by the fuzz test above)."""

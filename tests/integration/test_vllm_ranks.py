@@ -16,28 +16,35 @@ import requests
 from kvmeta.client.vllm import Hf3fsGlobalMetadataClient, Hf3fsLocalMetadataClient
 from kvmeta.errors import InvalidRequest, NotInitialized
 from tests.integration.test_vllm_http import exists, init, save
-from tests.support import ServerProcess
-
-Make = Callable[..., ServerProcess]
+from tests.support import Server
 
 
-def index(server: ServerProcess) -> dict[str, Any]:
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """The tests taking ``server`` check what requests get back: it runs in this process."""
+    return app_server
+
+
+Make = Callable[..., Server]
+
+
+def index(server: Server) -> dict[str, Any]:
     r = requests.get(server.url + "/v1/vllm", timeout=30)
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-def remove(server: ServerProcess, rank: int) -> dict[str, Any]:
+def remove(server: Server, rank: int) -> dict[str, Any]:
     r = server.post(f"/v1/vllm/ranks/{rank}/remove")
     assert r.status_code == 200, r.text
     return dict(r.json())
 
 
-def set_world(server: ServerProcess, body: Any) -> requests.Response:
+def set_world(server: Server, body: Any) -> requests.Response:
     return server.post("/v1/vllm/world_size", body)
 
 
-def _stray_then_remove(server: ServerProcess) -> None:
+def _stray_then_remove(server: Server) -> None:
     init(server, 0, 8)
     init(server, 1, 8)
     for rank in (0, 1):
@@ -101,7 +108,7 @@ def test_stray_rank_on_redis_across_server_restarts(make_server: Make, redis_url
     assert exists(other, ["k"]) == [True]
 
 
-def test_world_size_pins_and_ignores_ranks_beyond_it(server: ServerProcess) -> None:
+def test_world_size_pins_and_ignores_ranks_beyond_it(server: Server) -> None:
     init(server, 0, 8, world_size=2)
     init(server, 1, 8)
     init(server, 5, 8)
@@ -129,9 +136,7 @@ def test_world_size_pins_and_ignores_ranks_beyond_it(server: ServerProcess) -> N
         (b"{", "not valid JSON"),
     ],
 )
-def test_bad_world_size_is_a_400_naming_the_field(
-    server: ServerProcess, body: Any, needle: str
-) -> None:
+def test_bad_world_size_is_a_400_naming_the_field(server: Server, body: Any, needle: str) -> None:
     init(server, 0, 8, world_size=1)
     r = set_world(server, body)
     assert r.status_code == 400, r.text
@@ -140,7 +145,7 @@ def test_bad_world_size_is_a_400_naming_the_field(
     assert index(server)["world_size"] == 1  # nothing changed
 
 
-def test_bad_rank_and_method(server: ServerProcess) -> None:
+def test_bad_rank_and_method(server: Server) -> None:
     r = server.post("/v1/vllm/ranks/abc/remove")
     assert r.status_code == 422 and "`rank` must be an integer" in r.json()["detail"]
     r = requests.get(server.url + "/v1/vllm/ranks/1/remove", timeout=30)
@@ -149,8 +154,8 @@ def test_bad_rank_and_method(server: ServerProcess) -> None:
     assert r.status_code == 405
 
 
-def test_admin_routes_need_the_token(make_server: Make) -> None:
-    server = make_server("--in-memory", "--auth-token", "s3cret")
+def test_admin_routes_need_the_token(make_app: Make) -> None:
+    server = make_app("--in-memory", "--auth-token", "s3cret")
     assert server.post("/v1/vllm/ranks/1/remove").status_code == 401
     assert set_world(server, {"world_size": 2}).status_code == 401
     assert requests.get(server.url + "/v1/vllm", timeout=30).status_code == 401
@@ -158,7 +163,7 @@ def test_admin_routes_need_the_token(make_server: Make) -> None:
     assert server.post("/v1/vllm/ranks/1/remove", headers=auth).status_code == 200
 
 
-def test_clients_remove_ranks_and_set_the_world_size(server: ServerProcess) -> None:
+def test_clients_remove_ranks_and_set_the_world_size(server: Server) -> None:
     remote = Hf3fsGlobalMetadataClient(server.url, auto_reinitialize=True)
     local = Hf3fsLocalMetadataClient()
     try:

@@ -6,12 +6,19 @@ from __future__ import annotations
 
 import re
 
+import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
 
 
-def warnings_metric(server: ServerProcess) -> dict[str, float]:
+@pytest.fixture
+def server(app_server: Server) -> Server:
+    """Every test here checks what requests get back: the server runs in this process."""
+    return app_server
+
+
+def warnings_metric(server: Server) -> dict[str, float]:
     text = requests.get(server.url + "/metrics", timeout=30).text
     found = re.findall(r'^kvmeta_caller_warnings_total\{kind="(\w+)"\} (\S+)$', text, re.M)
     return {kind: float(value) for kind, value in found}
@@ -21,7 +28,7 @@ def warning(resp: requests.Response) -> str:
     return resp.headers.get("x-kvmeta-warning", "")
 
 
-def test_clean_requests_carry_no_warning(server: ServerProcess) -> None:
+def test_clean_requests_carry_no_warning(server: Server) -> None:
     assert "x-kvmeta-warning" not in server.post("/0/initialize", {"num_pages": 8}).headers
     resp = server.post("/0/exists", {"keys": ["a"], "namespace": "kv"})
     assert resp.json() == {"exists": [False]}
@@ -34,7 +41,7 @@ def test_clean_requests_carry_no_warning(server: ServerProcess) -> None:
     }
 
 
-def test_sglang_reinitialise_with_another_size(server: ServerProcess) -> None:
+def test_sglang_reinitialise_with_another_size(server: Server) -> None:
     assert server.post("/0/initialize", {"num_pages": 8}).status_code == 204
     resp = server.post("/0/initialize", {"num_pages": 16})
     assert resp.status_code == 204
@@ -47,7 +54,7 @@ def test_sglang_reinitialise_with_another_size(server: ServerProcess) -> None:
     assert warnings_metric(server)["size_conflict"] == 1
 
 
-def test_vllm_reregister_with_another_size(server: ServerProcess) -> None:
+def test_vllm_reregister_with_another_size(server: Server) -> None:
     assert server.post("/rank/0/initialize", {"num_pages": 8}).status_code == 200
     resp = server.post("/rank/0/initialize", {"num_pages": 9})
     assert resp.status_code == 200
@@ -56,7 +63,7 @@ def test_vllm_reregister_with_another_size(server: ServerProcess) -> None:
     assert warnings_metric(server)["size_conflict"] == 1
 
 
-def test_unknown_field_is_named_with_the_closest_known_one(server: ServerProcess) -> None:
+def test_unknown_field_is_named_with_the_closest_known_one(server: Server) -> None:
     assert server.post("/0/initialize", {"num_pages": 8}).status_code == 204
     resp = server.post("/0/exists", {"keys": ["a"], "nmespace": "mamba"})
     assert resp.status_code == 200 and resp.json() == {"exists": [False]}
@@ -80,7 +87,7 @@ def test_unknown_field_is_named_with_the_closest_known_one(server: ServerProcess
     assert warnings_metric(server)["unknown_field"] == 5
 
 
-def test_hostile_field_names_cannot_inject_headers(server: ServerProcess) -> None:
+def test_hostile_field_names_cannot_inject_headers(server: Server) -> None:
     assert server.post("/0/initialize", {"num_pages": 8}).status_code == 204
     resp = server.post("/0/exists", {"keys": ["a"], "x\r\nX-Evil: 1": 0, "\u00e9" * 5000: 1})
     assert resp.status_code == 200
@@ -88,7 +95,7 @@ def test_hostile_field_names_cannot_inject_headers(server: ServerProcess) -> Non
     assert len(warning(resp)) <= 600 and warning(resp).isascii()
 
 
-def test_refused_confirms_say_how_many_and_why(server: ServerProcess) -> None:
+def test_refused_confirms_say_how_many_and_why(server: Server) -> None:
     assert server.post("/0/initialize", {"num_pages": 8}).status_code == 204
     reply = server.post("/0/reserve_and_allocate_page_indices", {"keys": [["a", None]]})
     ((_, page),) = reply.json()["indices"]

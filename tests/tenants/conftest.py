@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 import requests
 
-from tests.support import ServerProcess
+from tests.support import InProcessServer, Server, ServerProcess
 
 OPERATOR = "operator-token-0123456789"  # --auth-token: all access, tenant ""
 
@@ -95,3 +95,20 @@ def tenant_server(
     yield start
     for server in started:
         server.kill()
+
+
+@pytest.fixture
+def tenant_app(tokens_file: Path) -> Iterator[Callable[..., Server]]:
+    """``tenant_server``'s server in this process (``InProcessServer``), for the tests that
+    check what each token's requests get back."""
+    started: list[InProcessServer] = []
+
+    def start(*args: str, auth_file: Path | None = None) -> Server:
+        flags = ["--auth-token", OPERATOR, "--auth-file", str(auth_file or tokens_file)]
+        server = InProcessServer(*flags, *args)
+        started.append(server)
+        return server.start(timeout=60)
+
+    yield start
+    for server in started:
+        server.stop()

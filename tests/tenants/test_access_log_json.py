@@ -11,13 +11,13 @@ from typing import Any
 
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import OPERATOR, bearer, token
 
 FIELDS = {"method", "path", "status", "bytes", "duration_ms", "remote", "tenant"}
 
 
-def _access_records(server: ServerProcess, count: int) -> list[dict[str, Any]]:
+def _access_records(server: Server, count: int) -> list[dict[str, Any]]:
     """The first ``count`` access-log records, once they are all in the log."""
     deadline = time.monotonic() + 20
     while True:
@@ -29,8 +29,8 @@ def _access_records(server: ServerProcess, count: int) -> list[dict[str, Any]]:
         time.sleep(0.02)
 
 
-def test_access_records_carry_their_fields(make_server: Callable[..., ServerProcess]) -> None:
-    server = make_server("--in-memory", "--access-log", "--log-format", "json")
+def test_access_records_carry_their_fields(make_app: Callable[..., Server]) -> None:
+    server = make_app("--in-memory", "--access-log", "--log-format", "json")
     assert server.post("/0/initialize", {"num_pages": 4}).status_code == 204
     assert server.post("/nope", {}).status_code == 404
     first, second = _access_records(server, 2)
@@ -49,8 +49,8 @@ def test_access_records_carry_their_fields(make_server: Callable[..., ServerProc
     assert first["level"] == "info" and "POST /0/initialize 204" in first["msg"]
 
 
-def test_the_tenant_is_the_tokens(tenant_server: Callable[..., ServerProcess]) -> None:
-    server = tenant_server("--in-memory", "--access-log", "--log-format", "json")
+def test_the_tenant_is_the_tokens(tenant_app: Callable[..., Server]) -> None:
+    server = tenant_app("--in-memory", "--access-log", "--log-format", "json")
     url = server.url
     body = {"num_pages": 4, "namespace": "kv"}
     as_a = requests.post(

@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from pathlib import Path
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import OPERATOR, Client, tokens_toml, write_tokens
 
 KV_ONLY = "tenant-a-kv-only-0123456"
@@ -18,17 +18,17 @@ SCOPED = {
 }
 
 
-def _pools(server: ServerProcess) -> list[tuple[str, int, str]]:
+def _pools(server: Server) -> list[tuple[str, int, str]]:
     reply = Client(server.url, OPERATOR).get("/v1/pools")
     assert reply.status_code == 200, reply.text
     return [(p["tenant"], p["rank"], p["namespace"]) for p in reply.json()["pools"]]
 
 
 def test_the_scope_is_checked_on_the_normalised_namespace_and_a_403_creates_nothing(
-    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     path = write_tokens(tmp_path / "scoped.toml", tokens_toml(tokens=SCOPED))
-    server = tenant_server("--in-memory", auth_file=path)
+    server = tenant_app("--in-memory", auth_file=path)
     mamba, kv = Client(server.url, MAMBA_ONLY), Client(server.url, KV_ONLY)
     # Out of scope in either spelling: 403 naming the pool it means, and no pool anywhere.
     for namespace in ("PoolName.KV", "kv"):

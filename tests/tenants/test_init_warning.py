@@ -9,13 +9,13 @@ import http.client
 import json
 from collections.abc import Callable
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import bearer, token
 
 AGAIN = "initialised again"
 
 
-def _post_from(server: ServerProcess, source: str, name: str, path: str, body: object) -> int:
+def _post_from(server: Server, source: str, name: str, path: str, body: object) -> int:
     """POST from the loopback address ``source``: the server tells engines apart by host."""
     host, port = server.url.split("://", 1)[1].rsplit(":", 1)
     conn = http.client.HTTPConnection(host, int(port), timeout=30, source_address=(source, 0))
@@ -28,9 +28,9 @@ def _post_from(server: ServerProcess, source: str, name: str, path: str, body: o
 
 
 def test_two_tenants_on_the_same_pool_names_from_two_hosts_do_not_warn(
-    tenant_server: Callable[..., ServerProcess],
+    tenant_app: Callable[..., Server],
 ) -> None:
-    server = tenant_server("--in-memory")
+    server = tenant_app("--in-memory")
     sglang = ("/0/initialize", {"num_pages": 8, "namespace": "kv"})
     vllm = ("/rank/0/initialize", {"num_pages": 8})
     for path, body in (sglang, vllm):

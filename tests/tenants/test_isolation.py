@@ -12,7 +12,7 @@ import requests
 
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
 from kvmeta.client.vllm import Hf3fsGlobalMetadataClient as VllmClient
-from tests.support import ServerProcess
+from tests.support import Server, ServerProcess
 from tests.tenants.conftest import OPERATOR, Client, token
 
 
@@ -20,17 +20,17 @@ from tests.tenants.conftest import OPERATOR, Client, token
 def server(
     request: pytest.FixtureRequest,
     tmp_path: Path,
-    tenant_server: Callable[..., ServerProcess],
-) -> ServerProcess:
+    tenant_app: Callable[..., Server],
+) -> Server:
     """A server with the tenants' tokens file, once per backend."""
     if request.param == "memory":
-        return tenant_server("--in-memory")
+        return tenant_app("--in-memory")
     if request.param == "durable":
-        return tenant_server("--data-dir", str(tmp_path / "data"), "--fsync", "never")
-    return tenant_server("--backend", request.getfixturevalue("redis_url"))
+        return tenant_app("--data-dir", str(tmp_path / "data"), "--fsync", "never")
+    return tenant_app("--backend", request.getfixturevalue("redis_url"))
 
 
-def test_sglang_tenants_with_the_same_pool_names_are_apart(server: ServerProcess) -> None:
+def test_sglang_tenants_with_the_same_pool_names_are_apart(server: Server) -> None:
     a = Hf3fsGlobalMetadataClient(server.url, auth_token=token("a_admin"))
     b = Hf3fsGlobalMetadataClient(server.url, auth_token=token("b_admin"))
     default = Hf3fsGlobalMetadataClient(server.url, auth_token=OPERATOR)
@@ -87,7 +87,7 @@ def test_pools_survive_a_restart_apart(
     assert b.exists(0, ["key-a_admin", "key-b_admin"], "kv") == [False, True]
 
 
-def test_vllm_tenants_have_their_own_registries(server: ServerProcess) -> None:
+def test_vllm_tenants_have_their_own_registries(server: Server) -> None:
     a = VllmClient(server.url, auth_token=token("a_admin"))
     b = VllmClient(server.url, auth_token=token("b_admin"))
     a.initialize(0, 16)

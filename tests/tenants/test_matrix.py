@@ -23,7 +23,7 @@ from kvmeta.server.runner import build_app
 from kvmeta.service.ops import Service
 from kvmeta.store.disk.local import LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import TOKENS, Client, token
 
 pytestmark = pytest.mark.slow
@@ -203,13 +203,11 @@ def _create_everything(url: str) -> None:
 
 @pytest.mark.parametrize("route", sorted(CASES), ids=lambda r: f"{r[0]} {r[1]}")
 def test_route_matrix(
-    route: tuple[str, str], make_server: Callable[..., ServerProcess], tokens_file: Any
+    route: tuple[str, str], make_app: Callable[..., Server], tokens_file: Any
 ) -> None:
     method, _ = route
     case = CASES[route]
-    server = make_server(
-        "--in-memory", "--auth-token", token("op"), "--auth-file", str(tokens_file)
-    )
+    server = make_app("--in-memory", "--auth-token", token("op"), "--auth-file", str(tokens_file))
     cells = [(name, target) for name in NAMES for target in case.targets]
 
     def ask(name: str, target: Target) -> tuple[int, str]:

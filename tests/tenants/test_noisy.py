@@ -9,7 +9,7 @@ import pytest
 
 from kvmeta.bench.noisy import NoisyConfig, format_noisy, run_noisy
 from kvmeta.client.sglang import Hf3fsGlobalMetadataClient
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import OPERATOR, Client, token
 
 BACKENDS = ["memory", "durable"]
@@ -18,10 +18,10 @@ BACKENDS = ["memory", "durable"]
 @pytest.mark.slow
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_a_churning_tenant_never_evicts_another_tenants_pages(
-    backend: str, tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    backend: str, tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     args = ["--in-memory"] if backend == "memory" else ["--data-dir", str(tmp_path / "d")]
-    server = tenant_server(*args, "--read-lease", "0")
+    server = tenant_app(*args, "--read-lease", "0")
     a = Hf3fsGlobalMetadataClient(server.url, auth_token=token("a_admin"))
     b = Hf3fsGlobalMetadataClient(server.url, auth_token=token("b_admin"))
     pages = 64

@@ -10,7 +10,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import OPERATOR, Client, token
 
 SERVER_WIDE = (
@@ -38,10 +38,10 @@ def _status(client: Client, pools: int) -> dict[str, Any]:
 
 
 def test_a_tenant_token_sees_its_own_view_and_the_operator_everything(
-    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     data = tmp_path / "data-dir-of-the-operator"
-    server = tenant_server("--data-dir", str(data), "--fsync", "always")
+    server = tenant_app("--data-dir", str(data), "--fsync", "always")
     op, a = Client(server.url, OPERATOR), Client(server.url, token("a_admin"))
     assert a.post("/0/initialize", {"num_pages": 4}).status_code == 204
     assert Client(server.url, token("b_admin")).post("/1/initialize", {"num_pages": 8}).ok

@@ -11,13 +11,13 @@ from typing import Any
 
 import requests
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import OPERATOR, Client, token, tokens_toml, write_tokens
 
 A, B = token("a_admin"), token("b_admin")
 
 
-def _pools(server: ServerProcess) -> list[tuple[str, str, int, str, int]]:
+def _pools(server: Server) -> list[tuple[str, str, int, str, int]]:
     reply = Client(server.url, OPERATOR).get("/v1/pools")
     assert reply.status_code == 200, reply.text
     return [
@@ -40,11 +40,11 @@ def _init(client: Client, rank: int, pages: int, namespace: str = "kv") -> reque
 
 
 def test_tenants_without_a_quota_share_the_pages_and_no_refusal_shows_the_others(
-    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     # teamA and teamB have no max_pages: each gets half of --max-total-pages 1000.
     path = write_tokens(tmp_path / "tokens.toml", tokens_toml())
-    server = tenant_server("--in-memory", "--max-total-pages", "1000", auth_file=path)
+    server = tenant_app("--in-memory", "--max-total-pages", "1000", auth_file=path)
     a, b, op = Client(server.url, A), Client(server.url, B), Client(server.url, OPERATOR)
     assert _init(a, 0, 400).status_code == 204
     # teamA cannot take the pages teamB needs: 429 naming its share and how to get more.
@@ -79,22 +79,22 @@ def test_tenants_without_a_quota_share_the_pages_and_no_refusal_shows_the_others
 
 
 def test_a_tenants_own_max_pages_wins_over_its_share(
-    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     quota = "[tenants.teamA]\nmax_pages = 900\n"
     path = write_tokens(tmp_path / "tokens.toml", tokens_toml(quota))
-    server = tenant_server("--in-memory", "--max-total-pages", "1000", auth_file=path)
+    server = tenant_app("--in-memory", "--max-total-pages", "1000", auth_file=path)
     assert _init(Client(server.url, A), 0, 800).status_code == 204
     _refused(_init(Client(server.url, B), 0, 501), 429, "its share of the server's pages, 500")
     assert _init(Client(server.url, B), 0, 200).status_code == 204
 
 
 def test_pools_per_tenant_are_bounded_by_the_flag_and_the_tokens_file(
-    tmp_path: Path, tenant_server: Callable[..., ServerProcess]
+    tmp_path: Path, tenant_app: Callable[..., Server]
 ) -> None:
     quota = "[tenants.teamB]\nmax_pools = 1\n"
     path = write_tokens(tmp_path / "tokens.toml", tokens_toml(quota))
-    server = tenant_server("--in-memory", "--max-pools-per-tenant", "3", auth_file=path)
+    server = tenant_app("--in-memory", "--max-pools-per-tenant", "3", auth_file=path)
     a, b, op = Client(server.url, A), Client(server.url, B), Client(server.url, OPERATOR)
     # Three one-page pools, of both dialects: the fourth is refused, however small.
     for reply in (
@@ -122,8 +122,8 @@ def test_pools_per_tenant_are_bounded_by_the_flag_and_the_tokens_file(
     assert len(_pools(server)) == len(before) + 1 + 3
 
 
-def test_the_pool_limit_without_a_tokens_file(make_server: Any) -> None:
-    server = make_server("--in-memory", "--max-pools-per-tenant", "2")
+def test_the_pool_limit_without_a_tokens_file(make_app: Any) -> None:
+    server = make_app("--in-memory", "--max-pools-per-tenant", "2")
     url = server.url
     for rank in range(2):
         assert requests.post(f"{url}/{rank}/initialize", json={"num_pages": 1}, timeout=30).ok

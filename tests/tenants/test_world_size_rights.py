@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support import ServerProcess
+from tests.support import Server
 from tests.tenants.conftest import Client, token
 
 
@@ -18,13 +18,13 @@ from tests.tenants.conftest import Client, token
 def server(
     request: pytest.FixtureRequest,
     tmp_path: Path,
-    tenant_server: Callable[..., ServerProcess],
-) -> ServerProcess:
+    tenant_app: Callable[..., Server],
+) -> Server:
     if request.param == "memory":
-        return tenant_server("--in-memory")
+        return tenant_app("--in-memory")
     if request.param == "durable":
-        return tenant_server("--data-dir", str(tmp_path / "data"), "--fsync", "never")
-    return tenant_server("--backend", request.getfixturevalue("redis_url"))
+        return tenant_app("--data-dir", str(tmp_path / "data"), "--fsync", "never")
+    return tenant_app("--backend", request.getfixturevalue("redis_url"))
 
 
 def _init(client: Client, rank: int, world_size: int | None = None) -> tuple[int, str]:
@@ -41,7 +41,7 @@ def _registry(admin: Client) -> tuple[int | None, list[int]]:
 
 
 def test_a_write_token_pins_the_first_world_size_and_only_an_admin_moves_it(
-    server: ServerProcess,
+    server: Server,
 ) -> None:
     worker = Client(server.url, token("a_rw"))
     admin = Client(server.url, token("a_admin"))
@@ -70,7 +70,7 @@ def test_a_write_token_pins_the_first_world_size_and_only_an_admin_moves_it(
     assert _registry(admin) == (4, [0, 1, 2, 3])
 
 
-def test_the_rule_is_per_tenant(server: ServerProcess) -> None:
+def test_the_rule_is_per_tenant(server: Server) -> None:
     assert _init(Client(server.url, token("a_rw")), 0, 2)[0] == 200
     b_worker = Client(server.url, token("b_rw"))
     assert _init(b_worker, 0, 8)[0] == 200  # teamB's first world size, not teamA's

@@ -23,7 +23,7 @@ from kvmeta.store.base import Backend
 from kvmeta.store.disk.local import DurabilityOptions, LocalBackend
 from kvmeta.store.disk.memory import MemoryStore
 
-__all__ = ["build_app", "build_backend", "run", "serve"]
+__all__ = ["build_app", "build_backend", "run", "serve", "serve_checks"]
 
 logger = logging.getLogger("kvmeta.server")
 
@@ -147,13 +147,16 @@ async def run(
     ready: asyncio.Event | None = None,
     sockets: list[socket.socket] | None = None,
     announce: bool = True,
+    stop: asyncio.Event | None = None,
 ) -> None:
-    """Serve until signalled (see ``_on_signal``).
+    """Serve until signalled (see ``_on_signal``), or until ``stop`` is set.
 
     ``sockets``: listening sockets made by the ``--workers`` parent; else the port is bound
     here, before the state is loaded, so a taken port fails at once. ``announce``: log the
     start-up facts (a ``--workers`` group logs them once, from its first worker; each worker
-    still logs its own listening line with its pid).
+    still logs its own listening line with its pid). ``stop``: set by the caller to stop; no
+    signal handlers are installed then (only a main thread may own them, and a server in a
+    test process runs in a thread of its own).
     """
     loop = asyncio.get_running_loop()
     if sockets is None:
@@ -187,9 +190,10 @@ async def run(
     # a test) and then signals must reach the handlers below, not Python's or asyncio's
     # defaults (SIGTERM would kill the process without its final snapshot; SIGINT would stop
     # it with exit 130).
-    stop = asyncio.Event()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
+    if stop is None:
+        stop = asyncio.Event()
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(signum, _on_signal, signum, settings, drain, stop, loop)
     scheme = "https" if ctx else "http"
     for host, port in addrs:
         logger.info("kvmeta listening on %s://%s:%d (pid %d)", scheme, host, port, os.getpid())
@@ -328,13 +332,18 @@ def _start_events(
     return publisher
 
 
-def serve(settings: Settings) -> None:
-    """Run the server in this process (or ``--workers`` processes), on uvloop when available."""
-    if settings.auth_file:  # a bad tokens file refuses to start before anything is bound
+def serve_checks(settings: Settings) -> None:
+    """Refuse, before anything is bound, a tokens file or certificate that cannot be used."""
+    if settings.auth_file:
         from kvmeta.server.tokens import load_tokens
 
         load_tokens(settings.auth_file)
-    _ssl_context(settings)  # likewise an unusable certificate or key
+    _ssl_context(settings)
+
+
+def serve(settings: Settings) -> None:
+    """Run the server in this process (or ``--workers`` processes), on uvloop when available."""
+    serve_checks(settings)
     if settings.workers > 1:
         from kvmeta.server.workers import run_workers
 
