@@ -27,6 +27,7 @@ LAYERS = {
     "service": 3,
     "config": 3,
     "config_file": 3,
+    "config_values": 3,
     "events": 3,
     "server": 4,
     "client": 4,
