@@ -11,7 +11,8 @@ are capped (``--metrics-max-pools``): the first pools in (dialect, rank, namespa
 order keep their own series, the others are summed per dialect and tenant under
 ``rank="_other", namespace="_other"``, so thousands of pools cannot make a scrape megabytes
 long (benchmarks/README.md, "Operator routes"). The text is rendered in a thread
-(``render_metrics_async``) so a scrape never stalls serving.
+(``render_metrics_async``) so a scrape never stalls serving. The pool and durability series,
+read from the backend, are made in ``metrics_pools``.
 """
 
 from __future__ import annotations
@@ -38,6 +39,13 @@ from prometheus_client.core import (
 from kvmeta.errors import KvmetaError
 from kvmeta.server.app import RouteHandler
 from kvmeta.server.http import Request, Response
+from kvmeta.server.metrics_pools import (
+    OTHER,
+    POOL_LABELS,
+    cap_pools,
+    durability_metrics,
+    pool_metrics,
+)
 from kvmeta.store.base import PoolStats
 
 __all__ = [
@@ -54,8 +62,6 @@ __all__ = [
     "render_metrics",
     "render_metrics_async",
 ]
-
-OTHER = "_other"  # rank and namespace label of the pools summed beyond --metrics-max-pools
 
 CONTENT_TYPE = b"text/plain; version=0.0.4; charset=utf-8"
 
@@ -81,85 +87,6 @@ LATENCY_BUCKETS: tuple[float, ...] = (
     1.0,
     2.5,
 )
-
-_POOL_LABELS = ("dialect", "rank", "namespace", "tenant")
-
-# PoolCounters field -> labels of the two multi-outcome families.
-_LOOKUPS: dict[str, tuple[str, str]] = {
-    "exists_hits": ("exists", "hit"),
-    "exists_misses": ("exists", "miss"),
-    "get_hits": ("get", "hit"),
-    "get_misses": ("get", "miss"),
-}
-_RESERVATIONS: dict[str, str] = {
-    "reservations": "granted",
-    "reservations_expired": "expired",
-    "reservations_refused": "refused",
-}
-_POOL_SIMPLE: dict[str, str] = {
-    "reserve_hits": "keys asked to reserve that were already stored",
-    "commits": "pages committed by confirm_write",
-    "confirms_refused": "confirms refused (page not reserved for that key)",
-    "releases": "reserved pages released by their writers",
-    "evictions": "stored pages evicted (least recently used) to make room",
-    "deletes": "keys deleted",
-    "clears": "pool clears",
-}
-_DURABILITY: dict[str, tuple[str, str, bool]] = {
-    # key -> (metric, help, is_counter)
-    "fsyncs": ("kvmeta_journal_fsyncs", "journal fsync calls", True),
-    "fsync_seconds_total": ("kvmeta_journal_fsync_seconds", "time spent in fsync", True),
-    "fsync_seconds_max": ("kvmeta_journal_fsync_seconds_max", "slowest fsync so far", False),
-    "journal_bytes": ("kvmeta_journal_bytes", "bytes appended to the journal", True),
-    "journal_records": ("kvmeta_journal_records", "records appended to the journal", True),
-    "snapshots": ("kvmeta_snapshots", "snapshots written", True),
-    "snapshot_stall_seconds_max": (
-        "kvmeta_snapshot_stall_seconds_max",
-        "longest event-loop pause to capture a snapshot",
-        False,
-    ),
-    "reserve_waits": (
-        "kvmeta_reserve_disk_waits",
-        "reserves that waited for a removal to be durable",
-        True,
-    ),
-    "reserve_wait_seconds": (
-        "kvmeta_reserve_disk_wait_seconds_total",
-        "seconds reserves spent waiting for a removal to be durable",
-        True,
-    ),
-    "journal_failed": (
-        "kvmeta_journal_failed",
-        "1 while the journal cannot be written (changes answer 503; see /health)",
-        False,
-    ),
-    "fsync_stalled": (
-        "kvmeta_journal_fsync_stalled",
-        "1 while a journal fsync is older than --fsync-timeout: the disk stopped answering "
-        "(changes answer 503; see /health)",
-        False,
-    ),
-    "fsync_stalls": (
-        "kvmeta_journal_fsync_stalls",
-        "times a journal fsync outlasted --fsync-timeout",
-        True,
-    ),
-    "fsync_pending_seconds": (
-        "kvmeta_journal_fsync_pending_seconds",
-        "age of the journal fsync in progress (0: none)",
-        False,
-    ),
-    "redis_primaries": (
-        "kvmeta_redis_primaries",
-        "Redis/Valkey primaries holding the state, at the last readiness probe",
-        False,
-    ),
-    "redis_replicas_min": (
-        "kvmeta_redis_replicas_min",
-        "the fewest connected replicas of any primary (below --min-replicas-ack: writes 503)",
-        False,
-    ),
-}
 
 
 class RouteStats:
@@ -287,18 +214,18 @@ def _prefix_metrics(
     asked = CounterMetricFamily(
         "kvmeta_prefix_keys_asked",
         'keys asked by the engines\' exists (SGLang) and batch_exists (vLLM, rank "all") calls',
-        labels=_POOL_LABELS,
+        labels=POOL_LABELS,
     )
     leading = CounterMetricFamily(
         "kvmeta_prefix_leading_hits",
         "keys present from the start of each exists answer up to its first miss: the pages an "
         "engine loads",
-        labels=_POOL_LABELS,
+        labels=POOL_LABELS,
     )
     lengths = HistogramMetricFamily(
         "kvmeta_prefix_hit_length",
         "leading-hit length (keys) of each exists / batch_exists call",
-        labels=_POOL_LABELS,
+        labels=POOL_LABELS,
     )
     ordered = sorted(rows.items())
     if max_pools is not None and len(ordered) > max_pools:
@@ -347,7 +274,7 @@ class _Snapshot:
         info.add_metric(list(self.info.values()), 1)
         yield info
         yield GaugeMetricFamily("kvmeta_ready", "1 when /ready answers 200", value=self.ready)
-        yield from _pool_metrics(cap_pools(self.pools, self.max_pools))
+        yield from pool_metrics(cap_pools(self.pools, self.max_pools))
         yield from _request_metrics(self.requests)
         yield from _prefix_metrics(self.prefix, self.max_pools)
         if self.auth_failures is not None:
@@ -366,96 +293,7 @@ class _Snapshot:
             yield refused
         if self.tenant_counters is not None:
             yield from _tenant_metrics(self.tenant_counters)
-        yield from _durability_metrics(self.durability)
-
-
-def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[str], PoolStats]]:
-    """(labels, stats) per series: the first ``max_pools`` pools in (dialect, rank, namespace)
-    order as they are, the rest summed per dialect and tenant with rank and namespace ``_other``.
-    The order is stable, so a pool keeps its series until pools sorting before it appear."""
-    ordered = sorted(pools, key=lambda st: st.pool)
-    if max_pools is None or len(ordered) <= max_pools:
-        rest: list[PoolStats] = []
-    else:
-        ordered, rest = ordered[:max_pools], ordered[max_pools:]
-    out = [
-        ([st.pool.dialect, str(st.pool.rank), st.pool.namespace, st.pool.tenant], st)
-        for st in ordered
-    ]
-    summed: dict[tuple[str, str], PoolStats] = {}
-    for st in rest:
-        group = (st.pool.dialect, st.pool.tenant)
-        agg = summed.get(group)
-        if agg is None:
-            agg = summed[group] = PoolStats(st.pool, 0, 0, 0, 0, {}, 0)
-        agg.num_pages += st.num_pages
-        agg.free += st.free
-        agg.cooling += st.cooling
-        agg.held_after_restart += st.held_after_restart
-        agg.reserved += st.reserved
-        agg.stored += st.stored
-        agg.size_conflicts += st.size_conflicts
-        for name, value in st.counters.items():
-            agg.counters[name] = agg.counters.get(name, 0) + value
-    out.extend(
-        ([dialect, OTHER, OTHER, tenant], agg) for (dialect, tenant), agg in sorted(summed.items())
-    )
-    return out
-
-
-def _pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
-    size = GaugeMetricFamily("kvmeta_pool_size_pages", "pages in the pool", labels=_POOL_LABELS)
-    pages = GaugeMetricFamily(
-        "kvmeta_pool_pages",
-        "pages by state (free: a reserve takes them without evicting; cooling: freed, not "
-        "handed out again until a read lease or the release grace ends)",
-        labels=[*_POOL_LABELS, "state"],
-    )
-    keys = GaugeMetricFamily("kvmeta_pool_keys", "keys stored in the pool", labels=_POOL_LABELS)
-    held = GaugeMetricFamily(
-        "kvmeta_pool_restart_held_pages",
-        "cooling pages held after a restart until the previous run's leases would have ended",
-        labels=_POOL_LABELS,
-    )
-    conflicts = CounterMetricFamily(
-        "kvmeta_pool_size_conflicts",
-        "re-initialisations asking for another num_pages (misconfiguration)",
-        labels=_POOL_LABELS,
-    )
-    lookups = CounterMetricFamily(
-        "kvmeta_pool_lookups",
-        "keys looked up, by op and result",
-        labels=[*_POOL_LABELS, "op", "result"],
-    )
-    reservations = CounterMetricFamily(
-        "kvmeta_pool_reservations",
-        "new page reservations by outcome (granted, expired unconfirmed, refused: no page)",
-        labels=[*_POOL_LABELS, "outcome"],
-    )
-    simple = {
-        name: CounterMetricFamily(f"kvmeta_pool_{name}", help_, labels=_POOL_LABELS)
-        for name, help_ in _POOL_SIMPLE.items()
-    }
-    for labels, st in pools:
-        size.add_metric(labels, st.num_pages)
-        for state, value in (
-            ("free", st.free),
-            ("cooling", st.cooling),
-            ("reserved", st.reserved),
-            ("stored", st.stored),
-        ):
-            pages.add_metric([*labels, state], value)
-        keys.add_metric(labels, st.stored)
-        held.add_metric(labels, st.held_after_restart)
-        conflicts.add_metric(labels, st.size_conflicts)
-        for name, value in st.counters.items():
-            if name in _LOOKUPS:
-                lookups.add_metric([*labels, *_LOOKUPS[name]], value)
-            elif name in _RESERVATIONS:
-                reservations.add_metric([*labels, _RESERVATIONS[name]], value)
-            elif name in simple:
-                simple[name].add_metric(labels, value)
-    yield from (size, pages, keys, held, conflicts, lookups, reservations, *simple.values())
+        yield from durability_metrics(self.durability)
 
 
 def _request_metrics(routes: list[RouteStats]) -> Iterator[Metric]:
@@ -480,15 +318,6 @@ def _request_metrics(routes: list[RouteStats]) -> Iterator[Metric]:
         latency.add_metric([rs.pattern, rs.method], cumulative, rs.seconds)
     yield counts
     yield latency
-
-
-def _durability_metrics(stats: dict[str, float]) -> Iterator[Metric]:
-    for key, value in sorted(stats.items()):
-        name, help_, is_counter = _DURABILITY.get(
-            key, (f"kvmeta_durability_{key}", f"backend durability statistic {key}", False)
-        )
-        family = CounterMetricFamily if is_counter else GaugeMetricFamily
-        yield family(name, help_, value=float(value))
 
 
 _TENANT_COUNTERS = {
