@@ -18,7 +18,6 @@ import msgspec
 import pytest
 
 from kvmeta._types import PoolId
-from kvmeta.events import publisher
 from kvmeta.events.publisher import Publisher
 from kvmeta.events.wire import (
     hash_array,
@@ -306,8 +305,6 @@ def test_events_equal_the_per_key_model(seed: int, encoding: str) -> None:
                 pub.flush()
         pub.flush()
         got = published(pub)
-        kept = [run for table in pub._stored.values() for run, _ in table.values()]  # noqa: SLF001
-        assert pub._stored_keys == sum(map(len, kept))  # noqa: SLF001
     finally:
         pub.close()
     assert got == model.events
@@ -363,58 +360,34 @@ def note_chain(pub: Publisher, pool: PoolId, run: tuple[str, ...]) -> None:
     pub.note_reserve(pool, [(k, p) for k, p in zip(run, (None, *run[:-1]), strict=True)])
 
 
-def test_an_eviction_of_a_stored_run_reuses_its_published_hashes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The usual eviction removes the pages of one old confirm, in its order: its hash array is
-    the one published with the confirm (not made again from the cold keys); any other
-    grouping gets its hashes made, and a clear forgets the pool's kept arrays."""
-    made = count_hash_bodies(monkeypatch)
+def removals_of(pub: Publisher) -> list[Any]:
+    """The hashes of every ``BlockRemoved`` published so far, in order."""
+    pub.flush()
+    return [e[2] for e in published(pub) if e[0] == "BlockRemoved"]
+
+
+def test_an_eviction_carries_its_keys_hashes_whatever_the_confirms_were() -> None:
+    """An eviction of one confirm's keys, in its order or not, after a clear or not: its
+    ``BlockRemoved`` carries each key's SGLang hash, in the eviction's order."""
     pool = PoolId("s", 0, "kv")
     run = tuple(key_of(i) for i in range(8))
     pub = make_publisher()
     try:
         note_chain(pub, pool, run)
-        pub.on_changes([Change(pool, STORED, run)])
-        assert made == [8]
-        assert bytes(pub._removed_hashes(pool, run)) == raw_hash_array(run)  # noqa: SLF001
-        assert made == [8]  # nothing made again
-        assert pub._stored_keys == 0 and not pub._stored[pool]  # noqa: SLF001 - taken back
-        pub.on_changes([Change(pool, STORED, run)])
-        reordered = pub._removed_hashes(pool, run[::-1])  # noqa: SLF001
-        assert bytes(reordered) == raw_hash_array(run[::-1])
-        pub.on_changes([Change(pool, STORED, run), Change(pool, CLEARED, (), REASON_CLEAR)])
-        assert pool not in pub._stored and pub._stored_keys == 0  # noqa: SLF001
         pub.on_changes([Change(pool, STORED, run), Change(pool, REMOVED, run, REASON_CAPACITY)])
-        pub.flush()
-        got = published(pub)
+        pub.on_changes([Change(pool, STORED, run)])
+        pub.on_changes([Change(pool, REMOVED, run[::-1], REASON_CAPACITY)])
+        pub.on_changes([Change(pool, STORED, run), Change(pool, CLEARED, (), REASON_CLEAR)])
+        pub.on_changes([Change(pool, STORED, run), Change(pool, REMOVED, run, REASON_CAPACITY)])
+        removed = removals_of(pub)
     finally:
         pub.close()
-    removed = [e for e in got if e[0] == "BlockRemoved"]
-    assert [e[2] for e in removed] == [sglang_hashes(run)]
+    assert removed == [sglang_hashes(run), sglang_hashes(run[::-1]), sglang_hashes(run)]
 
 
-def count_hash_bodies(monkeypatch: pytest.MonkeyPatch) -> list[int]:
-    """The length of every key list the publisher makes hashes of from the keys (the count
-    appended before the call)."""
-    made: list[int] = []
-    real = publisher.hash_body
-
-    def counted(keys: Sequence[str]) -> bytes | None:
-        made.append(len(keys))
-        return real(keys)
-
-    monkeypatch.setattr(publisher, "hash_body", counted)
-    return made
-
-
-def test_evictions_that_cut_across_confirms_are_cut_from_the_kept_arrays(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
+def test_evictions_that_cut_across_confirms_carry_their_keys_hashes() -> None:
     """A data directory evicts ahead of need by the pages it lacks, so its evictions take the
-    end of one confirm and the start of the next: each eviction's hashes are pieced together
-    from the arrays the confirms published, and none is made from the keys again."""
-    made = count_hash_bodies(monkeypatch)
+    end of one confirm and the start of the next: each eviction's hashes are its keys'."""
     pool = PoolId("s", 0, "kv")
     runs = [tuple(key_of(100 * r + i) for i in range(64)) for r in range(6)]
     pub = make_publisher()
@@ -422,7 +395,6 @@ def test_evictions_that_cut_across_confirms_are_cut_from_the_kept_arrays(
         for run in runs:
             note_chain(pub, pool, run)
             pub.on_changes([Change(pool, STORED, run)])
-        assert made == [64] * 6
         lru = [key for run in runs for key in run]
         sizes = [100, 64, 64, 1, 127, 28]  # the first one: what the spare lacked at first
         removals = []
@@ -430,107 +402,33 @@ def test_evictions_that_cut_across_confirms_are_cut_from_the_kept_arrays(
             removals.append(tuple(lru[:size]))
             lru = lru[size:]
             pub.on_changes([Change(pool, REMOVED, removals[-1], REASON_CAPACITY)])
-        assert not lru and made == [64] * 6
-        assert pub._stored_keys == 0 and not pub._partial  # noqa: SLF001 - nothing left
-        pub.flush()
-        got = published(pub)
+        assert not lru
+        removed = removals_of(pub)
     finally:
         pub.close()
-    assert [e[2] for e in got if e[0] == "BlockRemoved"] == [
-        sglang_hashes(keys) for keys in removals
-    ]
+    assert removed == [sglang_hashes(keys) for keys in removals]
 
 
-def test_a_removal_that_leaves_the_kept_runs_makes_the_rest_of_its_hashes(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """Keys past the kept runs (here: a run the pool stored but too short to keep) get their
-    hashes made, those alone; a rest no removal takes is forgotten at the pool's next one."""
-    made = count_hash_bodies(monkeypatch)
+def test_removals_in_other_groupings_than_the_confirms_carry_their_keys_hashes() -> None:
+    """Removals that take part of a confirm, run past it into a short one, skip keys, or
+    come in a different grouping than the stores: each carries its own keys' hashes."""
     pool = PoolId("s", 0, "kv")
     a = tuple(key_of(i) for i in range(16))
     short = tuple(key_of(50 + i) for i in range(3))
+    b = tuple(key_of(100 + i) for i in range(16))
+    c = tuple(key_of(200 + i) for i in range(8))
+    d = tuple(key_of(300 + i) for i in range(8))
+    runs = [tuple(key_of(1000 + 100 * r + i) for i in range(8)) for r in range(40)]
     pub = make_publisher()
     try:
-        for run in (a, short):
+        for run in (a, short, b, c, d, *runs):
             note_chain(pub, pool, run)
             pub.on_changes([Change(pool, STORED, run)])
-        del made[:]
-        pub.on_changes([Change(pool, REMOVED, a[:10], REASON_CAPACITY)])
-        assert made == [] and pub._partial[pool][0] == a[10:]  # noqa: SLF001
-        pub.on_changes([Change(pool, REMOVED, a[10:] + short, REASON_CAPACITY)])
-        assert made == [3] and not pub._partial  # noqa: SLF001
-        b = tuple(key_of(100 + i) for i in range(16))
-        note_chain(pub, pool, b)
-        pub.on_changes([Change(pool, STORED, b), Change(pool, REMOVED, b[:4], REASON_DELETE)])
-        pub.on_changes([Change(pool, REMOVED, b[8:], REASON_DELETE)])  # not where b's rest is
-        assert not pub._partial and made == [3, 16, 8]  # noqa: SLF001
-        pub.flush()
-        got = published(pub)
+        asked = [a[:10], a[10:] + short, b[:4], b[8:], c[4:] + d[:4], c[:4], *runs]
+        for keys in asked:
+            reason = REASON_DELETE if keys in (b[:4], b[8:]) else REASON_CAPACITY
+            pub.on_changes([Change(pool, REMOVED, keys, reason)])
+        removed = removals_of(pub)
     finally:
         pub.close()
-    assert [e[2] for e in got if e[0] == "BlockRemoved"] == [
-        sglang_hashes(a[:10]),
-        sglang_hashes(a[10:] + short),
-        sglang_hashes(b[:4]),
-        sglang_hashes(b[8:]),
-    ]
-
-
-def test_kept_hash_arrays_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
-    """At most ``_RUNS_CAP`` keys' arrays are kept: when full, new runs are not kept (the kept
-    ones are the next evicted), room comes back as they are removed, and every removal's
-    hashes are right whether kept or made."""
-    monkeypatch.setattr("kvmeta.events.publisher._RUNS_CAP", 64)
-    pool = PoolId("s", 0, "kv")
-    pub = make_publisher()
-    try:
-        runs = [tuple(key_of(100 * r + i) for i in range(8)) for r in range(40)]
-        for run in runs:
-            note_chain(pub, pool, run)
-            pub.on_changes([Change(pool, STORED, run)])
-            assert pub._stored_keys <= 64  # noqa: SLF001
-        assert list(pub._stored[pool]) == [run[0] for run in runs[:8]]  # noqa: SLF001
-        for run in runs[:20]:
-            pub.on_changes([Change(pool, REMOVED, run, REASON_CAPACITY)])
-        assert pub._stored_keys == 0  # noqa: SLF001 - the kept ones were taken back
-        note_chain(pub, pool, runs[0])
-        pub.on_changes([Change(pool, STORED, runs[0])])  # room again
-        assert list(pub._stored[pool]) == [runs[0][0]]  # noqa: SLF001
-        for run in runs[20:]:
-            pub.on_changes([Change(pool, REMOVED, run, REASON_CAPACITY)])
-        pub.flush()
-        got = published(pub)
-    finally:
-        pub.close()
-    removed = [e[2] for e in got if e[0] == "BlockRemoved"]
-    assert removed == [sglang_hashes(run) for run in runs]
-
-
-def test_short_runs_are_not_kept_and_other_groupings_drop_what_they_start() -> None:
-    pool = PoolId("s", 0, "kv")
-    pub = make_publisher()
-    try:
-        short = tuple(key_of(i) for i in range(3))
-        note_chain(pub, pool, short)
-        pub.on_changes([Change(pool, STORED, short)])  # one run, shorter than _RUN_MIN
-        assert not pub._stored[pool]  # noqa: SLF001
-        a = tuple(key_of(10 + i) for i in range(8))
-        b = tuple(key_of(20 + i) for i in range(8))
-        note_chain(pub, pool, a)
-        note_chain(pub, pool, b)
-        pub.on_changes([Change(pool, STORED, a), Change(pool, STORED, b)])
-        assert pub._stored_keys == 16  # noqa: SLF001
-        # an eviction taking the end of a and the start of b: b's kept run starts with one of
-        # its keys and goes; a's stays for a's first key
-        pub.on_changes([Change(pool, REMOVED, a[4:] + b[:4], REASON_CAPACITY)])
-        assert list(pub._stored[pool]) == [a[0]]  # noqa: SLF001
-        assert pub._stored_keys == 8  # noqa: SLF001
-        pub.on_changes([Change(pool, REMOVED, a[:4], REASON_CAPACITY)])
-        assert pub._stored_keys == 0  # noqa: SLF001 - its first key went: so did the run
-        pub.flush()
-        got = published(pub)
-    finally:
-        pub.close()
-    removed = [e[2] for e in got if e[0] == "BlockRemoved"]
-    assert removed == [sglang_hashes(a[4:] + b[:4]), sglang_hashes(a[:4])]
+    assert removed == [sglang_hashes(keys) for keys in asked]

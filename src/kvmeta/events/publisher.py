@@ -38,13 +38,9 @@ one entry under its first key, and a confirm of exactly those keys takes it back
 any other shape (and any confirm not matching a kept chain) goes through a per-key table, into
 which the kept chains are first spread, so the newest reserve of a key always names its parent.
 
-Removals: the pages an eviction takes are usually those of the oldest confirms, each in its
-order (the least recently used end of the pool), so each SGLang run's hash array is kept from
-its ``BlockStored`` until its keys are removed, and an eviction's array is cut from the kept
-arrays of the runs it takes, whole or in part (``_removed_hashes``; the pool reports the very
-key objects the confirm did, so the match is a comparison of pointers). Keys that follow no
-kept run get their hashes made; ``_RUNS_CAP`` bounds what is kept (``_removed_hashes`` says
-how).
+Removals: an eviction's hashes are made from its keys, as a confirm's are. (Keeping each
+confirm's hash array until its keys were evicted, to cut the eviction's from it, measured no
+cheaper per request beyond the noise: benchmarks/README.md, Events.)
 """
 
 from __future__ import annotations
@@ -98,12 +94,6 @@ _DUMP_PAGE = 2048
 # many are noted between two compactions of their tables (``Publisher._compact``).
 _PREFIX_CAP = 1 << 17
 _COMPACT_EVERY = 1 << 14
-# Keys whose published hash arrays are kept for their removal (``Publisher._removed_hashes``),
-# all pools together (about 20 bytes a key while the pool holds the keys; a kept run whose keys
-# the pool dropped in other groupings holds their strings until its first key goes), and the
-# shortest run kept (a single key's hash is as cheap to make again as to keep).
-_RUNS_CAP = 1 << 18
-_RUN_MIN = 8
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change. Each batch costs about the same whatever its size (the socket wakes
 # ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
@@ -252,12 +242,6 @@ class Publisher:
         self._chains: dict[PoolId, dict[str, tuple[tuple[str, ...], str | None]]] = {}
         self._prefixes: dict[PoolId, dict[str, str | None]] = {}
         self._noted = 0
-        # The hash arrays of the SGLang runs stored, by first key (oldest first), kept for
-        # their removal (``_removed_hashes``), and how many keys they hold together.
-        self._stored: dict[PoolId, dict[str, tuple[tuple[str, ...], bytes]]] = {}
-        self._stored_keys = 0
-        # Per pool, the rest of the kept run its last removal took in part (its keys, hashes).
-        self._partial: dict[PoolId, tuple[tuple[str, ...], bytes]] = {}
         # Pools reported UNSURE, waiting to be stated again (``_resync_unsure``), the task
         # doing it, and the backend it reads (known from ``resync``); resyncs take turns.
         self._unsure: dict[PoolId, None] = {}
@@ -413,10 +397,6 @@ class Publisher:
         if kind == CLEARED:
             self._chains.pop(pool, None)
             self._prefixes.pop(pool, None)
-            self._partial.pop(pool, None)
-            dropped = self._stored.pop(pool, None)
-            if dropped:
-                self._stored_keys -= sum(len(run) for run, _ in dropped.values())
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
         if not keys:  # (UNSURE and LOST changes have none: off the path of the usual ones)
@@ -438,90 +418,11 @@ class Publisher:
         if type(keys) is not tuple:
             keys = tuple(keys)
         if kind == REMOVED:
-            out.append(enc.raw(enc.removed(pool, self._removed_hashes(pool, keys), reason)))
+            out.append(enc.raw(enc.removed(pool, _hashes(keys), reason)))
             return
         for run, parent in self._runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
-            body = hash_body(run)
-            if body is None:  # (keys without a hex head: hashed one by one)
-                hashes: Hashes = [sglang_hash(k) for k in run]
-            else:
-                hashes = hash_array(len(run), body)
-                self._keep(pool, run, body)
-            out.append(enc.raw(enc.stored(pool, hashes, parent_hash, run, parent)))
-
-    def _keep(self, pool: PoolId, run: tuple[str, ...], body: bytes) -> None:
-        """Keep a stored run's hash array (``hash_body``) for its removal
-        (``_removed_hashes``), in place of an older run with the same first key."""
-        stored = self._stored.get(pool)
-        if stored is None:
-            stored = self._stored[pool] = {}
-        else:
-            replaced = stored.pop(run[0], None)
-            if replaced is not None:
-                self._stored_keys -= len(replaced[0])
-        if len(run) >= _RUN_MIN and self._stored_keys + len(run) <= _RUNS_CAP:
-            stored[run[0]] = (run, body)
-            self._stored_keys += len(run)
-
-    def _removed_hashes(self, pool: PoolId, keys: tuple[str, ...]) -> Hashes:
-        """The removed keys' hashes, cut from the arrays published when they were stored.
-
-        The usual eviction takes the least recently used pages, which are those of the oldest
-        confirms, each in its order: the removed keys are the kept runs that start at
-        ``keys[0]``, one after the other, the last one perhaps in part. The rest of a run
-        removed in part is remembered (one per pool, ``_partial``) for the pool's next
-        removal, which takes it when it starts there: evictions need not line up with confirms
-        (a data directory evicts ahead of need by the pages it lacks, whatever the confirms'
-        sizes). A hash depends on its key alone, so a kept array is right whenever the keys
-        are equal, however old it is. Where the keys stop following kept runs, the rest get
-        their hashes made, and the kept runs that start with one of them are dropped, so none
-        outlives its first key (nor a rest the pool's next removal).
-
-        When full (``_RUNS_CAP``), new runs are not kept and the kept ones wait for their
-        evictions: a pool bigger than the cap still finds a share of its evictions kept,
-        where forgetting the oldest runs would forget exactly the next ones evicted."""
-        partial = self._partial.pop(pool, None)
-        stored = self._stored.get(pool)
-        n = len(keys)
-        if partial is not None and partial[0][0] == keys[0]:
-            kept: tuple[tuple[str, ...], bytes] | None = partial
-        elif stored:
-            kept = stored.pop(keys[0], None)
-            if kept is not None:
-                self._stored_keys -= len(kept[0])
-                if kept[0] == keys:  # one whole run: the commonest eviction in memory
-                    return hash_array(n, kept[1])
-        else:
-            return _hashes(keys)
-        parts: list[bytes] = []
-        pos = 0
-        while kept is not None:
-            run, body = kept
-            m = min(len(run), n - pos)
-            if run[:m] != keys[pos : pos + m]:
-                break
-            if m < len(run):  # the removal's end: the run's other keys go next time
-                self._partial[pool] = (run[m:], body[9 * m :])
-                parts.append(body[: 9 * m])
-            else:
-                parts.append(body)
-            pos += m
-            if pos == n:
-                return hash_array(n, b"".join(parts))
-            kept = stored.pop(keys[pos], None) if stored else None
-            if kept is not None:
-                self._stored_keys -= len(kept[0])
-        if stored:
-            for key in islice(keys, pos + 1, None):
-                other = stored.pop(key, None)
-                if other is not None:
-                    self._stored_keys -= len(other[0])
-        rest = hash_body(keys[pos:]) if parts else None
-        if rest is None:
-            return _hashes(keys)
-        parts.append(rest)
-        return hash_array(n, b"".join(parts))
+            out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
@@ -596,12 +497,9 @@ class Publisher:
     # ------------------------------------------------------------------ lost state
 
     def _forget_all(self) -> None:
-        """Drop what is kept per pool (parents, hash arrays): the pools' keys may all be gone."""
+        """Drop the parents kept per pool: the pools' keys may all be gone."""
         self._chains.clear()
         self._prefixes.clear()
-        self._partial.clear()
-        self._stored.clear()
-        self._stored_keys = 0
 
     def _resync_lost_soon(self) -> None:
         if not self._lost or self._closed or self._loop is None or self._backend is None:
