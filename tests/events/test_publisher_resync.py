@@ -187,7 +187,7 @@ def test_a_lost_state_is_stated_again_whole_after_what_was_queued() -> None:
         start = len(published(pub))
         backend.during = [Change(POOL, STORED, (key(9),))]
         pub.on_changes([Change(POOL, STORED, (key(8),)), Change(EVERY_POOL, LOST, ())])
-        assert not pub._prefixes and not pub._chains
+        assert not pub.parents
         await _until(lambda: pub.stats.resyncs == 2)
         await _until(lambda: len(published(pub)) - start == 6)
         got = published(pub)[start:]

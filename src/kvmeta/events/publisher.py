@@ -30,13 +30,8 @@ resync again, whole, with reason ``data-lost``: what is queued is sent, then one
 ones created since), the changes made meanwhile after. The run and topic stay (the topic names
 the epoch the run started in); sequence numbers go on.
 
-SGLang's parent block: the reserve request names each key's prefix key (``note_reserve``); it
-is kept per pool until the key's confirm is published, within ``_PREFIX_CAP`` keys overall
-(the oldest are forgotten first: their events then carry no parent). A reserve whose keys form
-one chain (each key's prefix is the key before it: what SGLang sends for a sequence) is kept as
-one entry under its first key, and a confirm of exactly those keys takes it back in one lookup;
-any other shape (and any confirm not matching a kept chain) goes through a per-key table, into
-which the kept chains are first spread, so the newest reserve of a key always names its parent.
+SGLang's parent block: the reserve request names each key's prefix key (``note_reserve``), kept
+(``events.parents``) until the key's confirm is published.
 
 Removals: an eviction's hashes are made from its keys, as a confirm's are. (Keeping each
 confirm's hash array until its keys were evicted, to cut the eviction's from it, measured no
@@ -51,8 +46,6 @@ import time
 import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from itertools import islice, repeat
-from operator import itemgetter
 from typing import Any
 
 import msgspec
@@ -61,6 +54,7 @@ import zmq
 from kvmeta._types import PoolId
 from kvmeta.errors import NotInitialized
 from kvmeta.events.listen import ListenGuard
+from kvmeta.events.parents import Parents
 from kvmeta.events.replay import ReplayBuffer, ReplayServer
 from kvmeta.events.wire import (
     Encoder,
@@ -90,10 +84,6 @@ logger = logging.getLogger(__name__)
 # keys per resync BlockStored event.
 _MAX_EVENTS = 1024
 _DUMP_PAGE = 2048
-# Prefix keys remembered from reserves, all pools together (about 250 bytes each), and how
-# many are noted between two compactions of their tables (``Publisher._compact``).
-_PREFIX_CAP = 1 << 17
-_COMPACT_EVERY = 1 << 14
 # Changes are gathered this long (seconds) before their batch is sent: fewer, larger batches
 # cost less per change. Each batch costs about the same whatever its size (the socket wakes
 # ZeroMQ's I/O thread, which writes it to each subscriber: about 100-150 us of CPU on a busy
@@ -101,8 +91,6 @@ _COMPACT_EVERY = 1 << 14
 # about a fifth of the events' cost at the batch-64 cycle. The lag a subscriber sees is this
 # window plus a few milliseconds (p99 about 11 ms measured; the target is at most 20 ms).
 _GATHER = 0.008
-_FIRST = itemgetter(0)
-_SECOND = itemgetter(1)
 # A frame out through the socket's compiled ``send``: pyzmq's ``send_multipart`` and its
 # Python ``send`` wrapper check arguments these calls do not use (2.8 against 5.9 us a batch).
 _SEND_FRAME = zmq.backend.Socket.send
@@ -237,11 +225,8 @@ class Publisher:
         self._holding = False
         self._scheduled = False  # a flush is due (call_later)
         self._loop: asyncio.AbstractEventLoop | None = None
-        # Parents (the module docstring): chain-shaped reserves by first key (the keys, the
-        # first key's prefix), and per key.
-        self._chains: dict[PoolId, dict[str, tuple[tuple[str, ...], str | None]]] = {}
-        self._prefixes: dict[PoolId, dict[str, str | None]] = {}
-        self._noted = 0
+        # Each reserved key's prefix key, until its confirm names it as its parent.
+        self.parents = Parents()
         # Pools reported UNSURE, waiting to be stated again (``_resync_unsure``), the task
         # doing it, and the backend it reads (known from ``resync``); resyncs take turns.
         self._unsure: dict[PoolId, None] = {}
@@ -286,97 +271,13 @@ class Publisher:
         """Remember each reserved key's prefix key (SGLang's ``[key, prefix_key]`` pairs);
         ``keys``: the pairs' keys, when the caller has them already."""
         if pairs:
-            self._note(pool, pairs, keys)
+            self.parents.note(pool, pairs, keys)
 
     def _schedule(self) -> None:
         if self._holding or self._loop is None or not self._pending:
             return
         self._scheduled = True
         self._loop.call_later(_GATHER, self.flush)
-
-    # ------------------------------------------------------------------ parents
-
-    def _note(
-        self,
-        pool: PoolId,
-        pairs: Sequence[tuple[str, str | None]],
-        given: Sequence[str] | None,
-    ) -> None:
-        keys = tuple(map(_FIRST, pairs)) if given is None else tuple(given)
-        chains = self._chains.get(pool)
-        if tuple(map(_SECOND, islice(pairs, 1, None))) == keys[:-1] and (
-            chains is None or keys[0] not in chains
-        ):
-            if chains is None:
-                chains = self._chains[pool] = {}
-            chains[keys[0]] = (keys, pairs[0][1])
-        else:
-            self._spread(pool)  # what is kept by chain is older than this note
-            known = self._prefixes.get(pool)
-            if known is None:
-                known = self._prefixes[pool] = {}
-            known.update(pairs)
-        self._noted += len(keys)
-        if self._noted > _COMPACT_EVERY:
-            self._compact()
-
-    def _spread(self, pool: PoolId) -> None:
-        """Move the pool's kept chains into its per-key table (oldest first)."""
-        chains = self._chains.pop(pool, None)
-        if not chains:
-            return
-        known = self._prefixes.get(pool)
-        if known is None:
-            known = self._prefixes[pool] = {}
-        for keys, parent in chains.values():
-            known.update(zip(keys, (parent, *keys[:-1]), strict=True))
-
-    def _compact(self) -> None:
-        """Copy the prefix tables (most entries are popped by their confirm soon after: a
-        dict that had many keys deleted keeps its size and gets slower to probe; a copy is
-        as small as what is left), and forget the oldest half of each table when they hold
-        more than ``_PREFIX_CAP`` keys together."""
-        total = sum(len(known) for known in self._prefixes.values()) + sum(
-            len(keys) for chains in self._chains.values() for keys, _ in chains.values()
-        )
-        halve = total > _PREFIX_CAP
-        self._prefixes = _copied(self._prefixes, halve)
-        self._chains = _copied(self._chains, halve)
-        self._noted = 0
-
-    def _runs(
-        self, pool: PoolId, keys: tuple[str, ...]
-    ) -> list[tuple[tuple[str, ...], str | None]]:
-        """The runs of a confirm, each with its parent key: one per chain (a key continues
-        the run when its prefix key is the key before it; SGLang confirms a sequence's pages in
-        order)."""
-        chains = self._chains.get(pool)
-        if chains:
-            kept = chains.get(keys[0])
-            if kept is not None and kept[0] == keys:  # the usual confirm of one reserve
-                del chains[keys[0]]
-                known = self._prefixes.get(pool)
-                if known:  # (older notes of these keys: gone with this confirm)
-                    for key in keys:
-                        known.pop(key, None)
-                return [(keys, kept[1])]
-            self._spread(pool)
-        known = self._prefixes.get(pool)
-        if known is None:
-            parents: list[str | None] = [None] * len(keys)
-        else:
-            parents = list(map(known.pop, keys, repeat(None)))
-        if parents[1:] == list(keys[:-1]):  # one chain
-            return [(keys, parents[0])]
-        runs: list[tuple[tuple[str, ...], str | None]] = []
-        start = 0
-        for i in range(1, len(keys)):
-            parent = parents[i]
-            if parent is None or parent != keys[i - 1]:
-                runs.append((keys[start:i], parents[start]))
-                start = i
-        runs.append((keys[start:], parents[start]))
-        return runs
 
     # ------------------------------------------------------------------ output
 
@@ -395,8 +296,7 @@ class Publisher:
         out = self._pending
         enc = self.encoder
         if kind == CLEARED:
-            self._chains.pop(pool, None)
-            self._prefixes.pop(pool, None)
+            self.parents.forget(pool)
             out.append(enc.raw(enc.cleared(pool, reason)))
             return
         if not keys:  # (UNSURE and LOST changes have none: off the path of the usual ones)
@@ -420,7 +320,7 @@ class Publisher:
         if kind == REMOVED:
             out.append(enc.raw(enc.removed(pool, _hashes(keys), reason)))
             return
-        for run, parent in self._runs(pool, keys):
+        for run, parent in self.parents.runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
             out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
 
@@ -498,8 +398,7 @@ class Publisher:
 
     def _forget_all(self) -> None:
         """Drop the parents kept per pool: the pools' keys may all be gone."""
-        self._chains.clear()
-        self._prefixes.clear()
+        self.parents.clear()
 
     def _resync_lost_soon(self) -> None:
         if not self._lost or self._closed or self._loop is None or self._backend is None:
@@ -646,12 +545,3 @@ def _hashes(keys: Sequence[str]) -> Hashes:
     """A run's SGLang hashes, as their msgpack array when every key is 64 hex digits."""
     body = hash_body(keys)
     return [sglang_hash(k) for k in keys] if body is None else hash_array(len(keys), body)
-
-
-def _copied(tables: dict[PoolId, dict[str, Any]], halve: bool) -> dict[PoolId, dict[str, Any]]:
-    """Fresh copies of the non-empty tables, without their oldest half when ``halve``."""
-    fresh: dict[PoolId, dict[str, Any]] = {}
-    for pool, table in tables.items():
-        if table:
-            fresh[pool] = dict(islice(table.items(), len(table) // 2, None) if halve else table)
-    return fresh
