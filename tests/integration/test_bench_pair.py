@@ -149,6 +149,7 @@ def test_a_side_with_events_runs_and_its_subscriber_receives_batches() -> None:
         (("--url", "http://127.0.0.1:1"), "--url"),
         (("--a-src", "/nonexistent"), "--a-src"),
         (("--subscribe",), "--events"),
+        (("--subscribe", "--b-arg=--events=tcp://127.0.0.1:0"), "port 0"),
         (("--workers", "2"), "--workers"),
     ],
 )

@@ -468,6 +468,15 @@ def _pair(args: argparse.Namespace) -> str:
                 "--b-arg=--events=tcp://127.0.0.1:{port}",
                 "subscribe",
             )
+        for side in sides:
+            endpoint = events_endpoint(side.args)
+            if endpoint and endpoint.startswith("tcp://") and endpoint.endswith(":0"):
+                raise InvalidRequest(
+                    f"--subscribe cannot reach {endpoint}: a server binding port 0 publishes on "
+                    "a port chosen at start that the subscriber is never told; give the side a "
+                    "port of its own, e.g. --b-arg=--events=tcp://127.0.0.1:{port}",
+                    "subscribe",
+                )
         _zmq()  # a missing events extra fails before anything runs
     for side in sides:
         side.check()
