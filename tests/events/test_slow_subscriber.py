@@ -13,7 +13,7 @@ import pytest
 import requests
 import zmq
 
-from tests.events.events_support import endpoints, metric, published, replay
+from tests.events.events_support import connect, endpoints, metric, published, replay
 from tests.support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow
@@ -48,8 +48,7 @@ def test_a_subscriber_that_stops_reading_misses_batches_beyond_its_queue_then_re
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 1)
         sub.setsockopt(zmq.RCVBUF, 1 << 16)
-        sub.connect(ends.pub)
-        time.sleep(0.5)
+        connect(sub, ends.pub)
         url = server.url
         assert requests.post(f"{url}/0/initialize", json={"num_pages": 1 << 18}, timeout=30).ok
         first = published(server)
