@@ -1,6 +1,7 @@
 """KV events on vs off at the SGLang batch-64 cycle, side by side in one run.
 
     python benchmarks/bench_events.py [--launch memory|durable] [--duration 10] [--clients 3]
+                                      [--warmup 1] [--pool-pages 65536]
                                       [--repeat 2] [--load saturation|normal|both]
                                       [--load-rate REQ_PER_S] [--capacity-seconds 3]
                                       [--app-cycles 4000] [--replay] [--full-subscriber]
@@ -364,9 +365,10 @@ def cycle_config(args: argparse.Namespace, rate: float) -> BenchConfig:
     return BenchConfig(
         dialect="s",
         batch=64,
-        pool_pages=65536,
+        pool_pages=args.pool_pages,
         clients=args.clients,
         duration=args.duration,
+        warmup=args.warmup,
         rate=rate,
     )
 
@@ -401,6 +403,18 @@ def main() -> None:
     parser.add_argument("--launch", default="memory", choices=("memory", "durable"))
     parser.add_argument("--duration", type=float, default=10.0)
     parser.add_argument("--clients", type=int, default=3)
+    parser.add_argument(
+        "--warmup",
+        type=float,
+        default=1.0,
+        help="seconds of load before each measured window (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--pool-pages",
+        type=int,
+        default=65536,
+        help="pages in the pool, prefilled so every reserve evicts (default: %(default)s)",
+    )
     parser.add_argument("--repeat", type=int, default=2)
     parser.add_argument(
         "--load",
@@ -447,7 +461,7 @@ def main() -> None:
         runs = pairs(args, rate)
         phases["normal"] = {"rate": rate, "runs": runs, "cpu": summary(runs)}
     cap = capacity(args.capacity_seconds) if args.capacity_seconds > 0 else {}
-    app = inprocess(64, 65536, args.app_cycles)
+    app = inprocess(64, args.pool_pages, args.app_cycles)
     if args.json:
         print(json.dumps({**phases, "capacity": cap, "app": app}, indent=2))
         return

@@ -1,9 +1,11 @@
 """The ``backend`` fixture: every contract test runs once per backend.
 
-A backend is built by a factory ``(reservation_ttl, read_lease, fixture, hash_index=False) ->
-Backend``, where ``fixture(name)`` returns a pytest fixture's value (e.g. ``"redis_cluster_url"``:
-an empty cluster), requested only by the factories that need it, and ``hash_index`` is the
-server's ``--hash-index``; ``BACKENDS`` maps each fixture id to
+A backend is built by a factory ``(reservation_ttl, read_lease, fixture, hash_index=False,
+clock=None) -> Backend``, where ``fixture(name)`` returns a pytest fixture's value (e.g.
+``"redis_cluster_url"``: an empty cluster), requested only by the factories that need it,
+``hash_index`` is the server's ``--hash-index`` and ``clock`` a test clock (``TestClock``: time
+moves only when the test moves it, so a lease runs out without the test waiting for it; None:
+real time, Redis TIME on Redis); ``BACKENDS`` maps each fixture id to
 its factory, so adding a backend (or a Redis topology) is one line. The local backend runs in
 memory and durable (a data directory with ``--fsync batch`` and the real fsync helper, the
 server's default); Redis runs on every topology kvmeta supports: one node, a 3-primary +
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import tempfile
+import time
 from collections.abc import Callable, Coroutine, Iterator
 from pathlib import Path
 from typing import Any, Protocol, TypeVar
@@ -31,43 +34,85 @@ from kvmeta.store.redis.backend import RedisBackend
 T = TypeVar("T")
 
 
+Clock = Callable[[], float]
+
+
+class TestClock:
+    """A clock that stands still until the test moves it: a lease test steps past a deadline
+    in no time, exactly (memory and Redis scripts read the same value)."""
+
+    __test__ = False  # not a test class, whatever its name
+
+    def __init__(self, now: float = 1000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
 class Factory(Protocol):
     def __call__(
-        self, ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+        self,
+        ttl: float,
+        lease: float,
+        fixture: Callable[[str], str],
+        hash_index: bool = False,
+        clock: Clock | None = None,
     ) -> Backend: ...
 
 
 def _redis(url_fixture: str) -> Factory:
     def make(
-        ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+        ttl: float,
+        lease: float,
+        fixture: Callable[[str], str],
+        hash_index: bool = False,
+        clock: Clock | None = None,
     ) -> Backend:
-        # step_bound 0: these tests sleep across leases shorter than the clock-step bound,
-        # which the guard would count as steps (tests/integration/test_redis_clock_step.py
-        # tests the guard on a Valkey whose clock is stepped).
+        # step_bound 0: the real-time tests sleep across leases shorter than the clock-step
+        # bound, which the guard would count as steps (tests/integration/test_redis_clock_step.py
+        # tests the guard on a Valkey whose clock is stepped). A test clock bypasses it.
         return RedisBackend(
             fixture(url_fixture),
             reservation_ttl=ttl,
             read_lease=lease,
             hash_index=hash_index,
             step_bound=0.0,
+            clock=clock,
         )
 
     return make
 
 
 def _memory(
-    ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+    ttl: float,
+    lease: float,
+    fixture: Callable[[str], str],
+    hash_index: bool = False,
+    clock: Clock | None = None,
 ) -> Backend:
-    return LocalBackend(MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index))
+    store = MemoryStore(
+        reservation_ttl=ttl, read_lease=lease, hash_index=hash_index, clock=clock or time.monotonic
+    )
+    return LocalBackend(store)
 
 
 def _durable(
-    ttl: float, lease: float, fixture: Callable[[str], str], hash_index: bool = False
+    ttl: float,
+    lease: float,
+    fixture: Callable[[str], str],
+    hash_index: bool = False,
+    clock: Clock | None = None,
 ) -> Backend:
     """The default durable server: a data directory of its own, ``--fsync batch`` with the
     real fsync helper process."""
     directory = Path(tempfile.mkdtemp(dir=fixture("tmp_path")))
-    store = MemoryStore(reservation_ttl=ttl, read_lease=lease, hash_index=hash_index)
+    store = MemoryStore(
+        reservation_ttl=ttl, read_lease=lease, hash_index=hash_index, clock=clock or time.monotonic
+    )
     return LocalBackend(store, DurabilityOptions(data_dir=directory))
 
 
@@ -117,7 +162,7 @@ class Sync:
 @pytest.fixture(params=sorted(BACKENDS))
 def make_backend(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
     """Build a started backend of the parametrised kind: ``make_backend(ttl=..., lease=...,
-    hash_index=...)``. Redis backends built in one test share one Redis."""
+    hash_index=..., clock=...)``. Redis backends built in one test share one Redis."""
     yield from _maker(request)
 
 
@@ -135,8 +180,10 @@ def _maker(request: pytest.FixtureRequest) -> Iterator[Callable[..., Sync]]:
     def fixture(name: str) -> str:
         return str(request.getfixturevalue(name))
 
-    def make(ttl: float = 300.0, lease: float = 0.0, hash_index: bool = False) -> Sync:
-        backend = BACKENDS[request.param](ttl, lease, fixture, hash_index=hash_index)
+    def make(
+        ttl: float = 300.0, lease: float = 0.0, hash_index: bool = False, clock: Clock | None = None
+    ) -> Sync:
+        backend = BACKENDS[request.param](ttl, lease, fixture, hash_index=hash_index, clock=clock)
         loop.run_until_complete(backend.start())
         started.append(Sync(backend, loop, request.param))
         return started[-1]

@@ -1,10 +1,10 @@
 """The behaviour every Backend must have (docs/guarantees.md), run against each backend in BACKENDS.
 
-Leases use real time: TTLs and sleeps, so Redis-side expiry (Redis TIME) is exercised for real.
-A test that a lease still holds uses ``LEASE`` (seconds), long enough that a loaded machine
-cannot outrun it between two calls; a test that one has run out may use short ones (a sleep
-is never shorter than asked). Every test ends with the full page invariant checked in the
-store itself (by the ``make_backend`` fixture).
+Lease tests step a test clock (``TestClock``, shared by the memory store and every Redis
+script that reads time) past their deadlines: exact, and no test waits for a lease. One test per
+backend keeps real time (a short TTL and a sleep), so expiry on Redis TIME is exercised for real
+too; a sleep is never shorter than asked. Every test ends with the full page invariant checked
+in the store itself (by the ``make_backend`` fixture).
 """
 
 from __future__ import annotations
@@ -16,25 +16,30 @@ import pytest
 
 from kvmeta._types import PoolId
 from kvmeta.errors import InvalidRequest, NotInitialized, PageOutOfRange
-from tests.contract.conftest import Sync
+from tests.contract.conftest import Sync, TestClock
 
 S0 = PoolId("s", 0, "kv")
 S1 = PoolId("s", 1, "other ns/with:odd{chars}")
 V0 = PoolId("v", 0, "")
 
 
-LEASE = 2.5  # a lease that must still hold across a few calls, however loaded the machine
+LEASE = 2.5  # seconds of the test clock
 
 
 @pytest.fixture
-def held(make_backend: Callable[..., Sync]) -> Sync:
-    """Reservation and read leases of ``LEASE`` seconds."""
-    return make_backend(ttl=LEASE, lease=LEASE)
+def clock() -> TestClock:
+    return TestClock()
+
+
+@pytest.fixture
+def held(make_backend: Callable[..., Sync], clock: TestClock) -> Sync:
+    """Reservation and read leases of ``LEASE`` seconds of ``clock``."""
+    return make_backend(ttl=LEASE, lease=LEASE, clock=clock)
 
 
 @pytest.fixture
 def short(make_backend: Callable[..., Sync]) -> Sync:
-    """Reservation leases of 0.3 s and read leases of 0.3 s."""
+    """Reservation leases of 0.3 s and read leases of 0.3 s, in real time."""
     return make_backend(ttl=0.3, lease=0.3)
 
 
@@ -244,10 +249,11 @@ def test_releasing_a_stored_page_is_ignored(backend: Sync) -> None:
     assert backend.reserve(S0, ["b", "c"]) == [(False, 1), (False, page)]  # evicts a, never reuses
 
 
-# ---------------------------------------------------------------------- leases (real time)
+# ---------------------------------------------------------------------- leases
 
 
 def test_reservations_expire_and_late_confirms_are_refused(short: Sync) -> None:
+    """The real-time lease test: expiry read from the backend's own clock (Redis TIME)."""
     short.initialize(S0, 2)
     ((_, page),) = short.reserve(S0, ["a"])
     time.sleep(0.45)
@@ -257,37 +263,36 @@ def test_reservations_expire_and_late_confirms_are_refused(short: Sync) -> None:
     assert short.stats()[0].counters["reservations_expired"] == 1
 
 
-def test_re_reserving_renews_the_lease(held: Sync) -> None:
+def test_re_reserving_renews_the_lease(held: Sync, clock: TestClock) -> None:
     """Renewed twice, the reservation is confirmed 1.2 leases after it was first made (so an
-    unrenewed one has surely expired); each renewal comes 0.4 lease after the previous one,
-    leaving 0.6 lease (1.5 s) of slack for a loaded machine."""
+    unrenewed one has expired); each renewal comes 0.4 lease after the previous one."""
     held.initialize(S0, 2)
     ((_, page),) = held.reserve(S0, ["a"])
     for _ in range(2):
-        time.sleep(0.4 * LEASE)
+        clock.advance(0.4 * LEASE)
         assert held.reserve(S0, ["a"]) == [(False, page)]
-    time.sleep(0.4 * LEASE)
+    clock.advance(0.4 * LEASE)
     assert held.confirm(S0, [("a", page)], []) == 0
     assert held.exists(S0, ["a"]) == [True]
 
 
-def test_a_page_being_read_is_not_evicted(held: Sync) -> None:
+def test_a_page_being_read_is_not_evicted(held: Sync, clock: TestClock) -> None:
     held.initialize(S0, 2)
     pa, pb = _store(held, S0, ["a", "b"])
     assert held.get(S0, ["a"]) == [pa]
     held.get(S0, ["b"])  # a is now coldest but read-leased; b is leased too
     assert held.reserve(S0, ["c"]) == [(False, -1)]
-    time.sleep(1.2 * LEASE)
+    clock.advance(1.2 * LEASE)
     assert held.reserve(S0, ["c"]) == [(False, pa)]
 
 
-def test_a_deleted_page_under_a_read_lease_is_not_handed_out(held: Sync) -> None:
+def test_a_deleted_page_under_a_read_lease_is_not_handed_out(held: Sync, clock: TestClock) -> None:
     held.initialize(S0, 1)
     (page,) = _store(held, S0, ["a"])
     held.get(S0, ["a"])
     assert held.delete(S0, ["a"]) == 1
     assert held.reserve(S0, ["b"]) == [(False, -1)]
-    time.sleep(1.2 * LEASE)
+    clock.advance(1.2 * LEASE)
     assert held.reserve(S0, ["b"]) == [(False, page)]
 
 

@@ -53,6 +53,22 @@ def published(server: ServerProcess) -> int:
     return int(metric(server, "kvmeta_events_batches_total"))
 
 
+def connect(sock: zmq.Socket[Any], *endpoints: str) -> None:
+    """Connect ``sock`` to each endpoint and return once every connection is made: a SUB
+    socket gets only what is published after that, so a test waits for the handshakes rather
+    than sleeping and hoping."""
+    monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
+    try:
+        for endpoint in endpoints:
+            sock.connect(endpoint)
+        for _ in endpoints:
+            assert monitor.poll(30_000), f"no connection to {endpoints} in 30 s"
+            recv_monitor_message(monitor)
+    finally:
+        sock.disable_monitor()
+        monitor.close(0)
+
+
 @dataclass
 class Subscriber:
     """Collects ``(topic, seq, payload)`` of every message on a background thread."""
@@ -75,14 +91,7 @@ class Subscriber:
         sock = self.ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVHWM, 0)
-        monitor = sock.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
-        sock.connect(self.endpoint)
-        try:
-            assert monitor.poll(30_000), f"no connection to {self.endpoint} in 30 s"
-            recv_monitor_message(monitor)
-        finally:
-            sock.disable_monitor()
-            monitor.close(0)
+        connect(sock, self.endpoint)
         self._thread = threading.Thread(target=self._run, args=(sock,), daemon=True)
         self._thread.start()
         return self

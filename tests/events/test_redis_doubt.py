@@ -20,7 +20,7 @@ import requests
 
 from tests.events.events_support import Subscriber, endpoints, hashed, metric, rebuild
 from tests.redis_support import RedisServer
-from tests.support import ServerProcess
+from tests.support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -162,13 +162,22 @@ def test_under_load_with_redis_stopped_twice_the_view_ends_equal_to_redis(setup:
     threads = [threading.Thread(target=work, args=(seed,)) for seed in range(3)]
     for t in threads:
         t.start()
+
+    def answered(more: int, status: int | None = None) -> Callable[[], bool]:
+        """Once the workers got ``more`` replies (of ``status``) beyond those they have now."""
+        count = (lambda: statuses.count(status)) if status else (lambda: len(statuses))
+        target = count() + more
+        return lambda: count() >= target
+
     try:
         for _ in range(2):
-            time.sleep(1.0)
+            wait_until(answered(30), what="load served")
             os.kill(setup.redis.pid, signal.SIGSTOP)
-            time.sleep(6.0)
+            # Stopped until calls in flight are answered 503 (no reply from Redis: kvmeta
+            # cannot know whether they ran), then Redis runs them.
+            wait_until(answered(1, 503), timeout=60, what="a call answered 503")
             os.kill(setup.redis.pid, signal.SIGCONT)
-        time.sleep(1.0)
+        wait_until(answered(30), what="load served after Redis came back")
     finally:
         os.kill(setup.redis.pid, signal.SIGCONT)
         stop.set()

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import random
 import signal
-import time
 from typing import Any
 
 import msgspec
@@ -16,6 +15,7 @@ from tests.events.events_support import (
     Subscriber,
     apply,
     complete,
+    connect,
     endpoints,
     hashed,
     published,
@@ -87,10 +87,8 @@ def test_two_servers_on_one_redis_union_of_their_streams_is_the_store(redis_url:
         sock = ctx.socket(zmq.SUB)
         sock.setsockopt(zmq.SUBSCRIBE, b"")
         sock.setsockopt(zmq.RCVHWM, 0)
-        for e in ends:
-            sock.connect(e.pub)
+        connect(sock, *(e.pub for e in ends))
         counts = Arrived([a, b])
-        time.sleep(0.5)
         arrived: list[bytes] = []
 
         def drain() -> None:

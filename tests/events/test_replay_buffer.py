@@ -105,8 +105,7 @@ def test_a_replay_is_answered_a_slice_per_turn_of_the_loop_and_ends_early_if_ove
         dealer = ctx.socket(zmq.DEALER)
         try:
             server.start(asyncio.get_running_loop())
-            dealer.connect(server.endpoint)
-            await asyncio.sleep(0.2)
+            dealer.connect(server.endpoint)  # the request waits in its queue until connected
             frames = [b"peer", b"", (10).to_bytes(8, "big")]
             identity = None
             dealer.send_multipart([b"", (10).to_bytes(8, "big")])

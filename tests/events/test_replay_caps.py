@@ -267,8 +267,9 @@ def test_kvmeta_events_asks_again_while_the_replay_socket_is_busy() -> None:
         with pytest.raises(ServerUnavailable, match="busy"):
             await loop.run_in_executor(None, fetch_replay, ctx, server.endpoint, 295, 1.0)
         assert server.refused >= 2  # it asked again before giving up
+        refused = server.refused
         fetching = loop.run_in_executor(None, fetch_replay, ctx, server.endpoint, 295, 10.0)
-        await asyncio.sleep(0.3)
+        await _until("the fetch refused while busy", lambda: server.refused > refused)
         stalled.close(0)  # the slot frees: the next try is answered
         got = await fetching
         assert [seq for _, seq, _ in got] == [295, 296, 297, 298, 299]

@@ -13,8 +13,8 @@ import pytest
 import requests
 import zmq
 
-from tests.events.events_support import endpoints, metric, published, replay
-from tests.support import ServerProcess
+from tests.events.events_support import connect, endpoints, metric, published, replay
+from tests.support import ServerProcess, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -48,15 +48,14 @@ def test_a_subscriber_that_stops_reading_misses_batches_beyond_its_queue_then_re
         sub.setsockopt(zmq.SUBSCRIBE, b"")
         sub.setsockopt(zmq.RCVHWM, 1)
         sub.setsockopt(zmq.RCVBUF, 1 << 16)
-        sub.connect(ends.pub)
-        time.sleep(0.5)
+        connect(sub, ends.pub)
         url = server.url
         assert requests.post(f"{url}/0/initialize", json={"num_pages": 1 << 18}, timeout=30).ok
         first = published(server)
         for round_ in range(BATCHES):  # not read meanwhile
             _confirm(url, round_)
             time.sleep(0.02)  # each confirm its own batch (batches gather 8 ms)
-        time.sleep(0.5)
+        wait_until(lambda: published(server) - first >= BATCHES, what="every batch published")
         last = published(server)
         assert last - first >= BATCHES
         got: list[int] = []
@@ -101,7 +100,15 @@ def test_replay_requests_that_are_never_read_do_not_copy_the_buffer() -> None:
         # which pyzmq sends without a copy by default.
         for round_ in range(200):
             _confirm(url, round_, 300)
-        time.sleep(0.5)
+        seen = [-1.0]
+
+        def settled() -> bool:
+            """The buffer holds every batch: its size is past 8 MiB and no longer grows."""
+            now = metric(server, "kvmeta_events_replay_buffer_bytes")
+            done, seen[0] = now == seen[0] and now > 8 << 20, now
+            return done
+
+        wait_until(settled, interval=0.05, what="every batch in the replay buffer")
         kept = metric(server, "kvmeta_events_replay_buffer_bytes")
         assert kept > 8 << 20
         before = _rss_bytes(server.pid)

@@ -51,8 +51,13 @@ V_RANKS = (0, 1)
 SERVER_FLAGS = ("--min-replicas-ack", "1", "--failover-timeout", "10", "--read-lease", "5")
 SERVER_FLAGS += ("--log-level", "debug")
 
-WARM_UP = 4.0  # seconds of load before the kill
-AFTER = 5.0  # seconds of load after requests succeed again
+# Load before the kill: until every kvmeta server has acknowledged WARM_CONFIRMS hot-pool
+# confirms and every pool holds acknowledged keys (polled: as long as the load takes to flow).
+WARM_CONFIRMS = 50
+# Load after requests succeed again: until every server has acknowledged AFTER_CONFIRMS more
+# hot-pool confirms, for at most AFTER seconds.
+AFTER_CONFIRMS = 20
+AFTER = 5.0
 RECOVERY_BOUND = 20.0  # goal 5 s; generous: the machine has 2 shared cores
 GIVE_UP = 40.0
 LAG = 1.5  # seconds the replicas are stopped before the kill (lagging-replicas)
@@ -229,7 +234,8 @@ class Drill:
             self._call(pool, c.batch_key_exists, keys)
 
     def run(self, kill: Callable[[], object], settle: Callable[[], object]) -> dict[str, Any]:
-        """Load, ``kill``, wait for recovery, load ``AFTER`` more seconds, then ``settle`` (wait
+        """Load until it flows through every server, ``kill``, wait for recovery, load until
+        every server acknowledged ``AFTER_CONFIRMS`` more confirms, then ``settle`` (wait
         until the primary serving the hot pool has a replica again, so ``WAIT 1`` can be met)
         before the verification reads every acknowledged key back."""
         self.set_up()
@@ -238,12 +244,16 @@ class Drill:
         for t in threads:
             t.start()
         try:
-            time.sleep(WARM_UP)
+            began = time.monotonic()
+            assert self._wait_confirms(0.0, WARM_CONFIRMS, GIVE_UP, every_pool=True), (
+                f"no load through every server and pool in {GIVE_UP} s"
+            )
+            print(f"\nwarmed up in {time.monotonic() - began:.2f}s")
             kill()  # returns once the process is dead (reaped)
             killed_at = time.monotonic()
             print(f"\nprimary killed at {datetime.now().strftime('%H:%M:%S.%f')[:-3]}")
             recovered = self._wait_recovered(killed_at)
-            time.sleep(AFTER)
+            self._wait_confirms(time.monotonic(), AFTER_CONFIRMS, AFTER)
         finally:
             self.stop.set()
             for t in threads:
@@ -252,6 +262,29 @@ class Drill:
         settle()
         print(f"topology settled {time.monotonic() - began:.2f}s after the load stopped")
         return self._measure(killed_at, recovered)
+
+    def _wait_confirms(
+        self, since: float, count: int, timeout: float, every_pool: bool = False
+    ) -> bool:
+        """Whether every kvmeta server acknowledged ``count`` hot-pool confirms sent after
+        ``since`` (and, with ``every_pool``, every pool holds acknowledged keys) within
+        ``timeout`` seconds: the load goes on until then."""
+        deadline = time.monotonic() + timeout
+        while True:
+            with self.ledger.lock:
+                done = Counter(
+                    o.server
+                    for o in self.ledger.ops
+                    if o.ok and o.confirm and o.pool in self.hot_labels and o.sent > since
+                )
+                pools = set(self.ledger.acked)
+            if all(done[s.url] >= count for s in self.servers) and (
+                not every_pool or pools >= set(self.files)
+            ):
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.05)
 
     def _wait_recovered(self, killed_at: float) -> dict[str, float | None]:
         """Per kvmeta server: seconds from the kill until a hot-pool confirm sent to it after

@@ -57,7 +57,7 @@ def test_bench_launches_kvmeta_and_reports_json() -> None:
         "--pool-pages",
         "1024",
         "--warmup",
-        "0.2",
+        "0",
     )
     _check_sane(report, 64)
     assert report["requests"] >= 200
@@ -76,7 +76,7 @@ def test_bench_drives_a_running_server_by_url_and_pid(
         pool_pages=512,
         clients=2,
         requests=120,
-        warmup=0.2,
+        warmup=0.0,
     )
     result = run_bench(cfg)
     _check_sane(result.to_dict(), 128)
@@ -89,30 +89,32 @@ def test_bench_drives_a_running_server_by_url_and_pid(
 
 def test_bench_at_a_rate_serves_that_rate_not_the_capacity() -> None:
     args = ("--launch", "memory", "--clients", "2", "--batch", "16", "--pool-pages", "1024")
-    report = _bench(*args, "--rate", "150", "--duration", "3", "--warmup", "0.3")
+    report = _bench(*args, "--rate", "150", "--duration", "1.5", "--warmup", "0")
     _check_sane(report, 16)
     assert report["config"]["rate"] == 150
-    # Poisson arrivals at 150/s for 3 s: about 450 requests (a standard deviation of about
-    # 21), far below what a closed loop of these small requests serves on any machine.
+    # Poisson arrivals at 150/s for 1.5 s: about 225 requests (a standard deviation of 15, 10
+    # requests/s: the bounds are 7 and 4 of them away), far below what a closed loop of these
+    # small requests serves on any machine.
     assert 75 <= report["requests_per_s"] <= 190
 
 
 def test_a_rate_sweep_measures_each_load() -> None:
     results = _bench(
         *("sweep", "--sweep", "rate", "--values", "60,240", "--launch", "memory"),
-        *("--duration", "2", "--warmup", "0.3", "--clients", "2", "--batch", "16"),
+        *("--duration", "1.5", "--warmup", "0", "--clients", "2", "--batch", "16"),
         *("--pool-pages", "1024"),
     )
     assert [r["config"]["rate"] for r in results] == [60, 240]
     low, high = (r["requests_per_s"] for r in results)
-    # Poisson counts over 2 s: 120 and 480 requests expected (standard deviations 11 and 22).
+    # Poisson counts over 1.5 s: 90 and 360 requests expected (standard deviations 9.5 and 19,
+    # 6 and 13 requests/s: each bound is over 4.5 of them away).
     assert 30 <= low <= 90 and 150 <= high <= 320
 
 
 def test_bench_at_a_rate_it_cannot_keep_up_with_says_so() -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "kvmeta", "bench", "--launch", "memory", "--rate", "1000000",
-         "--requests", "100", "--clients", "1", "--pool-pages", "1024", "--warmup", "0.1"],
+         "--requests", "100", "--clients", "1", "--pool-pages", "1024", "--warmup", "0"],
         capture_output=True,
         text=True,
         timeout=240,
@@ -161,7 +163,7 @@ def test_memory_per_key_counts_the_key_and_structures() -> None:
 def test_bench_launches_redis_and_workers_and_reports_redis_cpu(transport: str) -> None:
     report = _bench(
         *("--launch", "redis", "--workers", "2", "--redis-transport", transport),
-        *("--requests", "200", "--clients", "2", "--pool-pages", "1024", "--warmup", "0.2"),
+        *("--requests", "200", "--clients", "2", "--pool-pages", "1024", "--warmup", "0"),
     )
     _check_sane(report, 64)
     assert report["config"]["launch"] == "redis"
@@ -174,7 +176,7 @@ def test_bench_launches_redis_and_workers_and_reports_redis_cpu(transport: str) 
 
 
 def test_bench_reports_journal_bytes_per_request_of_a_durable_server() -> None:
-    common = ("--requests", "300", "--clients", "1", "--pool-pages", "512", "--warmup", "0.2")
+    common = ("--requests", "300", "--clients", "1", "--pool-pages", "512", "--warmup", "0")
     durable = _bench("--launch", "durable", "--server-arg=--fsync=always", *common)
     _check_sane(durable, 64)
     # Every confirm journals 64 (key, page) pairs: at least a key's 64 bytes per pair over the
@@ -188,10 +190,13 @@ def test_bench_reports_journal_bytes_per_request_of_a_durable_server() -> None:
 def test_bench_sends_the_auth_token(make_server: Callable[..., ServerProcess]) -> None:
     server = make_server("--in-memory", "--read-lease", "0", "--auth-token", "s3cret")
     common = ("--url", server.url, "--server-pid", str(server.pid), "--clients", "1")
-    report = _bench(*common, "--auth-token", "s3cret", "--requests", "300", "--warmup", "0.1")
+    report = _bench(*common, "--auth-token", "s3cret", "--requests", "300", "--warmup", "0")
     _check_sane(report, 64)
     assert report["config"]["auth_token"] == "(set)"  # the token itself is not in the report
-    launched = _bench("--launch", "memory", "--auth-token", "t", "--requests", "300")
+    launched = _bench(
+        *("--launch", "memory", "--auth-token", "t", "--requests", "300", "--warmup", "0"),
+        *("--pool-pages", "1024"),
+    )
     _check_sane(launched, 64)
     assert "--auth-token=***" in launched["config"]["server_args"]  # not the token
 

@@ -23,7 +23,7 @@ from tests.redis_support import RedisServer
 from tests.support import SRC, ServerProcess
 
 ROOT = Path(__file__).resolve().parents[2]
-_COMMON = ("--requests", "200", "--clients", "2", "--pool-pages", "1024", "--warmup", "0.2")
+_COMMON = ("--requests", "200", "--clients", "2", "--pool-pages", "1024", "--warmup", "0")
 
 
 def _bench(*args: str) -> subprocess.CompletedProcess[str]:

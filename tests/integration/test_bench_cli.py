@@ -86,14 +86,14 @@ def test_an_existing_pool_of_another_size_is_reported_as_measured(
         body = {"role": "worker", "num_pages": 8}
         assert server.post("/rank/0/initialize", body).status_code == 200
     common = ("--url", server.url, "--dialect", dialect, "--clients", "1", "--batch", "4")
-    proc = _bench(*common, "--requests", "40", "--warmup", "0.1", "--json")
+    proc = _bench(*common, "--requests", "40", "--warmup", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["config"]["pool_pages"] == 8
     assert report["config"]["pool_pages_requested"] == 65536
     assert "8 pages" in proc.stderr and "65536" in proc.stderr
     # The table's pool column shows the measured pool too.
-    proc = _bench(*common, "--requests", "40", "--warmup", "0.1")
+    proc = _bench(*common, "--requests", "40", "--warmup", "0")
     assert proc.returncode == 0, proc.stderr
     header, row = _lines(proc.stdout)[:2]
     assert dict(zip(header.split(), row.split(), strict=False))["pool"] == "8"
@@ -104,7 +104,7 @@ def test_the_documented_first_command_measures_eviction_not_refusals() -> None:
     first = next(line for line in readme.splitlines() if line.startswith("python -m kvmeta bench"))
     argv = first.split("#")[0].split()[4:]  # after "python -m kvmeta bench"
     assert argv == ["--launch"]
-    proc = _bench(*argv, "--duration", "3", "--warmup", "0.5", "--json")
+    proc = _bench(*argv, "--duration", "1", "--warmup", "0", "--json")
     assert proc.returncode == 0, proc.stderr
     report = json.loads(proc.stdout)
     assert report["requests"] > 0
@@ -117,7 +117,7 @@ def test_refused_keys_are_printed_with_the_fix(make_server: Callable[..., Server
     # every page has been read, reserves find nothing evictable and keys are refused.
     server = make_server("--in-memory", "--read-lease", "600")
     args = ("--url", server.url, "--pool-pages", "128", "--clients", "1", "--batch", "64")
-    proc = _bench(*args, "--requests", "100", "--warmup", "0.1")
+    proc = _bench(*args, "--requests", "100", "--warmup", "0")
     assert proc.returncode == 0, proc.stderr
     match = re.search(r"(\d+) of (\d+) measured keys were refused", proc.stdout)
     assert match, proc.stdout

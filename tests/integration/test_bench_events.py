@@ -22,9 +22,9 @@ ROOT = Path(__file__).resolve().parents[2]
 @pytest.mark.slow
 def test_a_run_measures_both_loads_and_paces_the_normal_one() -> None:
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_events.py"), "--duration", "2",
-         "--repeat", "1", "--clients", "2", "--capacity-seconds", "0.3", "--app-cycles", "300",
-         "--json"],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_events.py"), "--duration", "1",
+         "--warmup", "0", "--pool-pages", "4096", "--repeat", "1", "--clients", "2",
+         "--capacity-seconds", "0.3", "--app-cycles", "300", "--json"],
         capture_output=True,
         text=True,
         timeout=600,

@@ -24,7 +24,7 @@ from tests.support import child_env
 
 ROOT = Path(__file__).resolve().parents[2]
 # Small runs: the point is the shape of the report, not the numbers.
-_SMALL = ("--requests", "200", "--clients", "1", "--pool-pages", "2048", "--warmup", "0.1")
+_SMALL = ("--requests", "200", "--clients", "1", "--pool-pages", "1024", "--warmup", "0")
 
 
 def _bench(*args: str, timeout: float = 600) -> subprocess.CompletedProcess[str]:

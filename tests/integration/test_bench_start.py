@@ -46,7 +46,7 @@ def test_every_client_is_up_before_the_window_opens() -> None:
     # Eight spawned client processes take longer to start on a small machine than this warm-up
     # and window together: the window must wait for them, not open on an idle server.
     proc = _bench(
-        *("--launch", "memory", "--clients", "8", "--duration", "1", "--warmup", "0.2"),
+        *("--launch", "memory", "--clients", "8", "--duration", "0.5", "--warmup", "0"),
         *("--pool-pages", "1024", "--batch", "16", "--json"),
     )
     assert proc.returncode == 0, proc.stderr
@@ -147,7 +147,7 @@ def test_the_url_password_is_the_token_and_is_never_shown(
     token = "pw" + secrets.token_hex(8)
     server = make_server("--in-memory", "--read-lease", "0", "--auth-token", token)
     url = server.url.replace("://", f"://:{token}@")
-    common = ("--url", url, "--clients", "1", "--requests", "40", "--warmup", "0.1")
+    common = ("--url", url, "--clients", "1", "--requests", "40", "--warmup", "0")
     for extra in ((), ("--json",)):
         proc = _bench(*common, "--pool-pages", "1024", *extra)
         assert proc.returncode == 0, proc.stderr.replace(token, "<token>")
@@ -167,7 +167,10 @@ def test_the_url_password_is_the_token_and_is_never_shown(
         [error] = _errors(proc.stderr)
         assert shown in error, error
     # A launched server's flags are shown with the token left out.
-    proc = _bench("--launch", "memory", "--auth-token", token, "--requests", "40", "--json")
+    proc = _bench(
+        *("--launch", "memory", "--auth-token", token, "--requests", "40", "--warmup", "0"),
+        *("--pool-pages", "1024", "--json"),
+    )
     assert proc.returncode == 0, proc.stderr.replace(token, "<token>")
     assert token not in proc.stdout and token not in proc.stderr
     assert "--auth-token=***" in json.loads(proc.stdout)["config"]["server_args"]
