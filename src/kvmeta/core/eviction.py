@@ -17,10 +17,10 @@ What a policy must guarantee, because the pool relies on it without checking:
   past ``now`` and never one in ``keep``; RESERVED and FREE pages never reach a policy, so a
   policy that follows ``added``/``removed`` cannot hand out a page a writer holds.
 - ``victim`` and ``can_evict`` agree: whenever ``can_evict(n, steps, ...)`` answers True, n
-  calls of ``victim`` after ``budget(steps)``, with the same ``now``, ``keep`` and leases and no
-  other change in between, each find a page (vLLM's whole-batch reserve counts on it).
-- Every method costs O(pages it is handed or returns) plus at most ``steps`` pages looked at per
-  call of ``budget``: never O(pool) on a request path. ``load``, ``chain`` and ``copy`` are
+  calls of ``victim`` with ``budget`` set to ``steps``, the same ``now``, ``keep`` and leases
+  and no other change in between each find a page (vLLM's whole-batch reserve counts on it).
+- Every method costs O(pages it is handed or returns) plus at most ``budget`` pages looked at
+  and not taken: never O(pool) on a request path. ``load``, ``chain`` and ``copy`` are
   O(stored) and run at start-up, in snapshots and in checks only.
 - ``chain`` is the policy's order, first victim first: a snapshot writes the STORED keys in
   that order and recovery hands them back to ``load`` in the same order, so a restarted pool
@@ -42,7 +42,14 @@ __all__ = ["EvictionPolicy", "PolicyFactory", "chain_order"]
 class EvictionPolicy(ABC):
     """The order in which a pool's STORED pages are evicted (module docstring)."""
 
-    __slots__ = ()
+    __slots__ = ("budget",)
+
+    def __init__(self) -> None:
+        # Pages the calls of ``victim`` may still look at and not take (read-leased or kept),
+        # in all: the pool sets it at the start of each reserve and ``evict_ahead`` (an
+        # attribute, not a call: it costs nothing on the request path), so a reserve stays
+        # O(request) when almost every page is being read.
+        self.budget = 0
 
     @abstractmethod
     def resize(self, capacity: int) -> None:
@@ -74,22 +81,16 @@ class EvictionPolicy(ABC):
         """Every page is gone (the pool was cleared)."""
 
     @abstractmethod
-    def budget(self, steps: int) -> None:
-        """The calls of ``victim`` until the next ``budget`` may look at about ``steps`` pages
-        they cannot take (read-leased or kept) in all: a reserve stays O(request) when almost
-        every page is being read."""
-
-    @abstractmethod
     def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         """Give up one held page, not in ``keep`` and with ``read_until[page] <= now``, and
-        return it (it is no longer held); -1 when none is found within the budget."""
+        return it (it is no longer held); -1 when none is found within ``budget``."""
 
     @abstractmethod
     def can_evict(
         self, count: int, steps: int, now: float, keep: Container[int], read_until: array[float]
     ) -> bool:
-        """Whether ``count`` calls of ``victim`` after ``budget(steps)`` would each find a page;
-        changes nothing."""
+        """Whether ``count`` calls of ``victim`` with ``budget`` at ``steps`` would each find a
+        page; changes nothing."""
 
     @abstractmethod
     def chain(self) -> tuple[array[int], int]:

@@ -7,7 +7,7 @@
   leased, ``(deadline, [page, ...])``: a tuple and a float per key would cost ~80 bytes per
   key for as long as the lease lasts, more than the key's own structures. An entry outlives
   the leases it holds once they are confirmed (a lease usually ends long before its deadline),
-  so when the queue holds more than twice the live leases (plus ``_QUEUE_SLACK``) it is
+  so when the queue holds more than twice the live leases (plus ``pool._QUEUE_SLACK``) it is
   compacted to the live ones: memory stays O(live leases), where it was O(reserve rate x TTL)
   (a server under the batch-64 cycle grew by megabytes a second, about 1 GB over the default
   300 s TTL), and the compaction is amortised O(1) per lease;
@@ -17,8 +17,6 @@
 
 from __future__ import annotations
 
-import heapq
-from array import array
 from collections import deque
 
 from kvmeta.core.eviction import EvictionPolicy
@@ -27,13 +25,10 @@ from kvmeta.core.reports import PoolCounters
 
 __all__ = ["LeaseTable"]
 
-# Dead pages the lease queue may hold beyond twice the live leases before it is compacted
-# (the module docstring): a small pool's queue is never compacted for a handful of leases.
-_QUEUE_SLACK = 4096
-
 
 class LeaseTable(PageTable):
-    """The reservation half of a ``Pool`` (module docstring), with lease expiry."""
+    """The reservation half of a ``Pool`` (module docstring). Expiry is the pool's own
+    (``Pool._expire``): every operation runs it first, so it sits beside them."""
 
     __slots__ = ("counters", "_reserved", "_holders", "_res_deadline", "_res_queue", "_queued")
 
@@ -51,30 +46,6 @@ class LeaseTable(PageTable):
     @property
     def reserved_count(self) -> int:
         return len(self._reserved)
-
-    def expire(self, now: float) -> None:
-        """Apply lease expiry up to ``now`` (every operation does this first)."""
-        self._expire(now)
-
-    def in_use_until(self, now: float) -> float:
-        """When the last lease on this pool's pages ends: a reservation, a read lease, a
-        released page's grace or a hold after a restart (``now`` or earlier: none is live).
-        The read leases cost one pass over a C array of a double per page ever used: for rare
-        operator actions such as removing a vLLM rank, never for requests."""
-        self._expire(now)
-        until = max(self._res_deadline.values(), default=now)
-        if self._cooling:
-            until = max(until, max(end for end, _ in self._cooling))
-        if self._held:
-            until = max(until, self._held_until)
-        return max(until, max(self._read_until, default=now))
-
-    def _queue_leases(self, deadline: float, pages: list[int]) -> None:
-        """``pages`` were leased (or renewed) until ``deadline`` by one call."""
-        self._res_queue.append((deadline, pages))
-        self._queued += len(pages)
-        if self._queued > 2 * len(self._res_deadline) + _QUEUE_SLACK:
-            self._compact_queue()
 
     def _drop_reservation(self, page: int) -> None:
         self._holders.pop(page, None)
@@ -104,28 +75,3 @@ class LeaseTable(PageTable):
                 queued += len(live)
         self._res_queue = kept
         self._queued = queued
-
-    def _expire(self, now: float) -> None:
-        queue = self._res_queue
-        if queue and queue[0][0] <= now:
-            deadlines = self._res_deadline
-            while queue and queue[0][0] <= now:
-                pages = queue.popleft()[1]
-                self._queued -= len(pages)
-                for page in pages:
-                    current = deadlines.get(page)
-                    if current is None or current > now:
-                        continue  # confirmed, released, or renewed since
-                    key = self._page_key[page]
-                    assert key is not None
-                    del self._reserved[key]
-                    self._drop_reservation(page)
-                    self._free_page(page, now)
-                    self.counters.reservations_expired += 1
-        cooling = self._cooling
-        while cooling and cooling[0][0] <= now:
-            _, page = heapq.heappop(cooling)
-            self._free.append(page)
-        if self._held and self._held_until <= now:
-            self._free.extend(self._held)
-            self._held = array(self._free.typecode)

@@ -24,15 +24,15 @@ __all__ = ["LruPolicy"]
 class LruPolicy(EvictionPolicy):
     """Evicts the least recently stored, read or reserved-again page first."""
 
-    __slots__ = ("_prev", "_next", "_head", "_tail", "_scan_left")
+    __slots__ = ("_prev", "_next", "_head", "_tail")
 
     def __init__(self, num_pages: int) -> None:
+        super().__init__()
         typecode = page_typecode(num_pages)
         self._prev = array(typecode)
         self._next = array(typecode)
         self._head = -1
         self._tail = -1
-        self._scan_left = 0
 
     def resize(self, capacity: int) -> None:
         prev, nxt = self._prev, self._next
@@ -101,9 +101,6 @@ class LruPolicy(EvictionPolicy):
     def clear(self) -> None:
         self._head = self._tail = -1
 
-    def budget(self, steps: int) -> None:
-        self._scan_left = steps
-
     def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         page = self._head
         if page != -1 and read_until[page] <= now and page not in keep:
@@ -122,7 +119,7 @@ class LruPolicy(EvictionPolicy):
         head: a read-leased one is moved to the tail (inlined: when the pool turns over faster
         than the lease, this loop runs for every step of the budget)."""
         nxt, prev = self._next, self._prev
-        steps = self._scan_left
+        steps = self.budget
         taken = 0
         page = self._head
         first = -1  # the first page moved: reaching it again, every page has been looked at
@@ -148,10 +145,10 @@ class LruPolicy(EvictionPolicy):
                     first = page
                 page = after
                 continue
-            self._scan_left -= taken
+            self.budget -= taken
             self._unlink(page)
             return page
-        self._scan_left -= taken
+        self.budget -= taken
         return -1
 
     def can_evict(
@@ -177,7 +174,7 @@ class LruPolicy(EvictionPolicy):
     def copy(self) -> LruPolicy:
         twin = LruPolicy.__new__(LruPolicy)
         twin._prev, twin._next = self._prev[:], self._next[:]
-        twin._head, twin._tail, twin._scan_left = self._head, self._tail, self._scan_left
+        twin._head, twin._tail, twin.budget = self._head, self._tail, self.budget
         return twin
 
     def problem(self, capacity: int) -> str | None:

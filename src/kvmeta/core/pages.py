@@ -34,8 +34,12 @@ from __future__ import annotations
 import heapq
 from array import array
 from itertools import repeat
+from operator import itemgetter
+from typing import NoReturn
 
 from kvmeta.core.eviction import EvictionPolicy
+from kvmeta.core.reports import ConfirmOutcome
+from kvmeta.errors import InvalidRequest
 
 __all__ = ["FREE", "RESERVED", "STORED", "PageTable", "first_capacity", "page_typecode"]
 
@@ -282,3 +286,42 @@ class PageTable:
                 heapq.heappush(self._cooling, (read_until[page], page))
             pages = [p for p in pages if read_until[p] <= now]
         self._free.extend(pages)
+
+    # ------------------------------------------------------------------ page-range checks
+
+    def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> int:
+        """Raises for a page outside the pool; returns the highest page named (-1: none)."""
+        n = self.num_pages
+        pages = list(map(itemgetter(1), pairs))
+        pages += release
+        if not pages:
+            return -1
+        top: int = max(pages)
+        if min(pages) >= 0 and top < n:
+            return top  # the common case, checked in C; the loops below name the culprit
+        for _key, page in pairs:
+            if not 0 <= page < n:
+                _page_out_of_range(page, n, "written_keys_to_confirm", "confirm")
+        for page in release:
+            if not 0 <= page < n:
+                _page_out_of_range(page, n, "pages_to_release", "release")
+        raise AssertionError("unreachable: a page out of range was not found")  # pragma: no cover
+
+    def _drop_never_used(
+        self, pairs: list[tuple[str, int]], release: list[int], outcome: ConfirmOutcome
+    ) -> tuple[list[tuple[str, int]], list[int]]:
+        """A confirm naming pages past the capacity (never handed out, so FREE): their pairs
+        are refused and their releases ignored, as for any FREE page, without growing the
+        arrays to reach them."""
+        cap = len(self._state)
+        outcome.refused.extend(pair for pair in pairs if pair[1] >= cap)
+        return [p for p in pairs if p[1] < cap], [page for page in release if page < cap]
+
+
+def _page_out_of_range(page: int, num_pages: int, field_name: str, verb: str) -> NoReturn:
+    """The refusal of a confirm naming a page this pool does not have (nothing was changed)."""
+    raise InvalidRequest(
+        f"page {page} in `{field_name}` is outside this pool's pages "
+        f"0..{num_pages - 1}; {verb} only pages returned by reserve",
+        field_name,
+    )

@@ -28,7 +28,6 @@ from array import array
 from collections.abc import Container, Hashable, Iterable
 from itertools import compress
 from operator import itemgetter
-from typing import NoReturn
 
 from kvmeta.core.eviction import EvictionPolicy, PolicyFactory, chain_order
 from kvmeta.core.leases import LeaseTable
@@ -59,6 +58,9 @@ __all__ = [
 # for, as when nothing is evictable) instead of O(pool), and the next call starts past the
 # pages this one moved.
 _SCAN_ALLOWANCE = 64
+# Dead pages the lease queue may hold beyond twice the live leases before it is compacted
+# (``core.leases``): a small pool's queue is never compacted for a handful of leases.
+_QUEUE_SLACK = 4096
 # Seconds a page released by a writer stays out of the allocator (see ``Pool.confirm``): longer
 # than the engines' clients spend retrying a request (three retries within about 2 s).
 RELEASE_GRACE = 10.0
@@ -304,7 +306,7 @@ class Pool(LeaseTable):
         seen: set[str] = set()  # keys this call reserved or joined: one holder per call
         hits: set[int] = set()  # pages reported as stored by this call: never evicted by it
         refused = 0
-        policy.budget(_SCAN_ALLOWANCE + 2 * len(keys))
+        policy.budget = _SCAN_ALLOWANCE + 2 * len(keys)
         for key in keys:
             page = stored.get(key)
             if page is not None:
@@ -349,7 +351,10 @@ class Pool(LeaseTable):
             seen.add(key)
             append((False, page))
         if leased:
-            self._queue_leases(deadline, leased)
+            self._res_queue.append((deadline, leased))
+            self._queued += len(leased)
+            if self._queued > 2 * len(res_deadline) + _QUEUE_SLACK:
+                self._compact_queue()
         counters.reservations += len(reserved) - reserved_before
         counters.reservations_refused += refused
         counters.evictions += evictions
@@ -504,7 +509,7 @@ class Pool(LeaseTable):
         """
         self._expire(now)
         policy = self._policy
-        policy.budget(_SCAN_ALLOWANCE + 2 * count)
+        policy.budget = _SCAN_ALLOWANCE + 2 * count
         removed: list[tuple[str, int]] = []
         read_until, stored, page_key, state = (
             self._read_until,
@@ -530,42 +535,47 @@ class Pool(LeaseTable):
 
     # ------------------------------------------------------------------ internals
 
-    def _check_pages(self, pairs: list[tuple[str, int]], release: list[int]) -> int:
-        """Raises for a page outside the pool; returns the highest page named (-1: none)."""
-        n = self.num_pages
-        pages = list(map(itemgetter(1), pairs))
-        pages += release
-        if not pages:
-            return -1
-        top: int = max(pages)
-        if min(pages) >= 0 and top < n:
-            return top  # the common case, checked in C; the loops below name the culprit
-        for _key, page in pairs:
-            if not 0 <= page < n:
-                _page_out_of_range(page, n, "written_keys_to_confirm", "confirm")
-        for page in release:
-            if not 0 <= page < n:
-                _page_out_of_range(page, n, "pages_to_release", "release")
-        raise AssertionError("unreachable: a page out of range was not found")  # pragma: no cover
+    def expire(self, now: float) -> None:
+        """Apply lease expiry up to ``now`` (every operation does this first)."""
+        self._expire(now)
 
-    def _drop_never_used(
-        self, pairs: list[tuple[str, int]], release: list[int], outcome: ConfirmOutcome
-    ) -> tuple[list[tuple[str, int]], list[int]]:
-        """A confirm naming pages past the capacity (never handed out, so FREE): their pairs
-        are refused and their releases ignored, as for any FREE page, without growing the
-        arrays to reach them."""
-        cap = len(self._state)
-        outcome.refused.extend(pair for pair in pairs if pair[1] >= cap)
-        return [p for p in pairs if p[1] < cap], [page for page in release if page < cap]
+    def in_use_until(self, now: float) -> float:
+        """When the last lease on this pool's pages ends: a reservation, a read lease, a
+        released page's grace or a hold after a restart (``now`` or earlier: none is live).
+        The read leases cost one pass over a C array of a double per page ever used: for rare
+        operator actions such as removing a vLLM rank, never for requests."""
+        self._expire(now)
+        until = max(self._res_deadline.values(), default=now)
+        if self._cooling:
+            until = max(until, max(end for end, _ in self._cooling))
+        if self._held:
+            until = max(until, self._held_until)
+        return max(until, max(self._read_until, default=now))
 
-
-def _page_out_of_range(page: int, num_pages: int, field_name: str, verb: str) -> NoReturn:
-    """The refusal of a confirm naming a page this pool does not have (nothing was changed)."""
-    raise InvalidRequest(
-        f"page {page} in `{field_name}` is outside this pool's pages "
-        f"0..{num_pages - 1}; {verb} only pages returned by reserve",
-        field_name,
-    )
+    def _expire(self, now: float) -> None:
+        queue = self._res_queue
+        if queue and queue[0][0] <= now:
+            deadlines = self._res_deadline
+            while queue and queue[0][0] <= now:
+                pages = queue.popleft()[1]
+                self._queued -= len(pages)
+                for page in pages:
+                    current = deadlines.get(page)
+                    if current is None or current > now:
+                        continue  # confirmed, released, or renewed since
+                    key = self._page_key[page]
+                    assert key is not None
+                    del self._reserved[key]
+                    self._drop_reservation(page)
+                    self._free_page(page, now)
+                    self.counters.reservations_expired += 1
+        cooling = self._cooling
+        while cooling and cooling[0][0] <= now:
+            _, page = heapq.heappop(cooling)
+            self._free.append(page)
+        if self._held and self._held_until <= now:
+            self._free.extend(self._held)
+            self._held = array(self._free.typecode)
 
 
 def leading_in(items: Iterable[Hashable], container: Container[Hashable]) -> int:

@@ -14,11 +14,11 @@ class FifoPolicy(EvictionPolicy):
     """First stored, first evicted: reads and reserve hits do not save a page. Pages that
     cannot be taken (read-leased, kept) are stepped over, each step paid from the budget."""
 
-    __slots__ = ("_order", "_left", "_capacity", "_typecode")
+    __slots__ = ("_order", "_capacity", "_typecode")
 
     def __init__(self, num_pages: int) -> None:
+        super().__init__()
         self._order: dict[int, None] = {}  # insertion order: first stored first
-        self._left = 0
         self._capacity = 0
         self._typecode = page_typecode(num_pages)
 
@@ -41,17 +41,14 @@ class FifoPolicy(EvictionPolicy):
     def clear(self) -> None:
         self._order = {}
 
-    def budget(self, steps: int) -> None:
-        self._left = steps
-
     def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         for page in self._order:
             if page not in keep and read_until[page] <= now:
                 del self._order[page]
                 return page
-            if self._left == 0:
+            if self.budget == 0:
                 return -1
-            self._left -= 1
+            self.budget -= 1
         return -1
 
     def can_evict(
@@ -80,7 +77,7 @@ class FifoPolicy(EvictionPolicy):
 
     def copy(self) -> FifoPolicy:
         twin = FifoPolicy(1)
-        twin._order, twin._left = dict(self._order), self._left
+        twin._order, twin.budget = dict(self._order), self.budget
         twin._capacity, twin._typecode = self._capacity, self._typecode
         return twin
 

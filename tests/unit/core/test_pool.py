@@ -382,7 +382,7 @@ def test_confirmed_leases_do_not_keep_the_lease_queue_growing_for_the_ttl() -> N
     """Each reserve queues its leases until their deadline; confirmed ones are dead weight the
     queue used to carry for the whole TTL (about 1 GB at the batch-64 cycle's 750 reserves/s
     and 300 s). Now it stays within twice the live leases plus a fixed slack."""
-    from kvmeta.core import leases as leases_module
+    from kvmeta.core import pool as pool_module
 
     pool = Pool(4096, reservation_ttl=300.0, read_lease=0.0)
     now = 0.0
@@ -397,7 +397,7 @@ def test_confirmed_leases_do_not_keep_the_lease_queue_growing_for_the_ttl() -> N
             pairs = pairs[2:]
         pool.confirm(pairs, [], now)
         # (checked at each reserve, against the leases live then: 64 more than now)
-        assert pool._queued <= 2 * (len(pool._res_deadline) + 64) + leases_module._QUEUE_SLACK
+        assert pool._queued <= 2 * (len(pool._res_deadline) + 64) + pool_module._QUEUE_SLACK
     live = len(pool._res_deadline)
     assert live == len(unconfirmed)
     # The live leases still expire at their deadline, and free their pages.

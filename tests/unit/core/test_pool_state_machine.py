@@ -11,8 +11,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from kvmeta.core import FREE, STORED, LruPolicy, Pool, check_pool
-from kvmeta.core import leases as leases_module
 from kvmeta.core import pages as pages_module
+from kvmeta.core import pool as pool_module
 from kvmeta.core.eviction import PolicyFactory
 from kvmeta.errors import InvalidRequest
 from tests.unit.core.policies import FifoPolicy
@@ -175,11 +175,11 @@ class CompactingPoolMachine(PoolMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._slack = leases_module._QUEUE_SLACK
-        leases_module._QUEUE_SLACK = 0
+        self._slack = pool_module._QUEUE_SLACK
+        pool_module._QUEUE_SLACK = 0
 
     def teardown(self) -> None:
-        leases_module._QUEUE_SLACK = self._slack
+        pool_module._QUEUE_SLACK = self._slack
 
     @invariant()
     def every_lease_is_queued_under_its_deadline(self) -> None:
