@@ -2,10 +2,12 @@
 
 A reserve that has to evict is the longest path through the local backend: the write-ahead
 rule, the store, the pool, the journal. How far a reader must follow it is measured here as
-the calls from one file under ``src/kvmeta/store`` or ``src/kvmeta/core`` into another (each
-such call is a boundary crossed, and crossed back when it returns: "transitions" counts both
-ways), with ``sys.setprofile`` over the one request's task only (the loop's own callbacks,
-such as the journal's flush timer, are other work). Two reserves of a new key, each on a full
+the calls from a file under ``src/kvmeta/store`` into another file, of the store or of the
+pool model in ``src/kvmeta/core`` (each such call is a store-file boundary crossed, and
+crossed back when it returns: "transitions" counts both ways). Calls between the pool
+model's own files (the pool asking its eviction policy for a victim) are counted apart,
+as "inside core". ``sys.setprofile`` watches the one request's task only (the loop's own
+callbacks, such as the journal's flush timer, are other work). Two reserves of a new key, each on a full
 pool whose every change is durable:
 
 - ``spare``: a pool large enough to keep spare pages (``store.disk.writeahead``): the reserve
@@ -110,8 +112,12 @@ def main() -> None:
     print(f"store and core of {ROOT}:")
     for name, pages in SCENARIOS.items():
         crossings = asyncio.run(count(pages, args.show))
-        calls = sum(1 for event, _, _ in crossings if event == "call")
-        print(f"  {name:8}: {calls} calls into another file, {len(crossings)} transitions")
+        calls = [src for event, src, _ in crossings if event == "call"]
+        store = sum(1 for src in calls if src.startswith("store/"))
+        print(
+            f"  {name:8}: {store} store-file boundaries, {len(calls) - store} calls inside "
+            f"core, {len(crossings)} transitions"
+        )
 
 
 if __name__ == "__main__":

@@ -1,9 +1,9 @@
 """The page invariant, checked in full: for tests after every step and for ``kvmeta check``.
 
 FREE + RESERVED + STORED = num_pages (pages past the arrays' capacity are FREE and never handed
-out), the three sets are disjoint, key -> page and page -> key
-agree both ways, every FREE page is handed out by the allocator exactly once, and the LRU list
-holds exactly the STORED pages. O(pages ever used): never call it on a request path.
+out), the three sets are disjoint, key -> page and page -> key agree both ways, every FREE page
+is handed out by the allocator exactly once, and the eviction policy is sound and holds exactly
+the STORED pages. O(pages ever used): never call it on a request path.
 
 A server checks a ``copy_pool`` instead (``check_copy``): the copy is taken in one step (C-speed
 copies, tens of milliseconds at 10^6 pages) and checked in a thread, so the event loop keeps
@@ -50,10 +50,7 @@ class PoolCopy:
         self._frontier = pool._frontier
         self._withheld = pool._withheld
         self._withheld_new = list(pool._withheld_new)
-        self._prev = pool._prev[:]
-        self._next = pool._next[:]
-        self._head = pool._head
-        self._tail = pool._tail
+        self._policy = pool._policy.copy()
 
 
 def copy_pool(pool: Pool) -> PoolCopy:
@@ -93,7 +90,7 @@ def _check(pool: Any) -> None:
     page_key = pool._page_key
     cap = len(state)
     _expect(
-        cap <= n and len(page_key) == cap and len(pool._prev) == cap and len(pool._next) == cap,
+        cap <= n and len(page_key) == cap,
         f"per-page arrays have the wrong length ({cap} states for {n} pages)",
     )
     _expect(pool._frontier <= cap, "the frontier is past the capacity")
@@ -137,19 +134,22 @@ def _check(pool: Any) -> None:
     _expect(pool._withheld >= len(pool._withheld_new), "uncollected withheld pages miscounted")
     for page in free_pages:
         _expect(page_key[page] is None, f"FREE page {page} still names a key")
-    _check_lru(pool)
+    _check_policy(pool)
 
 
-def _check_lru(pool: Any) -> None:
+def _check_policy(pool: Any) -> None:
+    """The eviction policy's own structures are sound and its order holds exactly the STORED
+    pages, each once (what a snapshot writes and a reserve may evict)."""
+    policy = pool._policy
+    problem = policy.problem(len(pool._state))
+    _expect(problem is None, f"eviction policy: {problem}")
+    nxt, page = policy.chain()
     seen: list[int] = []
-    page, prev = pool._head, -1
     while page != -1:
-        _expect(len(seen) <= pool.num_pages, "LRU list has a cycle")
-        _expect(pool._prev[page] == prev, f"LRU back link of page {page} is wrong")
+        _expect(len(seen) <= len(pool._stored), "eviction order has a cycle or extra pages")
         seen.append(page)
-        prev, page = page, pool._next[page]
-    _expect(pool._tail == prev, "LRU tail is wrong")
-    _expect(sorted(seen) == sorted(pool._stored.values()), "LRU list != STORED pages")
+        page = nxt[page]
+    _expect(sorted(seen) == sorted(pool._stored.values()), "eviction order != STORED pages")
 
 
 def _expect(ok: bool, what: str) -> None:

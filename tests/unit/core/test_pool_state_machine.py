@@ -1,6 +1,8 @@
 """Random operation sequences with the full page invariant checked after every step, plus a
 shadow model of what must be true of keys (a confirmed key maps to the page it was written to,
-until it is deleted, cleared or evicted)."""
+until it is deleted, cleared or evicted). Each machine runs with the default LRU policy and
+with a first-in-first-out one (``policies.FifoPolicy``): the pool's guarantees must not depend
+on which policy chooses its victims."""
 
 from __future__ import annotations
 
@@ -8,18 +10,23 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from kvmeta.core import FREE, STORED, Pool, check_pool
+from kvmeta.core import FREE, STORED, LruPolicy, Pool, check_pool
+from kvmeta.core import pages as pages_module
 from kvmeta.core import pool as pool_module
+from kvmeta.core.eviction import PolicyFactory
 from kvmeta.errors import InvalidRequest
+from tests.unit.core.policies import FifoPolicy
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
 N = 6
 
 
 class PoolMachine(RuleBasedStateMachine):
+    policy: PolicyFactory = LruPolicy
+
     def __init__(self) -> None:
         super().__init__()
-        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0)
+        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0, policy=self.policy)
         self.now = 0.0
         self.written: dict[str, int] = {}  # shadow: confirmed key -> page
         self.handed: list[tuple[str, int]] = []  # (key, page) given to a writer
@@ -29,13 +36,21 @@ class PoolMachine(RuleBasedStateMachine):
         self.now += dt
         self.pool.expire(self.now)
 
+    def read_leased(self) -> set[int]:
+        """Pages whose read lease runs past now: no policy may give one up."""
+        self.pool.expire(self.now)
+        until = self.pool._read_until
+        return {page for page in range(len(until)) if until[page] > self.now}
+
     @rule(keys=st.lists(KEYS, max_size=8))
     def reserve(self, keys: list[str]) -> None:
         evicted: list[tuple[str, int]] = []
+        leased = self.read_leased()
         got = self.pool.reserve(keys, self.now, evicted)
         assert len(got) == len(keys)
         for key, page in evicted:
-            assert self.written.pop(key) == page
+            assert self.written.pop(key) == page  # (and a key reported STORED stays)
+            assert page not in leased, f"page {page} evicted under a read lease"
         pages: dict[str, int] = {}
         for key, (hit, page) in zip(keys, got, strict=True):
             if hit:
@@ -125,8 +140,10 @@ class WithholdingPoolMachine(PoolMachine):
 
     @rule(count=st.integers(min_value=0, max_value=4))
     def evict_ahead(self, count: int) -> None:
+        leased = self.read_leased()
         for key, page in self.pool.evict_ahead(count, self.now):
             assert self.written.pop(key) == page
+            assert page not in leased, f"page {page} evicted under a read lease"
         self.unreleased += self.pool.collect_withheld()
 
     @rule()
@@ -189,14 +206,14 @@ class RestartingPoolMachine(PoolMachine):
 
     def __init__(self) -> None:
         super().__init__()
-        self._step = pool_module._FRONTIER_STEP
-        pool_module._FRONTIER_STEP = 1
-        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0)
+        self._step = pages_module._FRONTIER_STEP
+        pages_module._FRONTIER_STEP = 1
+        self.pool = Pool(N, reservation_ttl=10.0, read_lease=3.0, policy=self.policy)
         self.reads: dict[int, float] = {}  # page -> end of the latest read lease granted
         self.protected: dict[int, float] = {}  # page -> end of an earlier run's lease on it
 
     def teardown(self) -> None:
-        pool_module._FRONTIER_STEP = self._step
+        pages_module._FRONTIER_STEP = self._step
 
     @rule(keys=st.lists(KEYS, max_size=4))
     def get(self, keys: list[str]) -> None:
@@ -230,7 +247,12 @@ class RestartingPoolMachine(PoolMachine):
         self.reads = {}
         durable = dict(old.stored_items())  # what the journal holds, coldest first
         self.pool = Pool.from_lru(
-            N, durable, reservation_ttl=10.0, read_lease=3.0, frontier=old.frontier
+            N,
+            durable,
+            reservation_ttl=10.0,
+            read_lease=3.0,
+            frontier=old.frontier,
+            policy=self.policy,
         )
         self.pool.hold_after_restart(self.now)
         assert self.written == durable
@@ -240,3 +262,28 @@ TestRestartingPoolMachine = RestartingPoolMachine.TestCase
 TestRestartingPoolMachine.settings = settings(
     max_examples=300, stateful_step_count=50, deadline=None
 )
+
+
+# The same machines with the victims chosen first in, first out: fewer examples each, since
+# what they check of the pool is the same and the LRU runs above at full depth.
+FIFO_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
+
+
+class FifoPoolMachine(PoolMachine):
+    policy = FifoPolicy
+
+
+class FifoWithholdingPoolMachine(WithholdingPoolMachine):
+    policy = FifoPolicy
+
+
+class FifoRestartingPoolMachine(RestartingPoolMachine):
+    policy = FifoPolicy
+
+
+TestFifoPoolMachine = FifoPoolMachine.TestCase
+TestFifoPoolMachine.settings = FIFO_SETTINGS
+TestFifoWithholdingPoolMachine = FifoWithholdingPoolMachine.TestCase
+TestFifoWithholdingPoolMachine.settings = FIFO_SETTINGS
+TestFifoRestartingPoolMachine = FifoRestartingPoolMachine.TestCase
+TestFifoRestartingPoolMachine.settings = FIFO_SETTINGS

@@ -2,7 +2,9 @@
 
 ``Pool.fits`` promises that when it answers True the reserve places every key, and the reserve
 refuses (changing nothing) exactly when it answers False; both are checked here over pools with
-stored, reserved, read-leased and free pages and batches that mix them, with duplicates."""
+stored, reserved, read-leased and free pages and batches that mix them, with duplicates, under
+the default LRU policy and a first-in-first-out one (``EvictionPolicy.can_evict`` is what
+``fits`` asks)."""
 
 from __future__ import annotations
 
@@ -10,16 +12,23 @@ import random
 
 import pytest
 
+from kvmeta.core.eviction import PolicyFactory
 from kvmeta.core.invariants import check_pool
+from kvmeta.core.lru import LruPolicy
 from kvmeta.core.pool import Pool
+from tests.unit.core.policies import FifoPolicy
+
+POLICIES = {"lru": LruPolicy, "fifo": FifoPolicy}
 
 
 def _state(pool: Pool) -> tuple[object, ...]:
     return (pool.stored_items(), pool.reserved_count, pool.free_count, pool.frontier)
 
 
-def _random_pool(rng: random.Random, now: float) -> tuple[Pool, list[str]]:
-    pool = Pool(rng.randint(1, 8), reservation_ttl=100.0, read_lease=50.0)
+def _random_pool(
+    rng: random.Random, now: float, policy: PolicyFactory = LruPolicy
+) -> tuple[Pool, list[str]]:
+    pool = Pool(rng.randint(1, 8), reservation_ttl=100.0, read_lease=50.0, policy=policy)
     names = [f"k{i}" for i in range(12)]
     stored = rng.sample(names, rng.randint(0, 8))
     out = pool.reserve(stored, now, [])
@@ -42,11 +51,12 @@ def test_the_seeds_cover_both_answers() -> None:
     assert answers == {True, False}
 
 
+@pytest.mark.parametrize("policy", sorted(POLICIES))
 @pytest.mark.parametrize("seed", SEEDS)
-def test_a_whole_batch_is_placed_whole_or_refused_without_a_change(seed: int) -> None:
+def test_a_whole_batch_is_placed_whole_or_refused_without_a_change(seed: int, policy: str) -> None:
     rng = random.Random(seed)
     now = 1.0
-    pool, names = _random_pool(rng, now)
+    pool, names = _random_pool(rng, now, POLICIES[policy])
     batch = [rng.choice(names + ["n1", "n2", "n3"]) for _ in range(rng.randint(1, 8))]
     fits = pool.fits(batch, now)
     before = _state(pool)

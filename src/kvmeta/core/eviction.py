@@ -1,0 +1,131 @@
+"""The eviction seam: which STORED page a full pool gives up for a new key.
+
+A ``Pool`` owns the pages, their keys and their leases; its *policy* owns only the order in
+which STORED pages are given up. The pool tells the policy about every change to the set of
+STORED pages and about every use of one, and asks it for a victim when a reserve (or a
+journaled store's ``evict_ahead``) finds no FREE page. Keeping the order apart lets a new
+policy (say, leaf-first for prefix chains) be written and tested without touching the pool's
+state machine, its leases or its journal.
+
+Plugging one in: subclass ``EvictionPolicy`` and pass the class (or any callable taking
+``num_pages``) as ``Pool(..., policy=MyPolicy)``; ``Pool.from_lru`` and ``Pool.load`` take it
+too. ``core.lru.LruPolicy`` is the default and the model to copy.
+
+What a policy must guarantee, because the pool relies on it without checking:
+
+- ``victim`` returns only a page it holds (a STORED page), never one whose read lease runs
+  past ``now`` and never one in ``keep``; RESERVED and FREE pages never reach a policy, so a
+  policy that follows ``added``/``removed`` cannot hand out a page a writer holds.
+- ``victim`` and ``can_evict`` agree: whenever ``can_evict(n, steps, ...)`` answers True, n
+  calls of ``victim`` with ``budget`` set to ``steps``, the same ``now``, ``keep`` and leases
+  and no other change in between each find a page (vLLM's whole-batch reserve counts on it).
+- Every method costs O(pages it is handed or returns) plus at most ``budget`` pages looked at
+  and not taken: never O(pool) on a request path. ``load``, ``chain`` and ``copy`` are
+  O(stored) and run at start-up, in snapshots and in checks only.
+- ``chain`` is the policy's order, first victim first: a snapshot writes the STORED keys in
+  that order and recovery hands them back to ``load`` in the same order, so a restarted pool
+  evicts in the order the old one would have.
+
+Time is passed in (``now``) and the read-lease deadlines are the pool's (``read_until``, one C
+double per page), so a policy, like the pool, has no clock and no I/O.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from array import array
+from collections.abc import Callable, Container, Iterable
+
+__all__ = ["EvictionPolicy", "PolicyFactory", "chain_order"]
+
+
+class EvictionPolicy(ABC):
+    """The order in which a pool's STORED pages are evicted (module docstring)."""
+
+    __slots__ = ("budget",)
+
+    def __init__(self) -> None:
+        # Pages the calls of ``victim`` may still look at and not take (read-leased or kept),
+        # in all: the pool sets it at the start of each reserve and ``evict_ahead`` (an
+        # attribute, not a call: it costs nothing on the request path), so a reserve stays
+        # O(request) when almost every page is being read.
+        self.budget = 0
+
+    @abstractmethod
+    def resize(self, capacity: int) -> None:
+        """Cover pages ``0..capacity-1`` (the pool's per-page arrays grew or were rolled back).
+
+        Raises:
+            MemoryError: the memory cannot be had; the policy is left as it was.
+        """
+
+    @abstractmethod
+    def load(self, pages: list[int]) -> None:
+        """Hold exactly ``pages`` (distinct, in range), given first victim first: recovery."""
+
+    @abstractmethod
+    def added(self, pages: Iterable[int]) -> None:
+        """``pages`` became STORED, in this order (a confirm's commits)."""
+
+    @abstractmethod
+    def used(self, pages: Iterable[int | None]) -> None:
+        """``pages`` (held ones; None entries are skipped) were read or reserved again, in this
+        order. A reserve reports a hit before it looks for its next victim."""
+
+    @abstractmethod
+    def removed(self, page: int) -> None:
+        """``page`` stopped being STORED for another reason than ``victim`` (a delete)."""
+
+    @abstractmethod
+    def clear(self) -> None:
+        """Every page is gone (the pool was cleared)."""
+
+    @abstractmethod
+    def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
+        """Give up one held page, not in ``keep`` and with ``read_until[page] <= now``, and
+        return it (it is no longer held); -1 when none is found within ``budget``."""
+
+    @abstractmethod
+    def can_evict(
+        self, count: int, steps: int, now: float, keep: Container[int], read_until: array[float]
+    ) -> bool:
+        """Whether ``count`` calls of ``victim`` with ``budget`` at ``steps`` would each find a
+        page; changes nothing."""
+
+    @abstractmethod
+    def chain(self) -> tuple[array[int], int]:
+        """The held pages in order, first victim first, as next-links (``nxt[page]``, -1 after
+        the last) and the first page (-1: none): copies the caller may keep and walk later
+        (``chain_order``), so a snapshot takes them at memcpy speed and walks them elsewhere."""
+
+    @abstractmethod
+    def copy(self) -> EvictionPolicy:
+        """An independent copy, for checking the pool's invariants off the event loop."""
+
+    @abstractmethod
+    def problem(self, capacity: int) -> str | None:
+        """What is wrong with the policy's own structures (None: nothing) for a pool whose
+        per-page arrays cover ``capacity`` pages. Which pages it holds is checked apart, against
+        the STORED pages, by walking ``chain``."""
+
+
+# What ``Pool(policy=...)`` takes: makes a pool's policy from its ``num_pages`` (a class will do).
+PolicyFactory = Callable[[int], EvictionPolicy]
+
+
+def chain_order(
+    page_key: list[str | None], nxt: array[int], head: int
+) -> tuple[list[str], array[int]]:
+    """STORED keys and their pages, first victim first, from copies of the page->key table and
+    of a policy's ``chain``: what a snapshot writes and recovery loads."""
+    keys: list[str] = []
+    pages = array(nxt.typecode)
+    add_key, add_page = keys.append, pages.append
+    page = head
+    while page != -1:
+        key = page_key[page]
+        assert key is not None
+        add_key(key)
+        add_page(page)
+        page = nxt[page]
+    return keys, pages
