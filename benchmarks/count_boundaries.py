@@ -7,8 +7,8 @@ pool model in ``src/kvmeta/core`` (each such call is a store-file boundary cross
 crossed back when it returns: "transitions" counts both ways). Calls between the pool
 model's own files (the pool asking its eviction policy for a victim) are counted apart,
 as "inside core". ``sys.setprofile`` watches the one request's task only (the loop's own
-callbacks, such as the journal's flush timer, are other work). Two reserves of a new key, each on a full
-pool whose every change is durable:
+callbacks, such as the journal's flush timer, are other work). Two reserves of a new key,
+each on a full pool whose every change is durable:
 
 - ``spare``: a pool large enough to keep spare pages (``store.disk.writeahead``): the reserve
   takes a spare page, then evicts ahead of need to top the spare up;
