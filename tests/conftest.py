@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 
 import pytest
@@ -19,6 +20,21 @@ from tests.redis_support import (  # noqa: F401  (shared fixtures)
     replica_pair,
 )
 from tests.support import ServerProcess
+
+# An object's default repr ("<... at 0x7f...>") in a test id: a new address in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse test ids that differ from one process to the next: scripts/test runs the suite in
+    pytest-xdist workers, which each collect it and must agree on every id."""
+    unstable = [item.nodeid for item in items if _ADDRESS.search(item.nodeid)]
+    if unstable:
+        raise pytest.UsageError(
+            f"{len(unstable)} test id(s) carry an object's address, which differs in every "
+            f"worker process (first: {unstable[0]}); give the parametrization ids= "
+            "(e.g. ids=lambda route: route.pattern)"
+        )
 
 
 @pytest.fixture(autouse=True)
