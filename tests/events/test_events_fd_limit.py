@@ -18,6 +18,7 @@ from tests.support import ServerProcess
 pytestmark = pytest.mark.slow
 
 
+@pytest.mark.soak
 def test_a_connection_flood_on_the_events_port_does_not_spin_and_service_resumes() -> None:
     server = ServerProcess(
         "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
