@@ -86,3 +86,13 @@ def test_every_test_tool_is_pinned_and_the_workers_plugin_is_one() -> None:
     assert "pytest-xdist" in extra
     lowest = _names((ROOT / "constraints" / "lowest.txt").read_text().splitlines())
     assert {"pytest-xdist", "execnet"} <= pinned & lowest
+
+
+def test_the_long_files_exist_and_start_first() -> None:
+    missing = [path for path in conftest.LONG_FILES if not (ROOT / path).is_file()]
+    assert not missing, f"tests/conftest.py LONG_FILES names files that are gone: {missing}"
+    last, first = conftest.LONG_FILES[-1], conftest.LONG_FILES[0]
+    items = [_Item("tests/unit/test_a.py::test_1"), _Item(f"{last}::test_2")]
+    items += [_Item("tests/unit/test_a.py::test_3"), _Item(f"{first}::test_4")]
+    conftest.pytest_collection_modifyitems(items)  # type: ignore[arg-type]
+    assert [i.nodeid.rsplit("_", 1)[1] for i in items] == ["4", "2", "1", "3"]
