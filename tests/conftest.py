@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -20,6 +21,40 @@ from tests.redis_support import (  # noqa: F401  (shared fixtures)
     replica_pair,
 )
 from tests.support import STARTS, InProcessServer, ServerProcess
+
+# An object's default repr ("<... at 0x7f...>") in a test id: a new address in every process.
+_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+
+# The files that take longest (a `--durations` profile of the suite), started first, so that
+# no worker is left running one of them alone at the end (scripts/test passes xdist
+# --no-loadscope-reorder, which keeps this order instead of ordering files by test count).
+LONG_FILES = (
+    "tests/packaging/test_install.py",
+    "tests/integration/test_redis_chunks.py",
+    "tests/contract/test_differential.py",
+    "tests/integration/test_backend_secrets.py",
+    "tests/integration/test_ops_stall.py",
+    "tests/integration/test_vllm_http.py",
+)
+
+
+def _start_rank(item: pytest.Item) -> int:
+    path = item.nodeid.split("::", 1)[0]
+    return LONG_FILES.index(path) if path in LONG_FILES else len(LONG_FILES)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    """Refuse test ids that differ from one process to the next: scripts/test runs the suite in
+    pytest-xdist workers, which each collect it and must agree on every id. Then put the long
+    files first (a stable sort: every file's own order is kept)."""
+    unstable = [item.nodeid for item in items if _ADDRESS.search(item.nodeid)]
+    if unstable:
+        raise pytest.UsageError(
+            f"{len(unstable)} test id(s) carry an object's address, which differs in every "
+            f"worker process (first: {unstable[0]}); give the parametrization ids= "
+            "(e.g. ids=lambda route: route.pattern)"
+        )
+    items.sort(key=_start_rank)
 
 
 @pytest.fixture(autouse=True)

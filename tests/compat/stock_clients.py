@@ -94,7 +94,8 @@ def member_source(requirement: str, member: str) -> Path:
         with zipfile.ZipFile(wheel) as zf:
             for name in {member, *_MEMBERS.get(requirement, ())}:
                 out = _cached(requirement, name)
-                partial = out.with_suffix(".part")
+                # Per process: test workers extracting the same release must not share it.
+                partial = out.with_suffix(f".{os.getpid()}.part")
                 partial.write_bytes(zf.read(name))
                 partial.replace(out)
     return target

@@ -123,6 +123,7 @@ def _verify(data: Path, ledger: Ledger, fsync: str) -> None:
         assert not later, f"{key}->{page} came back, but page {page} went to {later} after it"
 
 
+@pytest.mark.soak
 @pytest.mark.parametrize("fsync", ["always", "batch"])
 def test_kill_9_under_load_loses_nothing_acknowledged(tmp_path: Path, fsync: str) -> None:
     """``always``: every acknowledged confirm survives. ``batch`` (the default): the last

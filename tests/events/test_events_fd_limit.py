@@ -20,6 +20,7 @@ pytestmark = pytest.mark.slow
 WINDOW = 1.5  # seconds of server CPU measured while out of descriptors
 
 
+@pytest.mark.soak
 def test_a_connection_flood_on_the_events_port_does_not_spin_and_service_resumes() -> None:
     server = ServerProcess(
         "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",

@@ -142,6 +142,7 @@ def test_a_delete_redis_ran_after_kvmeta_gave_up_on_it_reaches_the_subscriber(
     assert want.get(POOL) == hashed({POOL: set(keys[5:])})[POOL], "Redis did not run the delete"
 
 
+@pytest.mark.soak
 def test_under_load_with_redis_stopped_twice_the_view_ends_equal_to_redis(setup: Setup) -> None:
     universe = [key(i) for i in range(300)]  # 64 pages: reserves evict all the time
     stop = threading.Event()

@@ -78,6 +78,7 @@ def _kept_bytes(server: ServerProcess) -> float:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_requesters_that_never_read_hold_bounded_memory_and_a_reader_still_replays() -> None:
     server = ServerProcess(
         "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",

@@ -25,6 +25,7 @@ def send(session: requests.Session, url: str, call: Call) -> requests.Response:
     return session.request(call.method, url + call.path, data=call.body, timeout=30)
 
 
+@pytest.mark.soak
 def test_generated_and_malformed_requests(make_server: Callable[..., ServerProcess]) -> None:
     server = make_server(*FLAGS)
     session = requests.Session()

@@ -174,6 +174,7 @@ def _nofile_for_children(limit: int) -> Iterator[None]:
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_a_flood_of_half_sent_requests_cannot_starve_the_journal(
     tmp_path: Path,
 ) -> None:

@@ -108,6 +108,7 @@ def _store(server: Server, keys: list[str], headers: dict[str, str] | None = Non
 
 
 @pytest.mark.slow
+@pytest.mark.soak
 def test_pipelined_replies_nobody_reads_stay_bounded(make_server: Make) -> None:
     server = make_server("--in-memory")
     requests.post(server.url + "/0/initialize", json={"num_pages": 16384}, timeout=30)

@@ -110,7 +110,9 @@ ALL_ROUTES = (
 )
 
 
-@pytest.mark.parametrize("r", [r for r in ALL_ROUTES if r.body is not None], ids=str)
+@pytest.mark.parametrize(
+    "r", [r for r in ALL_ROUTES if r.body is not None], ids=lambda r: f"{r.method} {r.pattern}"
+)
 def test_every_body_is_refused_by_its_route_decoder(r: Route) -> None:
     """A body of the wrong shape is a 400 from the route's own decoder, before the service."""
     svc = new_service()
