@@ -2,8 +2,9 @@
 """Before/after: redis-server CPU per SGLang request for the pool scripts of two source trees.
 
 No HTTP and no kvmeta server: one private valkey-server (or ``--server``), the scripts of each
-side loaded into it (a git revision's ``src/kvmeta/store/lua``, or ``WORKTREE`` for the files on
-disk), and one pool per side and variant driven over redis-py with the SGLang batch-64 cycle:
+side loaded into it (a git revision's ``src/kvmeta/store/redis/lua``, or ``WORKTREE`` for the
+files on disk), and one pool per side and variant driven over redis-py with the SGLang
+batch-64 cycle:
 
 - ``exists`` of 64 keys: a leading run of hits (half of the previous batch) then the new keys;
 - ``reserve`` of 64 new 64-hex keys;
@@ -16,9 +17,12 @@ stack with a page for every measured key: no eviction). Sides run in the SAME se
 alternating round by round, so load from other processes hits both alike. CPU is
 redis-server's utime+stime from ``/proc/PID/stat`` per round (the headline), split per
 operation with the main thread's ``/proc/PID/task/PID/schedstat`` (nanoseconds); medians over
-``--rounds``. ``INFO commandstats`` over the measured rounds says which commands the time goes to.
+``--rounds``. ``INFO commandstats`` over the measured rounds says which commands the time goes
+to. Each variant ends with the new/old ratio of every round (the two sides ran in that round
+back to back), their median and min-max: the pair method of ``kvmeta bench pair``, on one
+server.
 
-    python benchmarks/compare_lua.py                      # 58bc8dc against the working tree
+    python benchmarks/compare_lua.py --old main --new WORKTREE --rounds 9
     python benchmarks/compare_lua.py --old HEAD~1 --new WORKTREE --rounds 7
     python benchmarks/compare_lua.py --old WORKTREE --new WORKTREE --events   # feed off vs on
 
@@ -54,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_support import REDIS_SERVER, RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LUA = "src/kvmeta/store/lua"
+LUA = "src/kvmeta/store/redis/lua"
 OPS = ("exists", "reserve", "confirm", "get")
 SCRIPTS = ("initialize", "delete", *OPS)
 FEED = ("reserve", "confirm", "delete")  # the scripts taking the change-feed flag (--events)
@@ -183,7 +187,7 @@ def commandstats(r: redis.Redis) -> dict[str, tuple[int, int]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", default="58bc8dc", help="git revision (or WORKTREE)")
+    parser.add_argument("--old", default="main", help="git revision (or WORKTREE)")
     parser.add_argument("--new", default="WORKTREE", help="git revision (or WORKTREE)")
     parser.add_argument("--pages", type=int, default=65536)
     parser.add_argument("--batch", type=int, default=64)
@@ -294,6 +298,21 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             }
             if pools[key].refused:
                 print(f"   !! {pools[key].refused} keys refused a page")
+        # The pair method: each round's new/old ratio (both ran in that round, back to back),
+        # then the median and min-max of the ratios.
+        ratios = [
+            n / o for o, n in zip(per_req[("old", variant)], per_req[("new", variant)], strict=True)
+        ]
+        print(
+            f"{variant:8} new/old per round: median {statistics.median(ratios):.3f}"
+            f" ({min(ratios):.3f}-{max(ratios):.3f})"
+        )
+        result[f"{variant}:ratio"] = {
+            "median": statistics.median(ratios),
+            "min": min(ratios),
+            "max": max(ratios),
+            "values": ratios,
+        }
     print()
     print("INFO commandstats over the measured rounds, per request (calls, us)")
     names = sorted(
