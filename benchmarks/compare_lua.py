@@ -300,9 +300,12 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             if pools[key].refused:
                 print(f"   !! {pools[key].refused} keys refused a page")
         # The pair method: each round's new/old ratio (both ran in that round, back to back),
-        # then the median and min-max of the ratios.
+        # then the median and min-max of the ratios. A round shorter than one tick of the stat
+        # clock (10 ms) reads 0 for a side and gives no ratio.
         ratios = [
-            n / o for o, n in zip(per_req[("old", variant)], per_req[("new", variant)], strict=True)
+            n / o
+            for o, n in zip(per_req[("old", variant)], per_req[("new", variant)], strict=True)
+            if o > 0
         ]
         # The same from the main thread's schedstat: per round, the mean over the four ops of
         # each op's median request (finer than stat's clock ticks, and blind to other threads).
@@ -315,6 +318,10 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
         }
         op_ratios = [n / o for o, n in zip(op_means["old"], op_means["new"], strict=True)]
         for name, values in (("cycle/4", ratios), ("op mean", op_ratios)):
+            if not values:
+                print(f"{variant:8} new/old per round, {name}: no round long enough (--cycles)")
+                result[f"{variant}:ratio:{name}"] = None
+                continue
             print(
                 f"{variant:8} new/old per round, {name}: median {statistics.median(values):.3f}"
                 f" ({min(values):.3f}-{max(values):.3f})"
