@@ -2,8 +2,9 @@
 """Before/after: redis-server CPU per SGLang request for the pool scripts of two source trees.
 
 No HTTP and no kvmeta server: one private valkey-server (or ``--server``), the scripts of each
-side loaded into it (a git revision's ``src/kvmeta/store/lua``, or ``WORKTREE`` for the files on
-disk), and one pool per side and variant driven over redis-py with the SGLang batch-64 cycle:
+side loaded into it (a git revision's ``src/kvmeta/store/redis/lua``, or ``WORKTREE`` for the
+files on disk), and one pool per side and variant driven over redis-py with the SGLang
+batch-64 cycle:
 
 - ``exists`` of 64 keys: a leading run of hits (half of the previous batch) then the new keys;
 - ``reserve`` of 64 new 64-hex keys;
@@ -16,9 +17,13 @@ stack with a page for every measured key: no eviction). Sides run in the SAME se
 alternating round by round, so load from other processes hits both alike. CPU is
 redis-server's utime+stime from ``/proc/PID/stat`` per round (the headline), split per
 operation with the main thread's ``/proc/PID/task/PID/schedstat`` (nanoseconds); medians over
-``--rounds``. ``INFO commandstats`` over the measured rounds says which commands the time goes to.
+``--rounds``. ``INFO commandstats`` over the measured rounds says which commands the time goes
+to. Each variant ends with the new/old ratio of every round (the two sides ran in that round
+back to back), their median and min-max (of ``cycle/4`` and of ``op mean``, the schedstat
+figure, which clock ticks do not round): the pair method of ``kvmeta bench pair``, on one
+server.
 
-    python benchmarks/compare_lua.py                      # 58bc8dc against the working tree
+    python benchmarks/compare_lua.py --old main --new WORKTREE --rounds 9
     python benchmarks/compare_lua.py --old HEAD~1 --new WORKTREE --rounds 7
     python benchmarks/compare_lua.py --old WORKTREE --new WORKTREE --events   # feed off vs on
 
@@ -54,7 +59,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from tests.redis_support import REDIS_SERVER, RedisServer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
-LUA = "src/kvmeta/store/lua"
+LUA = "src/kvmeta/store/redis/lua"
 OPS = ("exists", "reserve", "confirm", "get")
 SCRIPTS = ("initialize", "delete", *OPS)
 FEED = ("reserve", "confirm", "delete")  # the scripts taking the change-feed flag (--events)
@@ -183,7 +188,7 @@ def commandstats(r: redis.Redis) -> dict[str, tuple[int, int]]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--old", default="58bc8dc", help="git revision (or WORKTREE)")
+    parser.add_argument("--old", default="main", help="git revision (or WORKTREE)")
     parser.add_argument("--new", default="WORKTREE", help="git revision (or WORKTREE)")
     parser.add_argument("--pages", type=int, default=65536)
     parser.add_argument("--batch", type=int, default=64)
@@ -294,6 +299,39 @@ def run(args: argparse.Namespace, r: redis.Redis, pid: int) -> int:
             }
             if pools[key].refused:
                 print(f"   !! {pools[key].refused} keys refused a page")
+        # The pair method: each round's new/old ratio (both ran in that round, back to back),
+        # then the median and min-max of the ratios. A round shorter than one tick of the stat
+        # clock (10 ms) reads 0 for a side and gives no ratio.
+        ratios = [
+            n / o
+            for o, n in zip(per_req[("old", variant)], per_req[("new", variant)], strict=True)
+            if o > 0
+        ]
+        # The same from the main thread's schedstat: per round, the mean over the four ops of
+        # each op's median request (finer than stat's clock ticks, and blind to other threads).
+        op_means = {
+            side: [
+                statistics.mean(per_op[(side, variant)][op][r] for op in OPS)
+                for r in range(args.rounds)
+            ]
+            for side in ("old", "new")
+        }
+        op_ratios = [n / o for o, n in zip(op_means["old"], op_means["new"], strict=True)]
+        for name, values in (("cycle/4", ratios), ("op mean", op_ratios)):
+            if not values:
+                print(f"{variant:8} new/old per round, {name}: no round long enough (--cycles)")
+                result[f"{variant}:ratio:{name}"] = None
+                continue
+            print(
+                f"{variant:8} new/old per round, {name}: median {statistics.median(values):.3f}"
+                f" ({min(values):.3f}-{max(values):.3f})"
+            )
+            result[f"{variant}:ratio:{name}"] = {
+                "median": statistics.median(values),
+                "min": min(values),
+                "max": max(values),
+                "values": values,
+            }
     print()
     print("INFO commandstats over the measured rounds, per request (calls, us)")
     names = sorted(
