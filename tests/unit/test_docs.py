@@ -215,3 +215,39 @@ def test_benchmarks_keep_one_current_table_per_benchmark() -> None:
 def test_journal_failure_sections_are_in_place() -> None:
     for page in ("troubleshooting.md", "durability.md"):
         assert "journal-failures" in _anchors(DOCS / page), f"docs/{page}: ## Journal failures"
+
+
+# Microseconds are measurements of one machine: the user pages say what a thing does and link
+# to benchmarks/README.md, which holds the figures with the commands that reproduce them.
+MICROSECONDS = re.compile(r"\b\d[\d.,]*(?:-\d[\d.,]*)? ?(?:us|µs)\b")
+USER_PAGES = [ROOT / "README.md", *(p for p in sorted(DOCS.glob("*.md")) if p.name != "testing.md")]
+
+
+@pytest.mark.parametrize("page", USER_PAGES, ids=lambda p: str(p.relative_to(ROOT)))
+def test_user_pages_leave_microsecond_figures_to_the_benchmarks(page: Path) -> None:
+    found = MICROSECONDS.findall(page.read_text())
+    assert not found, (
+        f"{page.relative_to(ROOT)} quotes {found}: move the figure to benchmarks/README.md "
+        "(with the command that reproduces it) and link the section instead"
+    )
+
+
+def _layout_section() -> str:
+    text = (DOCS / "architecture.md").read_text()
+    start = text.index("## Layout")
+    return text[start : text.index("\n## ", start + 1)]
+
+
+def test_the_architecture_layout_names_every_module() -> None:
+    """A newcomer finds each module of the layered packages in docs/architecture.md's table."""
+    layout = _layout_section()
+    packages = ("core", "store", "service", "server", "events")
+    src = ROOT / "src" / "kvmeta"
+    modules = [m for pkg in packages for m in sorted((src / pkg).rglob("*.py"))]
+    modules += [src / "config.py", src / "config_values.py", src / "errors.py"]
+    missing = [
+        str(m.relative_to(src))
+        for m in modules
+        if m.name != "__init__.py" and not re.search(rf"[`/]{re.escape(m.name)}`", layout)
+    ]
+    assert not missing, f"name these modules in docs/architecture.md's Layout table: {missing}"

@@ -15,8 +15,8 @@ server) is stepped over at once, since the lock keeps every other caller out any
 operation that waits on a future (a thread, a timer, a network reply) is a backend that does
 not belong in-process: it is refused with an error that says so, rather than finished on a
 private event loop, because that loop would have to be the thread's running loop during every
-step (a future binds to the loop running when it is made), which costs each call ~0.3 us
-(~8% of an in-process call) for a path no operation takes; and in a thread that runs its own
+step (a future binds to the loop running when it is made), which costs every call
+(``benchmarks/micro_costs.py``) for a path no operation takes; and in a thread that runs its own
 loop (an engine calling from async code) the future would belong to that loop, which this
 call blocks, so nothing could finish it anyway.
 """

@@ -4,7 +4,7 @@ when they are used up.
 Two libzmq behaviours make a flood of connections to ``--events`` dangerous. Its TCP listener
 does not back off when ``accept`` fails: with no descriptor left (``EMFILE``) the pending
 connection stays queued, the listener is woken again at once, and ZeroMQ's I/O thread takes a
-whole core until a descriptor is freed (measured: 2.0 s of CPU in 2 s). And binding while no
+whole core until a descriptor is freed. And binding while no
 descriptor is left aborts the process (an assertion in its address resolver). Meanwhile the
 journal and the HTTP server have no descriptor either (the HTTP server keeps a reserve from its
 own connections, ``server.runner.connection_cap``; ZeroMQ's do not count against it).

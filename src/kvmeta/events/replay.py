@@ -9,32 +9,32 @@ than the buffer are gone: when the first sequence answered is above N, the subsc
 some and must rebuild from ``GET /v1/dump`` (docs/events.md).
 
 It runs on the event loop: a replay is non-blocking sends of buffered bytes, ``_SLICE`` batches
-per turn of the loop at most (a whole buffer at once kept every HTTP request waiting 0.2 s).
+per turn of the loop at most (a whole buffer at once kept every HTTP request waiting).
 Payloads are sent without a copy (the queued answer refers to the buffer's bytes): copied, a
-requester that does not read held a copy of the whole buffer in the server, per request (8
-unread replays of a 55 MB buffer added 444 MB). A batch that leaves the buffer while an answer
+requester that does not read held a copy of the whole buffer in the server, per request
+(measured: benchmarks/README.md, "KV events"). A batch that leaves the buffer while an answer
 is under way ends that answer early (its marker follows the last batch sent): the subscriber
 sees the gap and asks again.
 
-Even referring to the buffer, every batch handed to ZeroMQ costs its records of the frames
-(about 400 bytes), and a batch that left the buffer stays alive while an answer holds it: 100
-requesters that never read grew the server by 20-25 MiB for a 27 MiB buffer, without bound in
-their number. So answers are capped: at most ``clients`` are under way at once (a request
-beyond them gets at once the end marker with ``BUSY`` in its last frame), and a connection has
-at most its share of ``queue_bytes`` handed to ZeroMQ and not yet written to it, all
-connections together at most ``queue_bytes`` (``_Peer``; what ZeroMQ wrote is known from one
-tracked frame per chunk: it releases a connection's frames in order, once written). An answer
-without room waits, looked at every ``_POLL`` seconds; its slot is free once its marker is
-handed over. A requester that reads nothing holds its share only until the kernel drops its
-connection: the socket's TCP user timeout (``timeout``) also bounds how long a receive window
-may stay shut, and a dropped connection's frames are released.
+Even referring to the buffer, every batch handed to ZeroMQ costs its records of the frames, and
+a batch that left the buffer stays alive while an answer holds it: requesters that never read
+grew the server without bound in their number (the same section). So answers are capped: at
+most ``clients`` are under way at once (a request beyond them gets at once the end marker with
+``BUSY`` in its last frame), and a connection has at most its share of ``queue_bytes`` handed
+to ZeroMQ and not yet written to it, all connections together at most ``queue_bytes``
+(``_Peer``; what ZeroMQ wrote is known from one tracked frame per chunk: it releases a
+connection's frames in order, once written). An answer without room waits, looked at every
+``_POLL`` seconds; its slot is free once its marker is handed over. A requester that reads
+nothing holds its share only until the kernel drops its connection: the socket's TCP user
+timeout (``timeout``) also bounds how long a receive window may stay shut, and a dropped
+connection's frames are released.
 
-The buffer (``ReplayBuffer``) exists only with a replay socket: nobody could read it
-otherwise, and a batch kept is memory that is never reused until it leaves the buffer (at the
-SGLang batch-64 cycle a batch is 40-70 KB, so 10,000 of them are half a gigabyte, and each new
-one is fresh memory the kernel must fault in: about 150 us of CPU more per batch than an
-encoding whose memory is freed once sent). It is bounded in batches and in bytes, whichever
-is reached first, since a batch's size ranges from one event to 1,024 of them.
+The buffer (``ReplayBuffer``) exists only with a replay socket: nobody could read it otherwise,
+and a batch kept is memory that is never reused until it leaves the buffer (under the engine
+cycle 10,000 batches are hundreds of MB, and each new one is fresh memory the kernel must fault
+in, which costs CPU per batch: benchmarks/README.md, "KV events"). It is bounded in batches and
+in bytes, whichever is reached first, since a batch's size ranges from one event to 1,024 of
+them.
 """
 
 from __future__ import annotations

@@ -156,7 +156,8 @@ class PrefixHits:
     keys from the start of an exists answer is what the storage tier really saves it; per-key
     hits (``kvmeta_pool_lookups``) count the pages after a gap too. One row of plain ints per
     pool, updated on the loop without locks like ``RouteStats``: a call costs a C-speed scan
-    of the answer to its first miss and a few int additions (about 1 us at 64 keys)."""
+    of the answer to its first miss and a few int additions (its cost: benchmarks/README.md,
+    "Router endpoints")."""
 
     def __init__(self) -> None:
         # pool key -> [keys asked, leading hits, bucket counts...]; a SGLang pool's key is its

@@ -43,7 +43,8 @@ class InitResult:
         return self.requested != self.num_pages
 
 
-# Pools per piece of ``Backend.stats_chunks`` (an in-process store reads one in ~2 ms).
+# Pools per piece of ``Backend.stats_chunks``: a piece holds the loop for milliseconds at most
+# (benchmarks/README.md, "Operator routes").
 STATS_CHUNK = 256
 
 

@@ -1,10 +1,11 @@
 """When the journal has grown enough that a snapshot should replace it.
 
 The journal grows with every change, while the state it describes stays the size of the cache:
-the engine cycle writes about 2.3 KB of journal per request (~14 MB/s at full speed) over a
-state of a few MB. With time-driven snapshots alone the data directory grows by gigabytes
-between two of them, and a restart after a crash replays all of it before it listens. So a
-snapshot is also due once the journal written since the newest snapshot reaches the sooner of
+every request adds records, while a snapshot holds each stored key once (the figures:
+benchmarks/README.md, "Journal budget"). With time-driven snapshots alone the data directory
+grows by gigabytes between two of them, and a restart after a crash replays all of it before it
+listens. So a snapshot is also due once the journal written since the newest snapshot reaches
+the sooner of
 
     max(--snapshot-journal-bytes, snapshot size)
     max(--snapshot-journal-ratio x snapshot size, RATIO_FLOOR)
@@ -39,11 +40,12 @@ from dataclasses import dataclass
 __all__ = ["DEFAULT_JOURNAL_BYTES", "DEFAULT_JOURNAL_RATIO", "RATIO_FLOOR", "JournalBudget"]
 
 # 64 MiB of engine-cycle journal replays in well under a second on top of the snapshot's own
-# load (benchmarks/README.md, "Durability"), and at ~14 MB/s it is one snapshot every ~5 s.
+# load, and at the engine cycle's full speed it is a snapshot every few seconds
+# (benchmarks/README.md, "Journal budget").
 DEFAULT_JOURNAL_BYTES = 64 << 20
 DEFAULT_JOURNAL_RATIO = 2.0
-# The ratio term's lower bound: 16 MiB replays in a fraction of a second, and at ~14 MB/s a
-# tiny state still snapshots only about once a second.
+# The ratio term's lower bound: 16 MiB replays in a fraction of a second, and at the engine
+# cycle's full speed a tiny state still snapshots only about once a second.
 RATIO_FLOOR = 16 << 20
 
 

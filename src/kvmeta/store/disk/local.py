@@ -53,8 +53,8 @@ from kvmeta.store.epoch import new_epoch
 __all__ = ["DurabilityOptions", "LocalBackend"]
 
 # ``LocalBackend.check``: pages copied per step before the copies are checked in a thread. The
-# loop pauses for one copy at a time (a 10^6-page pool is copied in one step, ~60 ms: its copy
-# must be consistent).
+# loop pauses for one copy at a time (a 10^6-page pool is copied in one step: its copy must be
+# consistent; how long: benchmarks/README.md, "Operator routes").
 _CHECK_BATCH_PAGES = 1 << 17
 
 
@@ -312,8 +312,8 @@ class LocalBackend:
         return self.store.budget(pool)
 
     async def stats(self) -> list[PoolStats]:
-        """Every pool's stats, read in ``stats_chunks``: one pass over thousands of pools held
-        the loop for hundreds of ms (~7 us a pool)."""
+        """Every pool's stats, read in ``stats_chunks``: one pass over tens of thousands of
+        pools held the loop for hundreds of ms (benchmarks/README.md, "Operator routes")."""
         out: list[PoolStats] = []
         async for chunk in self.stats_chunks():
             out += chunk

@@ -60,9 +60,9 @@ logger = logging.getLogger(__name__)
 
 _first = itemgetter(0)
 
-# ``MemoryStore.v_exists_steps``: key lookups between two pauses of a completeness walk
-# (about 5 ms of CPU, a few times that on a busy machine: a batch of 65,536 keys stored on
-# 2,048 ranks is 1,024 steps).
+# ``MemoryStore.v_exists_steps``: key lookups between two pauses of a completeness walk (a
+# few ms of CPU: a batch of 65,536 keys stored on 2,048 ranks is 1,024 steps; the walk's
+# cost: benchmarks/README.md, "vLLM batch_exists with many ranks").
 V_EXISTS_STEP = 1 << 17
 
 # ``MemoryStore.dump``: pages looked at per key asked for, and at least, in one call.

@@ -143,8 +143,8 @@ class RedisBackend(HashIndexBuilds, PoolReports, StartUpProbes):
         it. A pool created without it gets its index built when a server with the flag
         initialises it, in the background, in chunks of ``build_chunk`` stored keys
         (``store.redis.hidx_build``); lookups by hash answer ``NoHashIndex.building`` (400)
-        until the walk is done (a few seconds per million stored keys). Keeping the index
-        costs each confirm and each evicting reserve about 3-4 us of Redis CPU per key.
+        until the walk is done. Keeping the index costs each confirm and each evicting reserve
+        Redis CPU per key (both measured: benchmarks/README.md, "Prefix lookup by block hash").
         ``build_chunk`` is for tests (a slow walk)."""
         self.target = parse_target(url)
         self.url = url

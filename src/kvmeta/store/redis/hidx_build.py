@@ -29,9 +29,9 @@ __all__ = ["BUILD_CHUNK", "WALK_STALE", "HashIndexBuilds"]
 
 logger = logging.getLogger("kvmeta.store.redis.backend")
 
-# Stored keys per chunk of building a pool's hash index (``hidx_fill.lua``): about 2 ms of
-# Redis each, 6.5 ms at most, as measured in ``_lib.lua`` (``hidx_fill_chunk``); twice as big
-# chunks took twice as long each and no less in all. A pool with no more stored keys than this
+# Stored keys per chunk of building a pool's hash index (``hidx_fill.lua``): a few ms of Redis
+# each (benchmarks/README.md, "Prefix lookup by block hash"); twice as big chunks took twice as
+# long each and no less in all. A pool with no more stored keys than this
 # gets its index built inside its initialize.
 BUILD_CHUNK = 500
 # A build's walk is one server's (``_lib.lua`` ``hidx_claim``) until that server releases it

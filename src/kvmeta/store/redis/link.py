@@ -146,9 +146,9 @@ class Link(asyncio.Protocol):
         return future
 
     def _flush(self) -> None:
-        """Write what the calls of this loop pass queued, in one send (measured on the
-        batch-64 cycle with 3 clients: 5 % less worker CPU and 8 % less redis-server CPU per
-        request than a write per call)."""
+        """Write what the calls of this loop pass queued, in one send: less worker and
+        redis-server CPU per request than a write per call (benchmarks/README.md,
+        "Implementation costs")."""
         out = self._out
         if self.transport is not None and not self.closed and out:
             self.transport.write(out[0] if len(out) == 1 else b"".join(out))

@@ -2,8 +2,8 @@
 
 redis-py's ``Connection.pack_command`` re-encodes every argument of every call; kvmeta's calls
 repeat the same head (``FCALL kvmeta_reserve 10`` and one pool's ten key names) thousands of
-times a second, so the head is packed once and cached. For a 64-key reserve that is ~5 us of
-a worker's CPU instead of ~22 us (measured with ``timeit`` on one core).
+times a second, so the head is packed once and cached: a reserve then costs a worker a
+fraction of what redis-py's packing does (``benchmarks/micro_costs.py``).
 """
 
 from __future__ import annotations
@@ -35,8 +35,8 @@ def _head(head: tuple[Any, ...]) -> bytes:
 class Strings(tuple[str, ...]):
     """Many string arguments (an ``HMGET``'s fields), given as the last element of a command:
     ``pack`` spreads them into the array, packed in a few C-level string operations instead of
-    one ``_bulk`` each (256 page keys: ~10 us instead of ~60 us when they are ASCII and of one
-    length, as hex digests are)."""
+    one ``_bulk`` each, several times cheaper when they are ASCII and of one length, as hex
+    digests are (``benchmarks/micro_costs.py``)."""
 
     __slots__ = ()
 
