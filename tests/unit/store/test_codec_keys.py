@@ -217,3 +217,12 @@ def test_the_engine_cycle_writes_under_1_kb_of_journal_per_request(tmp_path: Pat
         return written / (4 * cycles)
 
     assert asyncio.run(run()) <= 1024
+
+
+def test_a_page_past_u32_is_written_in_the_pair_form() -> None:
+    """A pool of more than 2^32 pages: its pages do not fit the u32 of format 4."""
+    entries = [(_hex_keys(1)[0], 1 << 32)]
+    for kind, tag in ((Commit, "commit"), (Remove, "remove")):
+        record = kind(S0, entries)
+        assert _payload(record)[0] == tag
+        assert decode_frames(HEADER + encode_record(record)).records == [record]

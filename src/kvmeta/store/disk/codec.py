@@ -23,7 +23,7 @@ numbers, one per entry. When every key of the commit is lowercase hex of one eve
 engines' sha256 keys: 64 characters), ``width`` is that length in bytes and ``keys`` one bin of
 the keys' bytes, concatenated (64-hex keys: 36 bytes an entry instead of ~71); otherwise
 ``width`` is 0 and ``keys`` the list of the keys as text, exactly as they were sent. A commit
-with a page past u32 (never, under ``--max-pages``) is written in the ``commit`` form.
+with a page past u32 (a pool of more than 2^32 pages) is written in the ``commit`` form.
 
 Removals by page (format 4): a removal names only the pages (the same bin of u32), since the
 journal is a total order of changes: at that point of the replay, each page's key is the one
@@ -234,7 +234,7 @@ def _encode(record: Record) -> bytes:
         entries: list[tuple[str, int]] = record.entries  # type: ignore[union-attr]
         pool: PoolId = record.pool  # type: ignore[union-attr]
         pages = _packed_pages(entries) if entries else None
-        if pages is None:  # a page past u32 (or nothing): the pair form of format 2
+        if pages is None:  # a page past u32 (or nothing): the pair form of formats 2-3
             return _encode_any(_replace(record, pool=pool if pool.tenant else pool[:3]))
         pid = pool if pool.tenant else pool[:3]
         if cls is Remove:
