@@ -74,6 +74,8 @@ def test_a_batch_64_commit_and_its_evictions_fit_in_2_7_kb() -> None:
         [_hex_keys(1)[0] + "_k", _hex_keys(1)[0]],  # a suffix
         ["clé-ü", "0a"],
         ["0a", "zz"],
+        ["ab", "cd ef"],  # joined with spaces, this is three hex bytes of width 1
+        ["ab  ", "cdef"],
     ],
 )
 def test_keys_that_are_not_one_width_of_lowercase_hex_round_trip_as_text(

@@ -210,21 +210,30 @@ def _packed_pages(entries: list[tuple[str, int]]) -> bytes | None:
         return None
 
 
-def _packed_keys(keys: list[str]) -> tuple[int, bytes | list[str]]:
-    """(width, keys) of format 4: hex keys of one even length as their bytes, else the text.
+def _packed_commit(entries: list[tuple[str, int]]) -> tuple[int, bytes | list[str], bytes] | None:
+    """(width, keys, pages) of format 4: hex keys of one even length as their bytes, else the
+    text; None when a page does not fit u32.
 
-    ``bytes.fromhex`` also takes upper case and spaces: the round trip through ``hex()`` is
-    what proves every key is exactly the lowercase hex it decodes back to."""
-    width = len(keys[0])
-    if width and not width & 1 and len(set(map(len, keys))) == 1:
-        joined = "".join(keys)
+    The keys are joined with spaces so one ``bytes.fromhex`` reads them all; it also takes
+    upper case and skips spaces, so the proof is the way back: ``hex`` with a space every
+    ``width`` bytes gives the joined text again only if every key is exactly ``2 x width``
+    lowercase hex characters (with one byte count per key: a space inside a key would
+    otherwise pass as a separator)."""
+    keys, pages = zip(*entries, strict=True)
+    try:
+        packed = struct.pack(f"<{len(pages)}I", *pages)
+    except struct.error:
+        return None
+    width = len(keys[0]) >> 1
+    if width and not len(keys[0]) & 1:
+        spaced = " ".join(keys)
         try:
-            blob = bytes.fromhex(joined)
+            blob = bytes.fromhex(spaced)
         except ValueError:
-            return 0, keys
-        if blob.hex() == joined:
-            return width >> 1, blob
-    return 0, keys
+            return 0, list(keys), packed
+        if len(blob) == width * len(keys) and blob.hex(" ", width) == spaced:
+            return width, blob, packed
+    return 0, list(keys), packed
 
 
 def _encode(record: Record) -> bytes:
@@ -233,14 +242,18 @@ def _encode(record: Record) -> bytes:
     if cls is Commit or cls is Remove:
         entries: list[tuple[str, int]] = record.entries  # type: ignore[union-attr]
         pool: PoolId = record.pool  # type: ignore[union-attr]
-        pages = _packed_pages(entries) if entries else None
-        if pages is None:  # a page past u32 (or nothing): the pair form of formats 2-3
-            return _encode_any(_replace(record, pool=pool if pool.tenant else pool[:3]))
         pid = pool if pool.tenant else pool[:3]
-        if cls is Remove:
-            return _encode_any(("r", pid, pages))
-        width, keys = _packed_keys(list(map(_first, entries)))
-        return _encode_any(("c", pid, width, keys, pages))
+        if entries:
+            if cls is Remove:
+                pages = _packed_pages(entries)
+                if pages is not None:
+                    return _encode_any(("r", pid, pages))
+            else:
+                packed = _packed_commit(entries)
+                if packed is not None:
+                    return _encode_any(("c", pid, *packed))
+        # A page past u32 (or nothing): the pair form of formats 2-3.
+        return _encode_any(_replace(record, pool=pid))
     if cls is NewPool:  # rare: field by field, the frontier only once there is one
         new: NewPool = record  # type: ignore[assignment]
         fields: list[object] = ["pool", new.pool if new.pool.tenant else new.pool[:3]]
@@ -253,10 +266,6 @@ def _encode(record: Record) -> bytes:
         if not pool.tenant:
             return _encode_any(_replace(record, pool=pool[:3]))
     return _encode_any(record)
-
-
-def _first(entry: tuple[str, int]) -> str:
-    return entry[0]
 
 
 def _second(entry: tuple[str, int]) -> int:
