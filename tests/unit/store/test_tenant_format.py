@@ -1,6 +1,6 @@
-"""Tenants on disk: the default tenant keeps the bytes of format 2 (journal) and 1 (snapshot),
-another tenant's records and pools round-trip, and an older kvmeta can never read a tenant's
-pool as the default tenant's (it refuses the file instead)."""
+"""Tenants on disk: the default tenant keeps three-element pool ids (journal) and the bytes of
+snapshot format 1, another tenant's records and pools round-trip, and an older kvmeta can never
+read a tenant's pool as the default tenant's (it refuses the file instead)."""
 
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ from kvmeta.store.disk.codec import (
     NewPool,
     Record,
     Remove,
+    RemovePages,
     TenantWorldSize,
     WorldSize,
     decode_frames,
@@ -52,13 +53,16 @@ TENANT_RECORDS: list[Record] = [
 
 def test_tenant_records_round_trip() -> None:
     out = decode_frames(HEADER + b"".join(encode_record(r) for r in TENANT_RECORDS))
-    assert out.records == TENANT_RECORDS
+    removed = RemovePages(T0, bytes(4))  # written by page (format 4)
+    assert out.records == [removed if type(r) is Remove else r for r in TENANT_RECORDS]
     assert all(r.pool.tenant == "team-a" for r in out.records if hasattr(r, "pool"))
 
 
 def test_default_tenant_records_have_three_element_pool_ids() -> None:
     payload = encode_record(Commit(S0, [("a", 0)]))[8:]
-    assert msgspec.msgpack.decode(payload) == ["commit", ["s", 0, "kv"], [["a", 0]]]
+    assert msgspec.msgpack.decode(payload) == ["c", ["s", 0, "kv"], 0, ["a"], bytes(4)]
+    payload = encode_record(Remove(S0, [("a", 0)]))[8:]
+    assert msgspec.msgpack.decode(payload) == ["r", ["s", 0, "kv"], bytes(4)]
     assert msgspec.msgpack.decode(encode_record(WorldSize(3))[8:]) == ["vworld", 3]
 
 
@@ -108,15 +112,13 @@ def test_an_older_reader_refuses_every_tenant_record(record: Record) -> None:
         _OLD.decode(encode_record(record)[8:])
 
 
-def test_an_older_reader_still_reads_the_default_tenants_records() -> None:
-    records: list[Record] = [NewPool(S0, 8), Commit(S0, [("a", 1)]), WorldSize(2), Drop(S0)]
-    decoded = [_OLD.decode(encode_record(r)[8:]) for r in records]
-    assert [type(d).__name__ for d in decoded] == [
-        "_OldNewPool",
-        "_OldCommit",
-        "_OldWorldSize",
-        "_OldDrop",
-    ]
+@pytest.mark.parametrize(
+    "record", [Commit(S0, [("a", 1)]), Remove(S0, [("a", 1)])], ids=["Commit", "Remove"]
+)
+def test_an_older_reader_refuses_the_format_4_records(record: Record) -> None:
+    """Keys as bytes and removals by page are new tags: never misread as the pair form."""
+    with pytest.raises(msgspec.ValidationError):
+        _OLD.decode(encode_record(record)[8:])
 
 
 def _journal(directory: Path, records: list[list[Record]]) -> bytes:
@@ -135,25 +137,22 @@ def _journal(directory: Path, records: list[list[Record]]) -> bytes:
     return segment_path(directory, 1).read_bytes()
 
 
-def test_a_journal_without_tenants_says_format_2(tmp_path: Path) -> None:
+def test_a_journal_without_tenants_says_format_4(tmp_path: Path) -> None:
+    """Format 4 from the first byte: an older kvmeta refuses the directory by its version."""
     data = _journal(tmp_path, [[NewPool(S0, 8), Commit(S0, [("a", 0)])], [WorldSize(1)]])
-    assert data[:5] == HEADER[:5] and data[4] == 2
+    assert data[:4] == HEADER[:4] and data[4] == 4
     assert data[5:8] == bytes(
         [1, 0, 0]
     )  # the chain (store.disk.history): segment 0 before it, none
 
 
-def test_the_first_tenant_record_makes_the_segment_say_format_3(tmp_path: Path) -> None:
-    """The header byte is rewritten in the already written segment: an older kvmeta refuses
-    the directory by its version ("journal format 3 is newer than this kvmeta's (2)")."""
+def test_a_segment_with_tenants_says_format_4(tmp_path: Path) -> None:
     data = _journal(tmp_path, [[NewPool(S0, 8), Commit(S0, [("a", 0)])], [NewPool(T0, 8)]])
-    assert data[4] == 3
+    assert data[4] == 4
     assert decode_frames(data).records == [NewPool(S0, 8), Commit(S0, [("a", 0)]), NewPool(T0, 8)]
-
-
-def test_a_segment_whose_first_record_is_a_tenants_starts_with_format_3(tmp_path: Path) -> None:
-    data = _journal(tmp_path, [[TenantWorldSize("team-a", 2)], [WorldSize(1)]])
-    assert data[4] == 3
+    (tmp_path / "x").mkdir()
+    data = _journal(tmp_path / "x", [[TenantWorldSize("team-a", 2)], [WorldSize(1)]])
+    assert data[4] == 4
     assert decode_frames(data).records == [TenantWorldSize("team-a", 2), WorldSize(1)]
 
 
@@ -252,8 +251,7 @@ def test_a_snapshot_with_tenants_round_trips_as_version_2(tmp_path: Path) -> Non
 
 
 def test_default_tenant_payloads_stay_exact_across_many_pools() -> None:
-    """The cached heads of default-tenant payloads (``codec._encode``) never mix pools up,
-    also once the cache has been cleared for growing past its bound."""
+    """Default-tenant payloads (``codec._encode``) never mix pools up, over many pools."""
     records: list[Record] = []
     for rank in range(3000):
         pool = PoolId("s", rank, f"ns{rank % 7}")
@@ -266,4 +264,8 @@ def test_default_tenant_payloads_stay_exact_across_many_pools() -> None:
         if isinstance(record, NewPool) and record.frontier == -1:
             fields.pop()  # not recorded: the three fields of format 2
         tag = record.__struct_config__.tag
+        if isinstance(record, Commit):  # format 4: text keys, pages as u32
+            ((key, page),) = record.entries
+            fields = [0, [key], struct.pack("<I", page)]
+            tag = "c"
         assert frame[8:] == msgspec.msgpack.encode([tag, list(pool)[:3], *fields])

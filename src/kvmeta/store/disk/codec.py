@@ -2,19 +2,36 @@
 
 A journal segment file is a 8-byte header followed by framed records::
 
-    header  = b"KVMJ" + u8 version (2, or 3 once the segment holds a tenant's record)
+    header  = b"KVMJ" + u8 version (4; older segments say 2, or 3 once they hold a tenant's record)
               + u24 little-endian distance back to the segment before it (0: not said)
     frame   = u32 little-endian payload length + u32 crc32(payload) + payload
     payload = msgpack array: [tag, pool_id, ...]   with pool_id = [dialect, rank, namespace]
                                                    or [dialect, rank, namespace, tenant] (format 3)
 
     ["pool",   pool_id, num_pages(, frontier)]     NewPool; again with a higher frontier as it moves
-    ["commit", pool_id, [[key, page], ...]]        Commit
-    ["remove", pool_id, [[key, page], ...]]        Remove: deletes and evictions
+    ["c",      pool_id, width, keys, pages]        Commit (format 4): see "Keys as bytes" below
+    ["r",      pool_id, pages]                     Remove (format 4): by page, see below
+    ["commit", pool_id, [[key, page], ...]]        Commit as formats 2-3 wrote it (still read)
+    ["remove", pool_id, [[key, page], ...]]        Remove as formats 2-3 wrote it (still read)
     ["clear",  pool_id]                            Clear
     ["vworld", world_size_or_nil]                  WorldSize
     ["drop",   pool_id]                            Drop: a vLLM rank removed (format 2)
     ["tworld", tenant, world_size_or_nil]          TenantWorldSize (format 3)
+
+Keys as bytes (format 4): a commit's ``pages`` is one msgpack bin of little-endian u32 page
+numbers, one per entry. When every key of the commit is lowercase hex of one even length (the
+engines' sha256 keys: 64 characters), ``width`` is that length in bytes and ``keys`` one bin of
+the keys' bytes, concatenated (64-hex keys: 36 bytes an entry instead of ~71); otherwise
+``width`` is 0 and ``keys`` the list of the keys as text, exactly as they were sent. A commit
+with a page past u32 (a pool of more than 2^32 pages) is written in the ``commit`` form.
+
+Removals by page (format 4): a removal names only the pages (the same bin of u32), since the
+journal is a total order of changes: at that point of the replay, each page's key is the one
+the live store removed. Recovery keeps a page -> key list per pool (built from the replayed
+dict at its first removal) and removes a page's key only while that key still maps to that
+page, as the older pair form did. A snapshot holds exactly the records of the segments before
+its number (rotation and capture in one loop step: ``store.disk.datadir``), so a removal
+replayed after it finds the state it was written against.
 
 Each kind is a tagged, array-like msgspec ``Struct`` (``Record`` is their union), so the bytes
 are exactly the tagged arrays above and the reader decodes and type-checks a payload in one
@@ -28,24 +45,23 @@ refuses a record that cannot be split (a single key or namespace that large) bef
 
 Evolution rules: a tag's fields are only ever appended (old readers ignore extra trailing
 fields), a field's type never changes, and a new kind of record gets a new tag plus a version
-bump.
+bump. Format 4 (keys as bytes, removals by page) is written in every segment's header from the
+start: an older kvmeta refuses the directory with "journal format 4 is newer than this
+kvmeta's (3)" instead of misreading it, and this kvmeta reads segments of formats 2 and 3.
 
 Tenants (format 3): the default tenant ``""`` is written exactly as in format 2 (a pool id of
-three elements, ``vworld``), so a data directory that never had another tenant is byte for byte
-what an older kvmeta writes and reads. A pool of another tenant has a fourth pool-id element,
+three elements, ``vworld``). A pool of another tenant has a fourth pool-id element,
 and another tenant's world size its own tag, ``tworld``: an older reader cannot take either for
 the default tenant's (a three-field pool id refuses four elements, an unknown tag is no record).
-The first tenant record written into a segment makes its header say 3 (``HEADER_TENANTS``), so
-an older kvmeta refuses such a data directory at start-up with "journal format 3 is newer than
-this kvmeta's (2)" instead of serving a wrong page; should the header byte not have reached
-the disk before a crash, the record itself is still refused by that reader's decoder.
+Format 3 segments (written by kvmeta before format 4) said 3 in their header once they held a
+tenant's record, so a kvmeta of format 2 refused them.
 
 The chain (bytes 5-7 of the header): a segment says how far back the segment written before it
 in this directory is: segment N with distance d follows segment N - d (N itself: nothing was
 written before it). Recovery uses it to find a segment that went missing between a snapshot and
 the last segment (``store.disk.history``). Older kvmeta wrote those bytes as zeros ("not said"), and
 reads a segment that says it without looking at them: the bytes were reserved, so no version
-bump was needed, and a directory without tenants stays readable by an older kvmeta. A distance
+bump was needed. A distance
 that does not fit 24 bits (16 million rotations without a record: never in practice) is
 written as 0.
 
@@ -81,23 +97,27 @@ __all__ = [
     "NewPool",
     "Record",
     "HEADER_TENANTS",
+    "HEADER_WRITTEN",
     "RecordTooLarge",
     "Remove",
+    "RemovePages",
     "TenantWorldSize",
     "WorldSize",
     "decode_frames",
     "encode_record",
     "encode_records",
+    "page_numbers",
     "predecessor",
     "salvage_records",
     "segment_header",
 ]
 
-VERSION = 3  # 2: the drop record; 3: tenants' records
-# What a segment without any tenant's record starts with (older kvmeta reads it), and what one
-# holding a tenant's record does (older kvmeta refuses it by its version).
+VERSION = 4  # 2: the drop record; 3: tenants' records; 4: keys as bytes, removals by page
+# What older segments start with: format 2 (no tenant's record), format 3 (one); every header is
+# this long. Segments written now say format 4 (``HEADER_WRITTEN``).
 HEADER = b"KVMJ" + bytes([2, 0, 0, 0])
-HEADER_TENANTS = b"KVMJ" + bytes([VERSION, 0, 0, 0])
+HEADER_TENANTS = b"KVMJ" + bytes([3, 0, 0, 0])
+HEADER_WRITTEN = b"KVMJ" + bytes([VERSION, 0, 0, 0])
 _FRAME = struct.Struct("<II")
 _MAX_DISTANCE = (1 << 24) - 1
 # The largest payload the reader accepts; anything larger is garbage (a damaged length). The
@@ -132,6 +152,23 @@ class Remove(msgspec.Struct, tag="remove", array_like=True, frozen=True, gc=Fals
     entries: list[tuple[str, int]]
 
 
+class RemovePages(msgspec.Struct, tag="r", array_like=True, frozen=True, gc=False):
+    """A ``Remove`` as read back from format 4: the pages whose keys were removed (u32
+    little-endian each); replay names each page's key from its state (module docstring)."""
+
+    pool: PoolId
+    pages: bytes
+
+
+class _PackedCommit(msgspec.Struct, tag="c", array_like=True, frozen=True, gc=False):
+    """A ``Commit`` as format 4 writes it; the reader turns it back into a ``Commit``."""
+
+    pool: PoolId
+    width: int
+    keys: bytes | list[str]
+    pages: bytes
+
+
 class Clear(msgspec.Struct, tag="clear", array_like=True, frozen=True, gc=False):
     """Every key of the pool removed."""
 
@@ -157,50 +194,141 @@ class TenantWorldSize(msgspec.Struct, tag="tworld", array_like=True, frozen=True
     world_size: int | None
 
 
-Record: TypeAlias = NewPool | Commit | Remove | Clear | WorldSize | Drop | TenantWorldSize
+Record: TypeAlias = (
+    NewPool | Commit | Remove | RemovePages | Clear | WorldSize | Drop | TenantWorldSize
+)
 
 _encode_any = msgspec.msgpack.Encoder().encode
 _replace = msgspec.structs.replace
 
 
-# The default tenant's payloads are [tag, [dialect, rank, namespace], *fields]: the head up to
-# the pool id is cached per (kind, pool) and the fields are encoded alone (msgpack is a plain
-# concatenation), which costs no more than encoding the record whole. Cleared when it grows
-# past a bound (pools come and go).
-_HEADS: dict[tuple[type, PoolId], bytes] = {}
-_MAX_HEADS = 4096
+def _packed_pages(entries: list[tuple[str, int]]) -> bytes | None:
+    """The entries' pages as u32 little-endian; None when one does not fit."""
+    try:
+        return struct.pack(f"<{len(entries)}I", *map(_second, entries))
+    except struct.error:
+        return None
+
+
+def _packed_commit(entries: list[tuple[str, int]]) -> tuple[int, bytes | list[str], bytes] | None:
+    """(width, keys, pages) of format 4: hex keys of one even length as their bytes, else the
+    text; None when a page does not fit u32.
+
+    The keys are joined with spaces so one ``bytes.fromhex`` reads them all; it also takes
+    upper case and skips spaces, so the proof is the way back: ``hex`` with a space every
+    ``width`` bytes gives the joined text again only if every key is exactly ``2 x width``
+    lowercase hex characters (with one byte count per key: a space inside a key would
+    otherwise pass as a separator)."""
+    keys, pages = zip(*entries, strict=True)
+    try:
+        packed = struct.pack(f"<{len(pages)}I", *pages)
+    except struct.error:
+        return None
+    width = len(keys[0]) >> 1
+    if width and not len(keys[0]) & 1:
+        spaced = " ".join(keys)
+        try:
+            blob = bytes.fromhex(spaced)
+        except ValueError:
+            return 0, list(keys), packed
+        if len(blob) == width * len(keys) and blob.hex(" ", width) == spaced:
+            return width, blob, packed
+    return 0, list(keys), packed
 
 
 def _encode(record: Record) -> bytes:
     """The payload; the default tenant's pool id keeps its three elements of format 2."""
     cls = type(record)
     if cls is Commit or cls is Remove:
-        tail = _encode_any(record.entries)  # type: ignore[union-attr]
-    elif cls is Clear or cls is Drop:
-        tail = b""
-    elif cls is NewPool:  # rare: field by field, the frontier only once there is one
+        entries: list[tuple[str, int]] = record.entries  # type: ignore[union-attr]
+        pool: PoolId = record.pool  # type: ignore[union-attr]
+        pid = pool if pool.tenant else pool[:3]
+        if entries:
+            if cls is Remove:
+                pages = _packed_pages(entries)
+                if pages is not None:
+                    return _encode_any(("r", pid, pages))
+            else:
+                packed = _packed_commit(entries)
+                if packed is not None:
+                    return _encode_any(("c", pid, *packed))
+        # A page past u32 (or nothing): the pair form of formats 2-3.
+        return _encode_any(_replace(record, pool=pid))
+    if cls is NewPool:  # rare: field by field, the frontier only once there is one
         new: NewPool = record  # type: ignore[assignment]
         fields: list[object] = ["pool", new.pool if new.pool.tenant else new.pool[:3]]
         fields.append(new.num_pages)
         if new.frontier != -1:
             fields.append(new.frontier)
         return _encode_any(fields)
-    else:  # WorldSize, TenantWorldSize: no pool id
-        return _encode_any(record)
-    pool: PoolId = record.pool  # type: ignore[union-attr]
-    if pool.tenant:
-        return _encode_any(record)
-    head = _HEADS.get((cls, pool))
-    if head is None:
-        whole = _encode_any(_replace(record, pool=pool[:3]))
-        head = whole[: len(whole) - len(tail)]
-        if len(_HEADS) >= _MAX_HEADS:
-            _HEADS.clear()
-        _HEADS[(cls, pool)] = head
-    return head + tail
+    if cls is Clear or cls is Drop or cls is RemovePages:
+        pool = record.pool  # type: ignore[union-attr]
+        if not pool.tenant:
+            return _encode_any(_replace(record, pool=pool[:3]))
+    return _encode_any(record)
 
 
-_decode = msgspec.msgpack.Decoder(Record).decode
+def _second(entry: tuple[str, int]) -> int:
+    return entry[1]
+
+
+def _unpack_commit(packed: _PackedCommit) -> Commit:
+    """The ``Commit`` a format 4 commit stands for.
+
+    Raises:
+        ValueError: the keys and pages do not pair up (a damaged record).
+    """
+    pages, width, keys = packed.pages, packed.width, packed.keys
+    count, rest = divmod(len(pages), 4)
+    if rest:
+        raise ValueError(f"pages field of {len(pages)} bytes is not a multiple of 4")
+    numbers = struct.unpack(f"<{count}I", pages)
+    if isinstance(keys, bytes):
+        if width <= 0 or len(keys) != width * count:
+            raise ValueError(f"{len(keys)} key bytes for {count} pages of width {width}")
+        text = keys.hex()
+        step = 2 * width
+        names = [text[i : i + step] for i in range(0, len(text), step)]
+    else:
+        if width != 0 or len(keys) != count:
+            raise ValueError(f"{len(keys)} keys for {count} pages")
+        names = keys
+    return Commit(packed.pool, list(zip(names, numbers, strict=True)))
+
+
+def page_numbers(record: RemovePages) -> tuple[int, ...]:
+    """The page numbers of a format 4 removal.
+
+    Raises:
+        ValueError: the field is not a whole number of u32 (a damaged record).
+    """
+    count, rest = divmod(len(record.pages), 4)
+    if rest:
+        raise ValueError(f"pages field of {len(record.pages)} bytes is not a multiple of 4")
+    return struct.unpack(f"<{count}I", record.pages)
+
+
+_decode_any = msgspec.msgpack.Decoder(Record | _PackedCommit).decode
+
+
+def _decode(payload: bytes) -> Record:
+    """One payload as a ``Record`` (a format 4 commit as the ``Commit`` it stands for).
+
+    Raises:
+        msgspec.ValidationError: not a record, or a format 4 commit whose fields disagree.
+        msgspec.DecodeError: not msgpack.
+    """
+    record = _decode_any(payload)
+    if type(record) is _PackedCommit:
+        try:
+            return _unpack_commit(record)
+        except (ValueError, struct.error) as exc:
+            raise msgspec.ValidationError(str(exc)) from None
+    if type(record) is RemovePages and len(record.pages) & 3:
+        raise msgspec.ValidationError(f"pages field of {len(record.pages)} bytes")
+    return record  # type: ignore[no-any-return]
+
+
 _crc32 = zlib.crc32
 _pack = _FRAME.pack
 
@@ -267,12 +395,12 @@ def check_header(data: bytes) -> None:
         raise FrameError(0, f"journal format {data[4]} is newer than this kvmeta's ({VERSION})")
 
 
-def segment_header(segment: int, previous: int, *, tenants: bool = False) -> bytes:
+def segment_header(segment: int, previous: int) -> bytes:
     """The header of segment ``segment``, written after segment ``previous`` (0: none)."""
     distance = segment - previous
     if not 0 < distance <= _MAX_DISTANCE:
         distance = 0
-    return (HEADER_TENANTS if tenants else HEADER)[:5] + distance.to_bytes(3, "little")
+    return HEADER_WRITTEN[:5] + distance.to_bytes(3, "little")
 
 
 def predecessor(header: bytes, segment: int) -> int | None:

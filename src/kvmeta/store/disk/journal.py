@@ -63,13 +63,10 @@ from pathlib import Path
 
 from kvmeta.errors import JournalFailed, JournalStalled
 from kvmeta.store.disk.codec import (
-    HEADER_TENANTS,
     Clear,
     Record,
     RecordTooLarge,
     Remove,
-    TenantWorldSize,
-    WorldSize,
     encode_records,
     segment_header,
 )
@@ -104,15 +101,6 @@ _sync = getattr(os, "fdatasync", os.fsync)
 _MAX_HELPER_STARTS = 5
 _HELPER_WINDOW = 60.0
 _REMOVALS = (Remove, Clear)
-
-
-def _has_tenant(record: Record) -> bool:
-    """Whether ``record`` belongs to a tenant other than the default one (format 3)."""
-    if isinstance(record, TenantWorldSize):
-        return True
-    if isinstance(record, WorldSize):
-        return False
-    return record.pool.tenant != ""
 
 
 def segment_path(directory: Path, segment: int) -> Path:
@@ -199,8 +187,6 @@ class Journal:
         self.fsync_seconds_max = 0.0
         self.bytes_written = 0
         self.records = 0
-        # A tenant's record was appended: segments say format 3 from then on (store.disk.codec).
-        self._tenants = False
 
     # ------------------------------------------------------------------ records
 
@@ -246,8 +232,6 @@ class Journal:
             # snapshot (which has no per-record limit) makes it durable.
             frames = []
             self._fail(str(exc), "Lower the limit named above")
-        if not self._tenants and _has_tenant(record):
-            self._mark_tenants()
         self.seq += len(frames) or 1
         if isinstance(record, _REMOVALS):
             self.removal_seq = self.seq
@@ -261,24 +245,6 @@ class Journal:
                 self._timer = self.loop.call_soon(self.flush)
             else:
                 self._timer = self.loop.call_later(self.interval, self.flush)
-
-    def _mark_tenants(self) -> None:
-        """From the first tenant's record on, segment headers say format 3, the open segment's
-        too (its header byte is rewritten in place: one pwrite, once per process), so an older
-        kvmeta refuses the directory by its version. The byte reaches the disk with the next
-        fsync of the segment."""
-        self._tenants = True
-        if self._fd < 0 or self._fd_segment != self.segment:
-            return  # the segment file is not created yet: ``_write`` writes the new header
-        path = segment_path(self.directory, self.segment)
-        try:
-            fd = os.open(path, os.O_WRONLY)  # not O_APPEND: pwrite must go to byte 4
-            try:
-                os.pwrite(fd, HEADER_TENANTS[4:5], 4)
-            finally:
-                os.close(fd)
-        except OSError as exc:
-            self._fail(f"cannot write {path}: {exc}")
 
     def flush(self) -> None:
         """Close the open group: write it to the segment file and ask for its fsync."""
@@ -414,7 +380,7 @@ class Journal:
         self._fd, self._fd_segment = fd, self.segment
         if os.fstat(fd).st_size:
             return
-        header = segment_header(self.segment, self.previous, tenants=self._tenants)
+        header = segment_header(self.segment, self.previous)
         os.write(fd, header)
         self.bytes_written += len(header)
         self.previous = self.segment

@@ -38,9 +38,11 @@ from kvmeta.store.disk.codec import (
     NewPool,
     Record,
     Remove,
+    RemovePages,
     TenantWorldSize,
     WorldSize,
     decode_frames,
+    page_numbers,
 )
 from kvmeta.store.disk.history import check_history
 from kvmeta.store.disk.memory import MemoryStore
@@ -91,6 +93,9 @@ class Recovered:
     journal_bytes: int = 0  # in the segments replayed (after the snapshot), torn bytes left out
     torn_bytes: int = 0
     seconds: float = 0.0
+    # Page -> key of pools whose removals name pages (format 4), built at the first one: an
+    # entry may be stale (the key moved on), so a removal checks the key -> page dict too.
+    owners: dict[PoolId, list[str | None]] = field(default_factory=dict, repr=False)
 
     @property
     def keys(self) -> int:
@@ -266,9 +271,23 @@ def _apply(out: Recovered, record: Record) -> None:
     # Most frequent kinds first: replay runs this once per record.
     if isinstance(record, Commit):
         entries = out.pools[record.pool][1]
+        owners = out.owners.get(record.pool)
         for key, page in record.entries:
             entries.pop(key, None)
             entries[key] = page
+        if owners is not None:
+            for key, page in record.entries:
+                owners[page] = key
+    elif isinstance(record, RemovePages):
+        entries = out.pools[record.pool][1]
+        owners = out.owners.get(record.pool)
+        if owners is None:
+            owners = out.owners[record.pool] = _owners(*out.pools[record.pool])
+        for page in page_numbers(record):
+            owner = owners[page]
+            if owner is not None and entries.get(owner) == page:
+                del entries[owner]
+                owners[page] = None
     elif isinstance(record, Remove):
         entries = out.pools[record.pool][1]
         for key, page in record.entries:
@@ -286,6 +305,7 @@ def _apply(out: Recovered, record: Record) -> None:
     elif isinstance(record, Drop):
         out.pools.pop(record.pool, None)
         out.frontiers.pop(record.pool, None)
+        out.owners.pop(record.pool, None)
     elif isinstance(record, WorldSize):
         out.vworld = record.world_size
     elif isinstance(record, TenantWorldSize):
@@ -295,6 +315,18 @@ def _apply(out: Recovered, record: Record) -> None:
             out.tworld[record.tenant] = record.world_size
     else:
         raise ValueError(f"unknown record type {type(record).__name__}")
+
+
+def _owners(num_pages: int, entries: dict[str, int]) -> list[str | None]:
+    """Page -> key of a pool's replayed entries.
+
+    Raises:
+        IndexError: a page out of the pool's range (a damaged journal).
+    """
+    owners: list[str | None] = [None] * num_pages
+    for key, page in entries.items():
+        owners[page] = key
+    return owners
 
 
 def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
