@@ -110,6 +110,7 @@ class Settings:
     events_replay_timeout: float = 30.0
     events_format: str = "map"
     events_medium: str = "EXTERNAL"
+    events_keys: bool = True
     # router reads: prefix_match by block hashes (see core/hash_index.py)
     hash_index: bool = False
     # tenants: scoped tokens and quotas (see server/tokens.py, docs/tenants.md)
@@ -337,6 +338,13 @@ OPTIONS: tuple[Option, ...] = (
         ("map", "array"),
     ),
     Option("events_medium", "the medium field of every event (the tier's name)", _medium),
+    Option(
+        "events_keys",
+        "on|off: SGLang pools' BlockStored events carry the page keys (kvmeta's keys field, "
+        "about three quarters of the payload bytes); off: block hashes only, the keys from "
+        "GET /v1/dump",
+        _bool,
+    ),
     # router reads
     Option(
         "hash_index",

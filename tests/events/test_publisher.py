@@ -122,6 +122,54 @@ def test_vllm_events_decode_with_vllms_classes_and_rebuild_the_rank_pools(
     assert rebuild(messages) == hashed({"v:0": locations})
 
 
+@pytest.mark.parametrize("encoding", ["map", "array"])
+def test_without_keys_events_still_decode_and_rebuild_the_pools_by_hash(
+    encoding: str,
+    sglang_events: types.ModuleType,
+    vllm_events: types.ModuleType,
+    sglang_int64: Any,
+) -> None:
+    """``--events-keys off``: ``BlockStored`` lose kvmeta's ``keys`` field (an empty array in the
+    positional form, whose fields have fixed places) and keep everything else: the engines'
+    classes decode them, the hashes and parents are the same, and applying them rebuilds the
+    pools."""
+    server = ServerProcess(
+        "--in-memory", "--read-lease", "0", "--events", "tcp://127.0.0.1:0",
+        "--events-replay", "tcp://127.0.0.1:0", "--events-keys", "off",
+        "--events-format", encoding,
+    ).start()  # fmt: skip
+    try:
+        messages, used, prefix_of = observed_sglang_workload(server, 11, 40)
+        state = sglang_state(server.url, used)
+    finally:
+        server.stop()
+    by_hash = {sglang_int64(k): k for keys in used.values() for k in keys}
+    stored = 0
+    for _, _, payload in messages:
+        if encoding == "map":  # (the current releases' classes read the map form)
+            events = msgspec.msgpack.decode(payload, type=sglang_events.KVEventBatch).events
+            msgspec.msgpack.decode(payload, type=vllm_events.KVEventBatch)
+        else:
+            events = msgspec.msgpack.decode(payload)[1]
+        for event, plain in zip(events, msgspec.msgpack.decode(payload)[1], strict=True):
+            if encoding == "map":
+                if not isinstance(event, sglang_events.BlockStored):
+                    continue
+                assert "keys" not in plain
+                hashes, parent_hash = event.block_hashes, event.parent_block_hash
+            else:
+                if plain[0] != "BlockStored":
+                    continue
+                assert len(plain) == 12 and plain[7] == []  # the keys' place, empty
+                hashes, parent_hash = plain[1], plain[2]
+            stored += 1
+            parent = prefix_of[by_hash[hashes[0]]]
+            assert parent_hash == (None if parent is None else sglang_int64(parent))
+    assert stored > 0
+    if encoding == "map":
+        assert rebuild(messages) == hashed(state)
+
+
 def test_array_format_puts_the_engines_fields_first(
     sglang_events: types.ModuleType, sglang_int64: Any
 ) -> None:

@@ -203,3 +203,41 @@ def test_a_lost_state_is_stated_again_whole_after_what_was_queued() -> None:
         assert [h for e in got[3:5] for h in e[2]] == _hashes(*keys)
 
     _run(test)
+
+
+def test_without_keys_the_start_resync_states_the_hashes_only() -> None:
+    """``--events-keys off``: the resync's ``BlockStored`` carry the hashes (and no ``keys``),
+    as the live ones do."""
+    keys = [key(i) for i in range(3)]
+
+    async def main() -> None:
+        pub = make_publisher(keys=False)
+        try:
+            pub.start(asyncio.get_running_loop())
+            backend = Backend(pub, keys)
+            backend.stats = _one_pool  # type: ignore[method-assign]
+            await pub.resync(backend)
+            pub.on_changes([Change(POOL, STORED, (key(7),))])
+            pub.flush()
+        finally:
+            await pub.cancel_resyncs()
+            pub.close()
+        got = published(pub)
+        assert [(e[0], e[-1]) for e in got] == [
+            ("AllBlocksCleared", "restart-recovery"),
+            ("AllBlocksCleared", "restart-recovery"),
+            ("BlockStored", "restart-recovery"),
+            ("BlockStored", "restart-recovery"),
+            ("BlockStored", ""),
+        ]
+        assert [h for e in got[2:4] for h in e[2]] == _hashes(*keys)
+        assert got[4][2] == _hashes(key(7))
+        assert all(e[4] == [] for e in got[2:])  # no keys field at all
+        assert pub.buffer is not None
+        assert all(b'"keys"' not in p and b"keys" not in p for _, _, p in pub.buffer)
+
+    asyncio.run(main())
+
+
+async def _one_pool() -> list[Any]:
+    return [SimpleNamespace(pool=POOL)]

@@ -182,8 +182,11 @@ class Publisher:
         encoding: str = "map",
         medium: str = "EXTERNAL",
         epoch: str = "",
+        keys: bool = True,
     ) -> None:
         self.encoder = Encoder(encoding, medium)
+        # Whether SGLang pools' ``BlockStored`` carry their page keys (``--events-keys``).
+        self.keys = keys
         self.run = uuid.uuid4().hex[:8]
         self.topic = f"kvmeta/{epoch}/{self.run}".encode()
         self.stats = EventStats()
@@ -320,9 +323,12 @@ class Publisher:
         if kind == REMOVED:
             out.append(enc.raw(enc.removed(pool, _hashes(keys), reason)))
             return
+        named = self.keys
         for run, parent in self.parents.runs(pool, keys):
             parent_hash = None if parent is None else sglang_hash(parent)
-            out.append(enc.raw(enc.stored(pool, _hashes(run), parent_hash, run, parent)))
+            out.append(
+                enc.raw(enc.stored(pool, _hashes(run), parent_hash, run if named else (), parent))
+            )
 
     def _send(
         self, events: Sequence[Event | msgspec.Raw], blocks: int, since: float, ts: float = 0.0
@@ -458,7 +464,8 @@ class Publisher:
 
     def _resync_stored(self, pool: PoolId, keys: list[str], reason: str) -> Event:
         if pool.dialect == "s":
-            return self.encoder.stored(pool, _hashes(keys), None, keys, None, reason)
+            named = keys if self.keys else ()
+            return self.encoder.stored(pool, _hashes(keys), None, named, None, reason)
         hashes = list(map(str.encode, keys))
         return self.encoder.stored(pool, hashes, None, (), None, reason)
 

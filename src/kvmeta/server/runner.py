@@ -300,6 +300,7 @@ def _start_events(
             encoding=settings.events_format,
             medium=settings.events_medium,
             epoch=backend.epoch,
+            keys=settings.events_keys,
         )
     except zmq.ZMQError as exc:
         raise ConfigError(
