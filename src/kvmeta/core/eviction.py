@@ -72,6 +72,12 @@ class EvictionPolicy(ABC):
         """``pages`` (held ones; None entries are skipped) were read or reserved again, in this
         order. A reserve reports a hit before it looks for its next victim."""
 
+    def reserved(self, out: list[tuple[bool, int]]) -> None:  # noqa: B027 - optional hook
+        """A reserve answered ``out`` (per key, in the request's order: ``(True, page)`` for a
+        STORED key, ``(False, page)`` for a page to write, ``(False, -1)`` for none). One call
+        per reserve, after its victims were taken; a policy that orders by position in a
+        request (``core.prefix``) reads it, others need not."""
+
     @abstractmethod
     def removed(self, page: int) -> None:
         """``page`` stopped being STORED for another reason than ``victim`` (a delete)."""

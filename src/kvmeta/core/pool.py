@@ -355,6 +355,7 @@ class Pool(LeaseTable):
             self._queued += len(leased)
             if self._queued > 2 * len(res_deadline) + _QUEUE_SLACK:
                 self._compact_queue()
+        policy.reserved(out)
         counters.reservations += len(reserved) - reserved_before
         counters.reservations_refused += refused
         counters.evictions += evictions
