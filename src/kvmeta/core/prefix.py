@@ -166,43 +166,79 @@ class PrefixPolicy(EvictionPolicy):
             before, before_new = page, True
 
     def added(self, pages: Iterable[int]) -> None:
+        """Two passes, so each page is linked once, into its final list: in a chain confirmed
+        together every page but the last has a child from the same batch. Inlined: it runs
+        for every page stored."""
         parent, stamp, kids = self._parent, self._stamp, self._kids
-        for page in pages:
+        batch = pages if isinstance(pages, list) else list(pages)
+        clock = first = self._clock
+        dead = 0
+        for page in batch:
             reserved_at = stamp[page]
             up = parent[page]
-            if up <= _NEW:
-                up = _NEW - up
-                ok = kids[up] > 0 and stamp[up] > reserved_at
-            elif up >= 0:
-                ok = kids[up] > 0 and stamp[up] <= reserved_at
-            else:
-                ok = True  # a root, or a page whose parent was never stored (``_GONE``)
-            if up >= 0 and not ok:
-                up = _GONE
-            if up == _GONE:
-                self.dead += 1
-            parent[page] = up
-            self._clock += 1
-            stamp[page] = self._clock
-            kids[page] = 1
-            self._link_tail(LEAF, page)
             if up >= 0:
-                self._adopt(up)
+                if kids[up] <= 0 or stamp[up] > reserved_at:
+                    up = _GONE  # gone, or gone and the page stored again since the reserve
+            elif up <= _NEW:
+                up = _NEW - up
+                if kids[up] <= 0 or stamp[up] <= reserved_at:
+                    up = _GONE  # new in that reserve, but not stored since
+            if up == _GONE:
+                dead += 1
+            parent[page] = up
+            clock += 1
+            stamp[page] = clock
+            kids[page] = 1
+            if up >= 0:
+                count = kids[up] + 1
+                kids[up] = count
+                if count == 2 and stamp[up] <= first:  # a leaf stored before: now inner
+                    self._unlink(LEAF, up)
+                    self._link_tail(INNER, up)
+        self._clock = clock
+        self.dead += dead
+        prev, nxt, heads, tails = self._prev, self._next, self._head, self._tail
+        for page in batch:
+            which = LEAF if kids[page] == 1 else INNER
+            tail = tails[which]
+            prev[page] = tail
+            nxt[page] = -1
+            if tail == -1:
+                heads[which] = page
+            else:
+                nxt[tail] = page
+            tails[which] = page
 
     def used(self, pages: Iterable[int | None]) -> None:
-        kids, parent = self._kids, self._parent
+        """Moves used leaves to the warm end. Pages with children stay where they are: they go
+        only when no leaf can, and a page that becomes a leaf takes the cold end anyway."""
+        kids, parent, prev, nxt = self._kids, self._parent, self._prev, self._next
+        tails = self._tail
+        tail = tails[LEAF]
         before = -1
         for page in pages:
             if page is None:
                 before = -1
                 continue
             if before >= 0 and parent[page] == _NONE and before != page:
-                self._relink(page, before)
+                tails[LEAF] = tail
+                self._relink(page, before)  # may move ``before`` out of the leaves
+                tail = tails[LEAF]
             before = page
-            which = LEAF if kids[page] == 1 else INNER
-            if page != self._tail[which]:
-                self._unlink(which, page)
-                self._link_tail(which, page)
+            if kids[page] != 1 or page == tail:
+                continue
+            # Unlink and link at the tail: page is not the tail, so it has a successor.
+            up, after = prev[page], nxt[page]
+            if up == -1:
+                self._head[LEAF] = after
+            else:
+                nxt[up] = after
+            prev[after] = up
+            prev[page] = tail
+            nxt[page] = -1
+            nxt[tail] = page
+            tail = page
+        tails[LEAF] = tail
 
     def removed(self, page: int) -> None:
         self._drop(page)
@@ -223,10 +259,53 @@ class PrefixPolicy(EvictionPolicy):
     def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         if now != self._now:
             self._now, self._moved, self._dry = now, [-1, -1], [False, False]
+        page = self._head[LEAF]
+        if page != -1 and read_until[page] <= now and page not in keep:
+            # The common case, for free and inlined: the coldest leaf can go.
+            nxt, kids = self._next, self._kids
+            after = nxt[page]
+            self._head[LEAF] = after
+            if after == -1:
+                self._tail[LEAF] = -1
+            else:
+                self._prev[after] = -1
+            kids[page] = 0
+            up = self._parent[page]
+            if up >= 0:
+                if kids[up] > 0 and self._stamp[up] < self._stamp[page]:
+                    count = kids[up] - 1
+                    kids[up] = count
+                    if count == 1 and up != self._moved[INNER]:
+                        # Its last child went: a leaf, at the cold end (``_to_leaf``, inlined:
+                        # a chain eaten from its tail does this at every eviction).
+                        prev = self._prev
+                        before, later = prev[up], nxt[up]
+                        if before == -1:
+                            self._head[INNER] = later
+                        else:
+                            nxt[before] = later
+                        if later == -1:
+                            self._tail[INNER] = before
+                        else:
+                            prev[later] = before
+                        prev[up] = -1
+                        nxt[up] = after
+                        if after == -1:
+                            self._tail[LEAF] = up
+                        else:
+                            prev[after] = up
+                        self._head[LEAF] = up
+                    elif count == 1:
+                        self._to_leaf(up)
+                else:
+                    self.dead -= 1
+            elif up == _GONE:
+                self.dead -= 1
+            return page
         for which in (LEAF, INNER):
             page = self._head[which]
             if page != -1 and read_until[page] <= now and page not in keep:
-                self._drop(page)  # the common case: the coldest page can go, for free
+                self._drop(page)
                 return page
             if page == -1 or self._dry[which]:
                 continue
@@ -355,15 +434,19 @@ class PrefixPolicy(EvictionPolicy):
         elif up >= 0:
             if self._valid(page, up):
                 kids[up] -= 1
-                if kids[up] == 1:  # its last child went: a leaf, at the cold end
-                    if up == self._moved[INNER]:
-                        # The scan's mark leaves the list: the pages after it were moved too.
-                        self._moved[INNER] = self._next[up]
-                    self._unlink(INNER, up)
-                    self._link_head(LEAF, up)
+                if kids[up] == 1:
+                    self._to_leaf(up)
             else:
                 self.dead -= 1
         kids[page] = 0
+
+    def _to_leaf(self, page: int) -> None:
+        """``page``'s last child went: it becomes a leaf, at the cold end."""
+        if page == self._moved[INNER]:
+            # The scan's mark leaves the list: the pages after it were moved too.
+            self._moved[INNER] = self._next[page]
+        self._unlink(INNER, page)
+        self._link_head(LEAF, page)
 
     def _unlink(self, which: int, page: int) -> None:
         prev, nxt = self._prev, self._next
