@@ -8,9 +8,11 @@ of the previous key of the same ordered request) and evicts leaves (pages with n
 before any page that has one; among leaves, the least recently used first.
 
 Parents are learned from the order of the keys of a reserve (``reserved``: a new page's
-parent is the page of the key before it) and, for pages stored without one (after a restart),
-from the order of a get's hits (``used``). ``exists`` is not used: it is not a write and costs
-nothing today, and a reserve follows it with the same keys. A link is made only to a page
+parent is the page of the key before it); for the first key of a reserve, from the ``exists``
+before it (``asked``: the engines ask for the keys past their own host cache, then reserve the
+missing ones, so the last leading hit is the first missing key's parent: without it the tail
+of every request would look like a new root); and, for pages stored without one (after a
+restart), from the order of a get's hits (``used``). A link is made only to a page
 stored before its child (``_stamp``: a counter of additions), so the links form a forest and a
 stale link (its parent removed and the page reused) is recognised in O(1).
 
@@ -20,8 +22,11 @@ Structures, one entry per page, in C arrays: two intrusive doubly linked lists o
 it was), ``_kids`` (0: not held; else 1 + stored children) and ``_stamp``: 24 bytes a page,
 16 more than LRU. Every operation is O(pages it is handed) plus the scan budget.
 
-A page whose last child goes becomes a leaf at the cold end of the leaves: its chain's tail
-has just gone, so the chain is eaten from its tail up while it stays the coldest. A page
+A page whose last child goes becomes a leaf at the warm end of the leaves: the engines read a
+chain's head from their own caches whenever they use the chain, so it is as recent as its
+most recent descendant, however old it looks here (on a replayed trace this serves more
+pages than the cold end: ``benchmarks/bench_eviction.py``). Pages with children are not moved
+when used: they go only when no leaf can. A page
 whose parent is removed while it is stored (a delete, or a forced eviction when every leaf is
 read-leased) is *dead*: no leading-hit lookup can reach it (``dead``). Parents are not
 durable: after a restart every page is a root leaf, in the old order, until requests teach it
@@ -31,7 +36,7 @@ parents again.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Container, Iterable
+from collections.abc import Container, Iterable, Mapping
 
 from kvmeta.core.eviction import EvictionPolicy
 from kvmeta.core.pages import page_typecode
@@ -43,6 +48,9 @@ _GONE = -2  # its parent key was not stored when it was
 # A parent given by ``reserved`` that was itself new in that reserve is kept as ``_NEW - page``
 # until the confirm (such a parent has no stamp yet: it is checked as stamped after the reserve).
 _NEW = -3
+# Keys whose parent an ``exists`` told (``asked``) kept until their reserve: a few requests'
+# worth per engine.
+_HINTS = 4096
 
 LEAF = 0
 INNER = 1
@@ -65,6 +73,7 @@ class PrefixPolicy(EvictionPolicy):
         "_moved",
         "_dry",
         "_now",
+        "_hints",
     )
 
     def __init__(self, num_pages: int) -> None:
@@ -86,6 +95,8 @@ class PrefixPolicy(EvictionPolicy):
         self._moved = [-1, -1]
         self._dry = [False, False]
         self._now = -1.0
+        # key -> (page, its stamp) of the stored key before it in an ``exists`` (``asked``).
+        self._hints: dict[str, tuple[int, int]] = {}
 
     # The pool sets ``budget`` at the start of each reserve and ``evict_ahead``: that is when
     # the per-reserve scan state starts afresh.
@@ -142,12 +153,34 @@ class PrefixPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ what the pool reports
 
-    def reserved(self, out: list[tuple[bool, int]]) -> None:
-        """Record each new page's parent: the page of the key before it (module docstring)."""
+    def asked(self, keys: list[str], found: list[bool], stored: Mapping[str, int]) -> None:
+        """Remember the first missing key's parent: the engines ask for a request's keys past
+        their own host cache in order, then reserve only the missing ones, whose first would
+        otherwise look like a root. At most ``_HINTS`` such keys are remembered (the oldest
+        go first). O(leading hits)."""
+        if not found or found[0] is False:
+            return
+        try:
+            first = found.index(False)
+        except ValueError:
+            return
+        up = stored[keys[first - 1]]
+        hints = self._hints
+        hints[keys[first]] = (up, self._stamp[up])
+        if len(hints) > _HINTS:
+            del hints[next(iter(hints))]
+
+    def reserved(self, keys: list[str], out: list[tuple[bool, int]]) -> None:
+        """Record each new page's parent: the page of the key before it (module docstring),
+        or for the first key, the one an ``exists`` just before found before it."""
         parent, stamp, kids = self._parent, self._stamp, self._kids
         clock = self._clock
         before = _NONE
         before_new = False
+        if self._hints and keys:
+            hint = self._hints.pop(keys[0], None)
+            if hint is not None and kids[hint[0]] > 0 and stamp[hint[0]] == hint[1]:
+                before = hint[0]
         for hit, page in out:
             if hit:
                 if before >= 0 and parent[page] == _NONE and before != page:
@@ -211,7 +244,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def used(self, pages: Iterable[int | None]) -> None:
         """Moves used leaves to the warm end. Pages with children stay where they are: they go
-        only when no leaf can, and a page that becomes a leaf takes the cold end anyway."""
+        only when no leaf can, and a page that becomes a leaf takes the warm end anyway."""
         kids, parent, prev, nxt = self._kids, self._parent, self._prev, self._next
         tails = self._tail
         tail = tails[LEAF]
@@ -276,7 +309,7 @@ class PrefixPolicy(EvictionPolicy):
                     count = kids[up] - 1
                     kids[up] = count
                     if count == 1 and up != self._moved[INNER]:
-                        # Its last child went: a leaf, at the cold end (``_to_leaf``, inlined:
+                        # Its last child went: a leaf, at the warm end (``_to_leaf``, inlined:
                         # a chain eaten from its tail does this at every eviction).
                         prev = self._prev
                         before, later = prev[up], nxt[up]
@@ -288,13 +321,7 @@ class PrefixPolicy(EvictionPolicy):
                             self._tail[INNER] = before
                         else:
                             prev[later] = before
-                        prev[up] = -1
-                        nxt[up] = after
-                        if after == -1:
-                            self._tail[LEAF] = up
-                        else:
-                            prev[after] = up
-                        self._head[LEAF] = up
+                        self._link_tail(LEAF, up)
                     elif count == 1:
                         self._to_leaf(up)
                 else:
@@ -307,14 +334,19 @@ class PrefixPolicy(EvictionPolicy):
             if page != -1 and read_until[page] <= now and page not in keep:
                 self._drop(page)
                 return page
-            if page == -1 or self._dry[which]:
-                continue
-            page = self._scan(which, now, keep, read_until)
-            if page >= 0:
+            if page != -1 and not self._dry[which]:
+                page = self._scan(which, now, keep, read_until)
+                if page >= 0:
+                    self._drop(page)
+                    return page
+                if page == -2:
+                    return -1  # the budget ran out
+            # The leaves were all looked at in this reserve: only a page that became a leaf
+            # since (at the warm end, behind the scan's mark) may go.
+            page = self._tail[which]
+            if which == LEAF and page != -1 and read_until[page] <= now and page not in keep:
                 self._drop(page)
                 return page
-            if page == -2:
-                return -1  # the budget ran out
         return -1
 
     def _scan(self, which: int, now: float, keep: Container[int], read_until: array[float]) -> int:
@@ -376,7 +408,7 @@ class PrefixPolicy(EvictionPolicy):
         twin._head, twin._tail = list(self._head), list(self._tail)
         twin._clock, twin.dead = self._clock, self.dead
         twin._left, twin._moved, twin._dry = self._left, list(self._moved), list(self._dry)
-        twin._now = self._now
+        twin._now, twin._hints = self._now, dict(self._hints)
         return twin
 
     def problem(self, capacity: int) -> str | None:
@@ -441,12 +473,14 @@ class PrefixPolicy(EvictionPolicy):
         kids[page] = 0
 
     def _to_leaf(self, page: int) -> None:
-        """``page``'s last child went: it becomes a leaf, at the cold end."""
+        """``page``'s last child went: it becomes a leaf, at the warm end. An engine reads a
+        chain's head from its own host cache whenever it uses the chain, so the head is as
+        recently used as its most recent descendant, however old it looks here."""
         if page == self._moved[INNER]:
             # The scan's mark leaves the list: the pages after it were moved too.
             self._moved[INNER] = self._next[page]
         self._unlink(INNER, page)
-        self._link_head(LEAF, page)
+        self._link_tail(LEAF, page)
 
     def _unlink(self, which: int, page: int) -> None:
         prev, nxt = self._prev, self._next
@@ -469,13 +503,3 @@ class PrefixPolicy(EvictionPolicy):
         else:
             self._next[tail] = page
         self._tail[which] = page
-
-    def _link_head(self, which: int, page: int) -> None:
-        head = self._head[which]
-        self._next[page] = head
-        self._prev[page] = -1
-        if head == -1:
-            self._tail[which] = page
-        else:
-            self._prev[head] = page
-        self._head[which] = page

@@ -118,3 +118,15 @@ def test_after_a_restart_parents_are_relearned_from_gets() -> None:
     assert _policy(again).parent_of(again.page_of("B") or 0) == again.page_of("A")
     assert _policy(again).parent_of(again.page_of("C") or 0) == again.page_of("B")
     assert _evict(again, "x", 3.0) == "C"
+
+
+def test_the_first_reserved_keys_parent_comes_from_the_exists_before_it() -> None:
+    # An engine holding A in its host cache asks for B, C; A' is stored, B and C are not.
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A"], 1.0)
+    assert pool.exists(["A", "B", "C"]) == [True, False, False]
+    _store(pool, ["B", "C"], 2.0)  # the reserve names only the missing keys
+    _store(pool, ["D"], 3.0)
+    assert _policy(pool).parent_of(pool.page_of("B") or 0) == pool.page_of("A")
+    assert _evict(pool, "x", 4.0) == "C"  # not A, the oldest: it has a stored child
+    check_pool(pool)
