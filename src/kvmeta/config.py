@@ -54,6 +54,7 @@ class Settings:
     port: int = 18000
     reservation_ttl: float = 300.0
     read_lease: float = 5.0
+    eviction: str = "lru"
     # durability
     data_dir: str = "./kvmeta-data"
     in_memory: bool = False
@@ -149,6 +150,14 @@ OPTIONS: tuple[Option, ...] = (
         "read_lease",
         "seconds a page is safe from eviction after a lookup (0: off)",
         _positive_float,
+    ),
+    Option(
+        "eviction",
+        "which stored page a full pool gives up: lru (least recently used) or prefix (pages "
+        "no stored page follows first, LRU among them; for pools behind engines' host caches; "
+        "not with a Redis --backend)",
+        str,
+        ("lru", "prefix"),
     ),
     Option("data_dir", "directory for the journal and snapshots"),
     Option("in_memory", "keep state in memory only (lost on restart)", _bool, flag_only=True),
@@ -517,6 +526,13 @@ def settings_from_args(
             "variable) to keep state in memory only, or drop `--in-memory` to keep it in that "
             "directory",
             "data_dir",
+        )
+    if settings.eviction != "lru" and settings.backend:
+        raise ConfigError(
+            f"{_given('eviction', sources)} with `--backend`: the Redis backend evicts least "
+            "recently used pages only (its scripts keep no parent links). Drop "
+            "`--eviction` (or use `--eviction lru`), or drop `--backend` to keep state locally",
+            "eviction",
         )
     if settings.events and settings.workers > 1:
         raise ConfigError(

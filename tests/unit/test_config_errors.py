@@ -39,6 +39,8 @@ def _settings(argv: list[str], env: dict[str, str] | None = None) -> Settings:
         (["--in-memory"], {"KVMETA_DATA_DIR": "d"}, "data_dir", "(set by env KVMETA_DATA_DIR)"),
         (["--data-dir", "d"], {"KVMETA_IN_MEMORY": "1"}, "data_dir", "`--data-dir`"),
         (["--ssl-certfile", "c.pem"], {}, "ssl_certfile", "go together"),
+        (["--eviction", "prefix", "--backend", "redis://h:1/0"], {}, "eviction", "scripts keep"),
+        (["--eviction", "fifo"], {}, "eviction", "Expected `--eviction` in lru|prefix"),
         # absurd numbers: outside a sane range, named with the range
         (["--replica-ack-timeout", "1e300"], {}, "replica_ack_timeout", "0.001 to 31536000"),
         (["--header-timeout", "1e-300"], {}, "header_timeout", "from 0.001 to"),

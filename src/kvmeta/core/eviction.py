@@ -34,7 +34,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable, Container, Iterable
+from collections.abc import Callable, Container, Iterable, Mapping
 
 __all__ = ["EvictionPolicy", "PolicyFactory", "chain_order"]
 
@@ -71,6 +71,21 @@ class EvictionPolicy(ABC):
     def used(self, pages: Iterable[int | None]) -> None:
         """``pages`` (held ones; None entries are skipped) were read or reserved again, in this
         order. A reserve reports a hit before it looks for its next victim."""
+
+    def asked(  # noqa: B027 - optional hook
+        self, keys: list[str], found: list[bool], stored: Mapping[str, int]
+    ) -> None:
+        """An ``exists`` of ``keys`` found ``found`` (``stored``: the pool's key -> page of the
+        STORED keys, read-only). A policy that orders by position in a request (``core.prefix``)
+        reads it, others need not."""
+
+    def reserved(  # noqa: B027 - optional hook
+        self, keys: list[str], out: list[tuple[bool, int]]
+    ) -> None:
+        """A reserve of ``keys`` answered ``out`` (per key, in the request's order: ``(True,
+        page)`` for a STORED key, ``(False, page)`` for a page to write, ``(False, -1)`` for
+        none). One call per reserve, after its victims were taken; a policy that orders by
+        position in a request (``core.prefix``) reads it, others need not."""
 
     @abstractmethod
     def removed(self, page: int) -> None:

@@ -155,3 +155,47 @@ def _check_policy(pool: Any) -> None:
 def _expect(ok: bool, what: str) -> None:
     if not ok:
         raise InvariantViolation(what)
+
+
+def prefix_problem(policy: Any, capacity: int) -> str | None:
+    """What is wrong with a ``core.prefix.PrefixPolicy``'s structures (None: nothing): its two
+    lists are sound and hold each held page once (leaves in one, parents in the other), every
+    child count and the dead count match the parent links, and every live link names an older
+    page (so the links form a forest). O(pages ever used)."""
+    arrays = (policy._prev, policy._next, policy._parent, policy._kids, policy._stamp)
+    if any(len(arr) != capacity for arr in arrays):
+        return f"prefix arrays cover {[len(a) for a in arrays]} pages, not {capacity}"
+    kids, parent = policy._kids, policy._parent
+    listed = 0
+    for which in (0, 1):
+        steps, page, before = 0, policy._head[which], -1
+        while page != -1:
+            steps += 1
+            if steps > capacity:
+                return f"prefix list {which} has a cycle"
+            if policy._prev[page] != before:
+                return f"prefix back link of page {page} is wrong"
+            if kids[page] <= 0 or (kids[page] == 1) != (which == 0):
+                return f"page {page} with child count {kids[page] - 1} is in list {which}"
+            before, page = page, policy._next[page]
+        if policy._tail[which] != before:
+            return f"prefix list {which} tail is wrong"
+        listed += steps
+    held = [page for page in range(capacity) if kids[page] > 0]
+    if listed != len(held):
+        return f"{listed} pages listed, {len(held)} held"
+    children = Counter(up for page in held if (up := policy.parent_of(page)) >= 0)
+    dead = 0
+    for page in held:
+        if kids[page] - 1 != children.get(page, 0):
+            return f"page {page} counts {kids[page] - 1} children, has {children.get(page, 0)}"
+        up = parent[page]
+        if up == -2 or (up >= 0 and policy.parent_of(page) < 0):
+            dead += 1
+        elif up < -2 or up >= capacity:
+            return f"held page {page} has parent {up}"
+        if policy._stamp[page] > policy._clock:
+            return f"page {page} is stamped in the future"
+    if dead != policy.dead:
+        return f"{policy.dead} dead pages counted, {dead} found"
+    return None

@@ -189,6 +189,7 @@ class Pool(LeaseTable):
         """Whether each key is STORED; does not count as a use."""
         stored = self._stored
         out = [k in stored for k in keys]
+        self._policy.asked(keys, out, stored)
         hits = sum(out)
         self.counters.exists_hits += hits
         self.counters.exists_misses += len(out) - hits
@@ -355,6 +356,7 @@ class Pool(LeaseTable):
             self._queued += len(leased)
             if self._queued > 2 * len(res_deadline) + _QUEUE_SLACK:
                 self._compact_queue()
+        policy.reserved(keys, out)
         counters.reservations += len(reserved) - reserved_before
         counters.reservations_refused += refused
         counters.evictions += evictions

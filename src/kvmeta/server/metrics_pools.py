@@ -37,7 +37,7 @@ _POOL_SIMPLE: dict[str, str] = {
     "commits": "pages committed by confirm_write",
     "confirms_refused": "confirms refused (page not reserved for that key)",
     "releases": "reserved pages released by their writers",
-    "evictions": "stored pages evicted (least recently used) to make room",
+    "evictions": "stored pages evicted (in the --eviction policy's order) to make room",
     "deletes": "keys deleted",
     "clears": "pool clears",
 }
@@ -124,6 +124,8 @@ def cap_pools(pools: list[PoolStats], max_pools: int | None) -> list[tuple[list[
         agg.reserved += st.reserved
         agg.stored += st.stored
         agg.size_conflicts += st.size_conflicts
+        if st.dead is not None:
+            agg.dead = (agg.dead or 0) + st.dead
         for name, value in st.counters.items():
             agg.counters[name] = agg.counters.get(name, 0) + value
     out.extend(
@@ -161,6 +163,13 @@ def pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
         "new page reservations by outcome (granted, expired unconfirmed, refused: no page)",
         labels=[*POOL_LABELS, "outcome"],
     )
+    dead = GaugeMetricFamily(
+        "kvmeta_dead_pages",
+        "stored pages whose parent page (the previous key of the request that stored them) is "
+        "gone, so no leading-hit lookup reaches them; only pools whose eviction policy learns "
+        "parents (--eviction prefix) report it",
+        labels=POOL_LABELS,
+    )
     simple = {
         name: CounterMetricFamily(f"kvmeta_pool_{name}", help_, labels=POOL_LABELS)
         for name, help_ in _POOL_SIMPLE.items()
@@ -177,6 +186,8 @@ def pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
         keys.add_metric(labels, st.stored)
         held.add_metric(labels, st.held_after_restart)
         conflicts.add_metric(labels, st.size_conflicts)
+        if st.dead is not None:
+            dead.add_metric(labels, st.dead)
         for name, value in st.counters.items():
             if name in _LOOKUPS:
                 lookups.add_metric([*labels, *_LOOKUPS[name]], value)
@@ -184,7 +195,7 @@ def pool_metrics(pools: list[tuple[list[str], PoolStats]]) -> Iterator[Metric]:
                 reservations.add_metric([*labels, _RESERVATIONS[name]], value)
             elif name in simple:
                 simple[name].add_metric(labels, value)
-    yield from (size, pages, keys, held, conflicts, lookups, reservations, *simple.values())
+    yield from (size, pages, keys, held, conflicts, dead, lookups, reservations, *simple.values())
 
 
 def durability_metrics(stats: dict[str, float]) -> Iterator[Metric]:

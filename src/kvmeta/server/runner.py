@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from kvmeta.config import Settings
+from kvmeta.core import EVICTION_POLICIES
 from kvmeta.errors import ConfigError, MissingExtra
 from kvmeta.server.app import App
 from kvmeta.server.http import HttpLimits, HttpServer, bind_sockets, in_task
@@ -50,6 +51,7 @@ def build_backend(settings: Settings) -> Backend:
         reservation_ttl=settings.reservation_ttl,
         read_lease=settings.read_lease,
         hash_index=settings.hash_index,
+        policy=EVICTION_POLICIES[settings.eviction],
     )
     if settings.in_memory and not settings.persistence_path:
         return LocalBackend(store)

@@ -79,6 +79,9 @@ class PoolStats:
     # Of ``cooling``: FREE pages held after a restart until the old process's leases would
     # have ended (``Pool.hold_after_restart``).
     held_after_restart: int = 0
+    # Stored pages whose parent is gone (unreachable for a leading-hit lookup), for policies
+    # that learn parents (``--eviction prefix``); None: the policy does not track them.
+    dead: int | None = None
 
 
 # ``kvmeta check``'s exit code when the directory it checked is in use by a running server.

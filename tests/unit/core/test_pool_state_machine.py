@@ -14,6 +14,7 @@ from kvmeta.core import FREE, STORED, LruPolicy, Pool, check_pool
 from kvmeta.core import pages as pages_module
 from kvmeta.core import pool as pool_module
 from kvmeta.core.eviction import PolicyFactory
+from kvmeta.core.prefix import PrefixPolicy
 from kvmeta.errors import InvalidRequest
 from tests.unit.core.policies import FifoPolicy
 
@@ -287,3 +288,25 @@ TestFifoWithholdingPoolMachine = FifoWithholdingPoolMachine.TestCase
 TestFifoWithholdingPoolMachine.settings = FIFO_SETTINGS
 TestFifoRestartingPoolMachine = FifoRestartingPoolMachine.TestCase
 TestFifoRestartingPoolMachine.settings = FIFO_SETTINGS
+
+
+# And with leaf-first eviction (``core.prefix``), whose parent links come from the order of
+# each reserve's keys and whose victims skip any page with a stored child while a leaf can go.
+class PrefixPoolMachine(PoolMachine):
+    policy = PrefixPolicy
+
+
+class PrefixWithholdingPoolMachine(WithholdingPoolMachine):
+    policy = PrefixPolicy
+
+
+class PrefixRestartingPoolMachine(RestartingPoolMachine):
+    policy = PrefixPolicy
+
+
+TestPrefixPoolMachine = PrefixPoolMachine.TestCase
+TestPrefixPoolMachine.settings = FIFO_SETTINGS
+TestPrefixWithholdingPoolMachine = PrefixWithholdingPoolMachine.TestCase
+TestPrefixWithholdingPoolMachine.settings = FIFO_SETTINGS
+TestPrefixRestartingPoolMachine = PrefixRestartingPoolMachine.TestCase
+TestPrefixRestartingPoolMachine.settings = FIFO_SETTINGS

@@ -16,9 +16,10 @@ from kvmeta.core.eviction import PolicyFactory
 from kvmeta.core.invariants import check_pool
 from kvmeta.core.lru import LruPolicy
 from kvmeta.core.pool import Pool
+from kvmeta.core.prefix import PrefixPolicy
 from tests.unit.core.policies import FifoPolicy
 
-POLICIES = {"lru": LruPolicy, "fifo": FifoPolicy}
+POLICIES = {"lru": LruPolicy, "fifo": FifoPolicy, "prefix": PrefixPolicy}
 
 
 def _state(pool: Pool) -> tuple[object, ...]:

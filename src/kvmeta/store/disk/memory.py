@@ -25,7 +25,9 @@ from operator import itemgetter
 from typing import TYPE_CHECKING, Protocol
 
 from kvmeta._types import PoolId
+from kvmeta.core.eviction import PolicyFactory
 from kvmeta.core.hash_index import HashIndex
+from kvmeta.core.lru import LruPolicy
 from kvmeta.core.pool import Pool
 from kvmeta.errors import Forbidden, NoHashIndex, NotInitialized, PayloadTooLarge, RankInUse
 from kvmeta.lograte import warn_limited
@@ -87,8 +89,12 @@ class MemoryStore:
         clock: Callable[[], float] = time.monotonic,
         sink: ChangeSink | None = None,
         hash_index: bool = False,
+        policy: PolicyFactory = LruPolicy,
     ) -> None:
         self.reservation_ttl = reservation_ttl
+        # Every pool's eviction policy (``--eviction``), recovered pools' too: parents are
+        # not journaled, the order is (``core.prefix``).
+        self.policy = policy
         self.read_lease = read_lease
         self.clock = clock
         self.sink = sink
@@ -183,9 +189,18 @@ class MemoryStore:
     def _new_pool(self, num_pages: int, entries: list[tuple[str, int]] | None = None) -> Pool:
         if entries:
             return Pool.load(
-                num_pages, entries, reservation_ttl=self.reservation_ttl, read_lease=self.read_lease
+                num_pages,
+                entries,
+                reservation_ttl=self.reservation_ttl,
+                read_lease=self.read_lease,
+                policy=self.policy,
             )
-        return Pool(num_pages, reservation_ttl=self.reservation_ttl, read_lease=self.read_lease)
+        return Pool(
+            num_pages,
+            reservation_ttl=self.reservation_ttl,
+            read_lease=self.read_lease,
+            policy=self.policy,
+        )
 
     def load_pool(self, pid: PoolId, num_pages: int, entries: list[tuple[str, int]]) -> None:
         """Install a recovered pool (entries coldest first) without journaling it."""
@@ -508,6 +523,7 @@ class MemoryStore:
                     size_conflicts=self.size_conflicts.get(pid, 0),
                     cooling=pool.cooling_count,
                     held_after_restart=pool.held_count,
+                    dead=getattr(pool.policy, "dead", None),
                 )
             )
         return out

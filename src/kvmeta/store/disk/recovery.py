@@ -346,6 +346,7 @@ def install(store: MemoryStore, state: Recovered, directory: Path) -> None:
                     reservation_ttl=store.reservation_ttl,
                     read_lease=store.read_lease,
                     frontier=state.frontiers.get(pid),
+                    policy=store.policy,
                 )
             except InvalidRequest as exc:
                 raise corrupt(directory, directory, f"{pid}: {exc}") from None

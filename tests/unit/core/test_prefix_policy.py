@@ -1,0 +1,132 @@
+"""Leaf-first eviction (``core.prefix``): a page with a stored child goes only when no leaf
+can, leaves go least recently used first, parents come from the order of a request's keys and
+pages whose parent is gone are counted as dead."""
+
+from __future__ import annotations
+
+from kvmeta.core.invariants import check_pool
+from kvmeta.core.pool import Pool
+from kvmeta.core.prefix import PrefixPolicy
+
+
+def _store(pool: Pool, keys: list[str], now: float) -> None:
+    """One request: reserve ``keys`` in order and confirm every page handed out."""
+    out = pool.reserve(keys, now, [])
+    pairs = [(k, p) for k, (hit, p) in zip(keys, out, strict=True) if not hit and p >= 0]
+    pool.confirm(pairs, [], now)
+
+
+def _evict(pool: Pool, key: str, now: float) -> str:
+    """Reserve one new key in a full pool; the key evicted for it."""
+    evicted: list[tuple[str, int]] = []
+    pool.reserve([key], now, evicted)
+    assert len(evicted) == 1
+    return evicted[0][0]
+
+
+def _policy(pool: Pool) -> PrefixPolicy:
+    policy = pool.policy
+    assert isinstance(policy, PrefixPolicy)
+    return policy
+
+
+def test_a_chains_tail_goes_before_its_older_head() -> None:
+    pool = Pool(3, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B", "C"], 1.0)  # A <- B <- C
+    pool.get(["B", "C"], 2.0)  # the head is never read again: it is the oldest page
+    assert _evict(pool, "x", 3.0) == "C"
+    assert _evict(pool, "y", 4.0) == "B"  # then B, a leaf now
+    check_pool(pool)
+    assert _policy(pool).dead == 0
+
+
+def test_a_page_with_a_stored_child_goes_only_when_no_leaf_can() -> None:
+    pool = Pool(4, read_lease=5.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B"], 1.0)  # A <- B
+    _store(pool, ["C"], 2.0)  # a root leaf, newer than both
+    _store(pool, ["D"], 3.0)
+    assert _evict(pool, "x", 10.0) == "B"  # the coldest leaf, not A
+    for key in ("C", "D"):
+        pool.get([key], 11.0)  # every leaf but A is being read
+    assert _evict(pool, "y", 12.0) == "A"  # A is a leaf now
+    check_pool(pool)
+
+
+def test_an_inner_page_goes_when_every_leaf_is_being_read_and_its_child_is_dead() -> None:
+    pool = Pool(3, read_lease=5.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B"], 1.0)
+    _store(pool, ["C"], 2.0)
+    pool.get(["B"], 10.0)  # both leaves are read-leased until 15 (read apart: a get in
+    pool.get(["C"], 10.0)  # order would teach C that B is its parent)
+    assert _evict(pool, "x", 11.0) == "A"
+    assert _policy(pool).dead == 1  # B's parent is gone
+    check_pool(pool)
+    pool.delete(["B"], 11.0)
+    assert _policy(pool).dead == 0
+    check_pool(pool)
+
+
+def test_leaves_go_least_recently_used_first() -> None:
+    pool = Pool(3, read_lease=0.0, policy=PrefixPolicy)
+    for key in ("a", "b", "c"):
+        _store(pool, [key], 1.0)
+    pool.get(["a"], 2.0)
+    assert [_evict(pool, k, 3.0) for k in ("x", "y")] == ["b", "c"]
+
+
+def test_parents_come_from_earlier_requests_hits() -> None:
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A"], 1.0)
+    _store(pool, ["A", "B"], 2.0)  # A is a hit, B's parent
+    _store(pool, ["C"], 3.0)
+    _store(pool, ["D"], 3.0)
+    pool.get(["C"], 4.0)
+    pool.get(["D"], 4.0)
+    # A is the oldest page but has a child: the leaves go first, B the coldest of them.
+    assert _evict(pool, "x", 5.0) == "B"
+    check_pool(pool)
+
+
+def test_a_page_whose_parent_got_no_page_is_dead() -> None:
+    pool = Pool(2, read_lease=5.0, policy=PrefixPolicy)
+    _store(pool, ["p"], 1.0)
+    pool.get(["p"], 1.0)  # read-leased: the next reserve cannot evict it
+    # One free page: A gets it and B none, so C (with a page once B's is freed) has no parent.
+    out = pool.reserve(["A", "B"], 2.0, [])
+    assert [p for _, p in out] == [1, -1]
+    pool.confirm([("A", 1)], [], 2.0)
+    assert _policy(pool).dead == 0
+    pool.delete(["p"], 9.0)
+    out = pool.reserve(["A", "B", "C"], 9.0, [])
+    assert out[0][0] and out[1][1] >= 0 and out[2][1] == -1
+    pool.confirm([("B", out[1][1])], [], 9.0)
+    assert _policy(pool).dead == 0  # B's parent A is stored
+    pool.delete(["A"], 9.0)
+    assert _policy(pool).dead == 1  # ...and now gone
+    check_pool(pool)
+
+
+def test_after_a_restart_parents_are_relearned_from_gets() -> None:
+    pool = Pool(3, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B", "C"], 1.0)
+    again = Pool.from_lru(3, dict(pool.stored_items()), read_lease=0.0, policy=PrefixPolicy)
+    check_pool(again)
+    # The order survives (the leaf C, then A and B); the parents do not: all three are leaves.
+    assert [k for k, _ in again.stored_items()] == ["C", "A", "B"]
+    again.get(["A", "B", "C"], 2.0)  # ...until a request reads the chain in order
+    check_pool(again)
+    assert _policy(again).parent_of(again.page_of("B") or 0) == again.page_of("A")
+    assert _policy(again).parent_of(again.page_of("C") or 0) == again.page_of("B")
+    assert _evict(again, "x", 3.0) == "C"
+
+
+def test_the_first_reserved_keys_parent_comes_from_the_exists_before_it() -> None:
+    # An engine holding A in its host cache asks for B, C; A' is stored, B and C are not.
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A"], 1.0)
+    assert pool.exists(["A", "B", "C"]) == [True, False, False]
+    _store(pool, ["B", "C"], 2.0)  # the reserve names only the missing keys
+    _store(pool, ["D"], 3.0)
+    assert _policy(pool).parent_of(pool.page_of("B") or 0) == pool.page_of("A")
+    assert _evict(pool, "x", 4.0) == "C"  # not A, the oldest: it has a stored child
+    check_pool(pool)
