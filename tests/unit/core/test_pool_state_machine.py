@@ -270,43 +270,13 @@ TestRestartingPoolMachine.settings = settings(
 FIFO_SETTINGS = settings(max_examples=150, stateful_step_count=40, deadline=None)
 
 
-class FifoPoolMachine(PoolMachine):
-    policy = FifoPolicy
-
-
-class FifoWithholdingPoolMachine(WithholdingPoolMachine):
-    policy = FifoPolicy
-
-
-class FifoRestartingPoolMachine(RestartingPoolMachine):
-    policy = FifoPolicy
-
-
-TestFifoPoolMachine = FifoPoolMachine.TestCase
-TestFifoPoolMachine.settings = FIFO_SETTINGS
-TestFifoWithholdingPoolMachine = FifoWithholdingPoolMachine.TestCase
-TestFifoWithholdingPoolMachine.settings = FIFO_SETTINGS
-TestFifoRestartingPoolMachine = FifoRestartingPoolMachine.TestCase
-TestFifoRestartingPoolMachine.settings = FIFO_SETTINGS
-
-
-# And with leaf-first eviction (``core.prefix``), whose parent links come from the order of
+# ... and with leaf-first eviction (``core.prefix``), whose parent links come from the order of
 # each reserve's keys and whose victims skip any page with a stored child while a leaf can go.
-class PrefixPoolMachine(PoolMachine):
-    policy = PrefixPolicy
-
-
-class PrefixWithholdingPoolMachine(WithholdingPoolMachine):
-    policy = PrefixPolicy
-
-
-class PrefixRestartingPoolMachine(RestartingPoolMachine):
-    policy = PrefixPolicy
-
-
-TestPrefixPoolMachine = PrefixPoolMachine.TestCase
-TestPrefixPoolMachine.settings = FIFO_SETTINGS
-TestPrefixWithholdingPoolMachine = PrefixWithholdingPoolMachine.TestCase
-TestPrefixWithholdingPoolMachine.settings = FIFO_SETTINGS
-TestPrefixRestartingPoolMachine = PrefixRestartingPoolMachine.TestCase
-TestPrefixRestartingPoolMachine.settings = FIFO_SETTINGS
+# Each machine under each policy is a test class of its own (``TestFifoPoolMachine``, ...).
+for _policy in (FifoPolicy, PrefixPolicy):
+    for _machine in (PoolMachine, WithholdingPoolMachine, RestartingPoolMachine):
+        _name = _policy.__name__.removesuffix("Policy") + _machine.__name__
+        _case = type(_name, (_machine,), {"policy": _policy}).TestCase
+        _case.settings = FIFO_SETTINGS
+        globals()["Test" + _name] = _case
+del _policy, _machine, _name, _case

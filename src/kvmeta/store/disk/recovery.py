@@ -56,6 +56,7 @@ __all__ = [
     "list_data_dir",
     "lock_data_dir",
     "recover",
+    "set_tenant_world",
 ]
 
 logger = logging.getLogger(__name__)
@@ -309,12 +310,18 @@ def _apply(out: Recovered, record: Record) -> None:
     elif isinstance(record, WorldSize):
         out.vworld = record.world_size
     elif isinstance(record, TenantWorldSize):
-        if record.world_size is None:
-            out.tworld.pop(record.tenant, None)
-        else:
-            out.tworld[record.tenant] = record.world_size
+        set_tenant_world(out.tworld, record)
     else:
         raise ValueError(f"unknown record type {type(record).__name__}")
+
+
+def set_tenant_world(tworld: dict[str, int], record: TenantWorldSize) -> None:
+    """Apply a tenant's world size record (None: unpinned) to the tenants' world sizes; the
+    repair's replay keeps them by the same rule."""
+    if record.world_size is None:
+        tworld.pop(record.tenant, None)
+    else:
+        tworld[record.tenant] = record.world_size
 
 
 def _owners(num_pages: int, entries: dict[str, int]) -> list[str | None]:

@@ -41,7 +41,7 @@ from kvmeta.store.disk.codec import (
 from kvmeta.store.disk.history import read_head, write_head
 from kvmeta.store.disk.journal import fsync_dir, segment_path
 from kvmeta.store.disk.memory import MemoryStore
-from kvmeta.store.disk.recovery import list_data_dir, lock_data_dir
+from kvmeta.store.disk.recovery import list_data_dir, lock_data_dir, set_tenant_world
 from kvmeta.store.disk.snapshot import (
     SnapshotData,
     SnapshotError,
@@ -235,10 +235,7 @@ def _apply(out: Salvage, record: Record) -> None:
     elif isinstance(record, WorldSize):
         out.vworld = record.world_size
     elif isinstance(record, TenantWorldSize):
-        if record.world_size is None:
-            out.tworld.pop(record.tenant, None)
-        else:
-            out.tworld[record.tenant] = record.world_size
+        set_tenant_world(out.tworld, record)
     else:
         out.named.add(record.pool)
 
