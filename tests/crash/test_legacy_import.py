@@ -88,7 +88,7 @@ def test_a_kill_while_the_import_is_written_leaves_it_to_the_next_start(
     if strace is None:
         pytest.fail("this test needs strace (apt-get install strace) to kill at a chosen write")
     data = tmp_path / "data"
-    targets = [data / "journal-000000000001.log", data / "snapshot-000000000001.tmp"]
+    targets = [data / "journal-000000000001.log", data / "snapshot-000000000001.snap.tmp"]
     paths = [arg for target in targets for arg in ("-P", str(target))]
     killed = subprocess.run(
         [strace, "-f", "-qq", "-o", "/dev/null", *paths, "-e", "trace=write",

@@ -20,13 +20,12 @@ rewritten while the state lives. The rules (``data_dir_epoch``):
 from __future__ import annotations
 
 import logging
-import os
 import re
 import uuid
 from pathlib import Path
 
 from kvmeta.errors import StorageError
-from kvmeta.store.disk.journal import fsync_dir
+from kvmeta.store.disk.journal import write_durably
 
 __all__ = ["EPOCH_FILE", "data_dir_epoch", "new_epoch", "renew_epoch"]
 
@@ -85,16 +84,9 @@ def renew_epoch(directory: Path) -> str:
 
 
 def _write(path: Path, epoch: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
     try:
-        with open(tmp, "w", encoding="ascii") as fh:
-            fh.write(epoch + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
+        write_durably(path, lambda fh: fh.write((epoch + "\n").encode("ascii")))
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         raise StorageError(
             f"cannot write {path}: {exc}; free space on that disk or make {path.parent} "
             "writable (or pass another --data-dir)"

@@ -43,10 +43,11 @@ import os
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import BinaryIO
 
 from kvmeta.errors import JournalCorrupt
 from kvmeta.store.disk.codec import HEADER, predecessor
-from kvmeta.store.disk.journal import fsync_dir, segment_path
+from kvmeta.store.disk.journal import segment_path, write_durably
 
 __all__ = ["HEAD_FILE", "Head", "check_history", "moved", "read_head", "write_head"]
 
@@ -75,22 +76,15 @@ def write_head(directory: Path, segment: int) -> None:
     Raises:
         OSError: it could not be written (the journal fails, as on any write error).
     """
-    path = directory / HEAD_FILE
-    tmp = path.with_name(HEAD_FILE + ".tmp")
-    try:
-        with open(tmp, "w", encoding="ascii") as fh:
-            # The temporary's inode is HEAD's once renamed: a copy of HEAD gets another one.
-            inodes = {"dir": os.stat(directory).st_ino, "head": os.fstat(fh.fileno()).st_ino}
-            with contextlib.suppress(FileNotFoundError):
-                inodes["segment"] = os.stat(segment_path(directory, segment)).st_ino
-            fh.write(json.dumps({"segment": segment, "inodes": inodes}) + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+
+    def write(fh: BinaryIO) -> None:
+        # The temporary's inode is HEAD's once renamed: a copy of HEAD gets another one.
+        inodes = {"dir": os.stat(directory).st_ino, "head": os.fstat(fh.fileno()).st_ino}
+        with contextlib.suppress(FileNotFoundError):
+            inodes["segment"] = os.stat(segment_path(directory, segment)).st_ino
+        fh.write((json.dumps({"segment": segment, "inodes": inodes}) + "\n").encode("ascii"))
+
+    write_durably(directory / HEAD_FILE, write)
 
 
 def read_head(directory: Path) -> Head | None:

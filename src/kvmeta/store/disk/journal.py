@@ -60,6 +60,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from pathlib import Path
+from typing import BinaryIO
 
 from kvmeta.errors import JournalFailed, JournalStalled
 from kvmeta.store.disk.codec import (
@@ -80,6 +81,7 @@ __all__ = [
     "Journal",
     "fsync_dir",
     "segment_path",
+    "write_durably",
 ]
 
 logger = logging.getLogger(__name__)
@@ -114,6 +116,24 @@ def fsync_dir(directory: Path) -> None:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def write_durably(path: Path, write: Callable[[BinaryIO], object]) -> None:
+    """Replace ``path`` whole or not at all, durably: ``write`` fills a temporary beside it
+    (``<name>.tmp``, which start-up deletes), then fsync, rename and a directory fsync, so a
+    crash leaves the old file or the new one. A failure removes the temporary (a full disk must
+    not keep a half-written one eating the space a retry needs) and raises."""
+    tmp = path.with_name(path.name + ".tmp")
+    try:
+        with open(tmp, "wb") as fh:
+            write(fh)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
+    fsync_dir(path.parent)
 
 
 class Journal:

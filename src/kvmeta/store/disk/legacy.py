@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from pathlib import Path
 from typing import Any
 
 from kvmeta._types import DEFAULT_NAMESPACE, PoolId, normalize_namespace
 from kvmeta.errors import StorageError
+from kvmeta.store.disk.journal import write_durably
 
 __all__ = ["LegacyPool", "read_legacy", "write_legacy"]
 
@@ -119,7 +119,8 @@ def _one_of(
 
 
 def write_legacy(path: Path, pools: list[LegacyPool]) -> None:
-    """Write the file atomically (temp file, fsync, rename), SGLang pools only."""
+    """Write the file whole or not at all, durably (``journal.write_durably``), SGLang pools
+    only."""
     doc: dict[str, Any] = {}
     for pid, num_pages, entries in sorted(pools, key=lambda p: p[0]):
         if pid.dialect != "s" or pid.tenant:
@@ -133,10 +134,5 @@ def write_legacy(path: Path, pools: list[LegacyPool]) -> None:
             "free_pages": [p for p in range(num_pages) if p not in used],
             "key_to_index": [[key, page] for key, page in entries],
         }
-    tmp = path.with_name(path.name + ".tmp")
     path.parent.mkdir(parents=True, exist_ok=True)
-    with open(tmp, "w") as fh:
-        json.dump(doc, fh, separators=(",", ":"))
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_durably(path, lambda fh: fh.write(json.dumps(doc, separators=(",", ":")).encode()))

@@ -43,7 +43,6 @@ one, never a torn one (docs/guarantees.md, failure 9).
 
 from __future__ import annotations
 
-import os
 import struct
 import sys
 import time
@@ -57,7 +56,7 @@ import msgspec
 
 from kvmeta._types import PoolId
 from kvmeta.core.pool import lru_order, page_typecode
-from kvmeta.store.disk.journal import fsync_dir
+from kvmeta.store.disk.journal import write_durably
 from kvmeta.store.disk.memory import MemoryStore
 
 __all__ = [
@@ -190,19 +189,7 @@ def write_snapshot(directory: Path, segment: int, image: StoreImage) -> Path:
     """Write ``snapshot-<segment>.snap`` atomically; returns its path."""
     pieces = encode_image(image, segment)
     final = snapshot_path(directory, segment)
-    tmp = final.with_suffix(".tmp")
-    try:
-        with open(tmp, "wb") as fh:
-            for piece in pieces:
-                fh.write(piece)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, final)
-    except BaseException:
-        # A full disk must not keep a half-written temporary eating the space a retry needs.
-        tmp.unlink(missing_ok=True)
-        raise
-    fsync_dir(directory)
+    write_durably(final, lambda fh: fh.writelines(pieces))
     return final
 
 
