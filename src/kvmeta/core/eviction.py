@@ -80,12 +80,13 @@ class EvictionPolicy(ABC):
         reads it, others need not."""
 
     def reserved(  # noqa: B027 - optional hook
-        self, keys: list[str], out: list[tuple[bool, int]]
+        self, keys: list[str], out: list[tuple[bool, int]], plain: bool
     ) -> None:
         """A reserve of ``keys`` answered ``out`` (per key, in the request's order: ``(True,
         page)`` for a STORED key, ``(False, page)`` for a page to write, ``(False, -1)`` for
-        none). One call per reserve, after its victims were taken; a policy that orders by
-        position in a request (``core.prefix``) reads it, others need not."""
+        none); ``plain``: every key got a new page of its own. One call per reserve, after its
+        victims were taken; a policy that orders by position in a request (``core.prefix``)
+        reads it, others need not."""
 
     @abstractmethod
     def removed(self, page: int) -> None:

@@ -158,16 +158,24 @@ def _expect(ok: bool, what: str) -> None:
 
 
 def prefix_problem(policy: Any, capacity: int) -> str | None:
-    """What is wrong with a ``core.prefix.PrefixPolicy``'s structures (None: nothing): its two
-    lists are sound and hold each held page once (leaves in one, parents in the other), every
-    child count and the dead count match the parent links, and every live link names an older
-    page (so the links form a forest). O(pages ever used)."""
-    arrays = (policy._prev, policy._next, policy._parent, policy._kids, policy._stamp)
+    """What is wrong with a ``core.prefix.PrefixPolicy``'s structures (None: nothing): its three
+    lists are sound and hold each held page once (unused leaves, used leaves, parents), the
+    held and used counts match, every child count and the dead count match the parent links,
+    and every live link names a page stamped no later (so the links form a forest).
+    O(pages ever used)."""
+    arrays = (
+        policy._prev,
+        policy._next,
+        policy._parent,
+        policy._kids,
+        policy._stamp,
+        policy._flags,
+    )
     if any(len(arr) != capacity for arr in arrays):
         return f"prefix arrays cover {[len(a) for a in arrays]} pages, not {capacity}"
     kids, parent = policy._kids, policy._parent
     listed = 0
-    for which in (0, 1):
+    for which in (0, 1, 2):
         steps, page, before = 0, policy._head[which], -1
         while page != -1:
             steps += 1
@@ -175,15 +183,23 @@ def prefix_problem(policy: Any, capacity: int) -> str | None:
                 return f"prefix list {which} has a cycle"
             if policy._prev[page] != before:
                 return f"prefix back link of page {page} is wrong"
-            if kids[page] <= 0 or (kids[page] == 1) != (which == 0):
+            leaf_list = 1 if policy.protected(page) else 0
+            if (
+                kids[page] <= 0
+                or (which == 2) != (kids[page] > 1)
+                or (which != 2 and which != leaf_list)
+            ):
                 return f"page {page} with child count {kids[page] - 1} is in list {which}"
             before, page = page, policy._next[page]
         if policy._tail[which] != before:
             return f"prefix list {which} tail is wrong"
         listed += steps
     held = [page for page in range(capacity) if kids[page] > 0]
-    if listed != len(held):
-        return f"{listed} pages listed, {len(held)} held"
+    if listed != len(held) or policy._count != len(held):
+        return f"{listed} pages listed, {policy._count} counted, {len(held)} held"
+    hot = sum(1 for page in held if policy.protected(page))
+    if hot != policy._hot:
+        return f"{policy._hot} used pages counted, {hot} found"
     children = Counter(up for page in held if (up := policy.parent_of(page)) >= 0)
     dead = 0
     for page in held:
@@ -194,6 +210,8 @@ def prefix_problem(policy: Any, capacity: int) -> str | None:
             dead += 1
         elif up < -2 or up >= capacity:
             return f"held page {page} has parent {up}"
+        if up >= 0 and up == page:
+            return f"page {page} is its own parent"
         if policy._stamp[page] > policy._clock:
             return f"page {page} is stamped in the future"
     if dead != policy.dead:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from kvmeta.core.invariants import check_pool
 from kvmeta.core.pool import Pool
-from kvmeta.core.prefix import PrefixPolicy
+from kvmeta.core.prefix import HOT_SHARE, PrefixPolicy
 
 
 def _store(pool: Pool, keys: list[str], now: float) -> None:
@@ -66,12 +66,47 @@ def test_an_inner_page_goes_when_every_leaf_is_being_read_and_its_child_is_dead(
     check_pool(pool)
 
 
-def test_leaves_go_least_recently_used_first() -> None:
-    pool = Pool(3, read_lease=0.0, policy=PrefixPolicy)
-    for key in ("a", "b", "c"):
+def test_unused_leaves_go_first_least_recently_stored_first() -> None:
+    pool = Pool(6, read_lease=0.0, policy=PrefixPolicy)
+    for key in ("a", "b", "c", "d", "e", "f"):
         _store(pool, [key], 1.0)
-    pool.get(["a"], 2.0)
+    pool.get(["a"], 2.0)  # protected: 1 of 6 pages, under HOT_SHARE
+    assert HOT_SHARE > 1 / 6
     assert [_evict(pool, k, 3.0) for k in ("x", "y")] == ["b", "c"]
+    check_pool(pool)
+
+
+def test_used_leaves_go_once_they_are_more_than_their_share() -> None:
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    for key in ("a", "b", "c", "d"):
+        _store(pool, [key], 1.0)
+    pool.get(["b"], 2.0)
+    pool.get(["a"], 3.0)  # protected: 2 of 4 pages, over HOT_SHARE; b is the coldest of them
+    assert HOT_SHARE < 2 / 4
+    assert _evict(pool, "x", 4.0) == "b"
+    assert _policy(pool).protected(pool.page_of("a") or 0)
+    check_pool(pool)
+
+
+def test_an_unused_chain_goes_whole_from_its_tail() -> None:
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B", "C"], 1.0)  # A <- B <- C, never read
+    _store(pool, ["D"], 2.0)
+    # C is the coldest leaf; each parent left without a child is the next victim.
+    assert [_evict(pool, k, 3.0) for k in ("w", "x", "y")] == ["C", "B", "A"]
+    check_pool(pool)
+
+
+def test_a_used_chain_loses_its_tail_and_keeps_its_head_warm() -> None:
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A1", "A2"], 1.0)
+    _store(pool, ["B1", "B2"], 1.0)
+    pool.get(["A1", "A2"], 2.0)
+    pool.get(["B1", "B2"], 3.0)  # every page protected; A2 the coldest leaf
+    assert _evict(pool, "x", 4.0) == "A2"
+    # A1 lost its last child: a leaf at the warm end, after B2.
+    assert _evict(pool, "y", 5.0) == "B2"
+    check_pool(pool)
 
 
 def test_parents_come_from_earlier_requests_hits() -> None:
@@ -80,8 +115,6 @@ def test_parents_come_from_earlier_requests_hits() -> None:
     _store(pool, ["A", "B"], 2.0)  # A is a hit, B's parent
     _store(pool, ["C"], 3.0)
     _store(pool, ["D"], 3.0)
-    pool.get(["C"], 4.0)
-    pool.get(["D"], 4.0)
     # A is the oldest page but has a child: the leaves go first, B the coldest of them.
     assert _evict(pool, "x", 5.0) == "B"
     check_pool(pool)
