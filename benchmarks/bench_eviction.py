@@ -1,8 +1,8 @@
 """What each ``--eviction`` policy leaves reachable in a pool behind engines' host caches.
 
     python benchmarks/bench_eviction.py [--trace FILE.jsonl] [--requests 4000] [--seed 1]
-        [--policies lru,prefix] [--pool-shares 0.02,0.05,0.10] [--engines 4] [--l2-share 0.02]
-        [--src DIR] [--json]
+        [--seeds 1] [--policies lru,prefix] [--pool-shares 0.02,0.05,0.10] [--engines 4]
+        [--l2-share 0.02] [--src DIR] [--json]
 
 Replays a trace of requests, each a chain of block ids, through a real ``kvmeta serve
 --in-memory --read-lease 0 --eviction X`` (one per policy and pool size, on a free port), as
@@ -16,7 +16,9 @@ Reported per policy and pool size (``--pool-shares`` of the unique blocks): the 
 pages kvmeta served (leading hits), and the share of stored pages whose parent block is not
 stored ("dead": past a miss for every leading-hit lookup), sampled ten times over the replay by
 asking ``exists`` for every block seen so far and averaged; with it the server's own
-``kvmeta_dead_pages`` at the end (prefix only).
+``kvmeta_dead_pages`` at the end (prefix only). With ``--seeds N``, the replay is repeated with
+N seeds (which engine serves each request, and the generated trace) and each policy's served
+share over the first's is summed up as a median and range: one seed alone can mislead.
 
 The trace is ``--trace`` (JSON lines with chained ``hash_ids``, as Mooncake's FAST'25 traces)
 or, without it, generated with the shape of LLM traffic (``generate``): conversations whose
@@ -31,6 +33,7 @@ import json
 import os
 import random
 import socket
+import statistics
 import subprocess
 import sys
 import time
@@ -304,6 +307,9 @@ def main() -> None:
     parser.add_argument("--trace", type=Path, help="JSON lines with hash_ids (default: generate)")
     parser.add_argument("--requests", type=int, default=4000, help="requests (0: all)")
     parser.add_argument("--seed", type=int, default=1)
+    parser.add_argument(
+        "--seeds", type=int, default=1, help="replay with seeds --seed.. (engine choice, trace)"
+    )
     parser.add_argument("--policies", default="lru,prefix")
     parser.add_argument("--pool-shares", default="0.02,0.05,0.10")
     parser.add_argument("--engines", type=int, default=4)
@@ -311,35 +317,41 @@ def main() -> None:
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="kvmeta to serve")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
-    if args.trace:
-        trace = read_trace(args.trace, args.requests)
-        name = args.trace.name
-    else:
-        trace = generate(args.requests, args.seed)
-        name = f"generated (seed {args.seed})"
-    unique = len({block for chain in trace for block in chain})
-    total = sum(map(len, trace))
-    print(
-        f"trace: {name}, {len(trace)} requests, {total} pages, {unique} unique blocks; "
-        f"{args.engines} engines, L2 {args.l2_share:.0%} each",
-        file=sys.stderr,
-    )
-    rows = []
-    for share in (float(s) for s in args.pool_shares.split(",")):
-        for policy in args.policies.split(","):
-            res = replay(trace, policy, share, args.engines, args.l2_share, args.seed, args.src)
-            rows.append(res)
-            print(
-                f"pool {share:>5.0%} ({res.pool_pages:>6} pages)  {policy:<7} "
-                f"L3-served {res.l3_share:6.2%}  L2 {res.l2 / res.pages:6.2%}  "
-                f"dead {res.dead_share:6.2%}  (server: {res.server_dead})",
-                file=sys.stderr,
-                flush=True,
-            )
+    policies = args.policies.split(",")
+    shares = [float(s) for s in args.pool_shares.split(",")]
+    rows: list[tuple[int, Result]] = []
+    for seed in range(args.seed, args.seed + args.seeds):
+        if args.trace:
+            trace = read_trace(args.trace, args.requests)
+            name = f"{args.trace.name} (engine seed {seed})"
+        else:
+            trace = generate(args.requests, seed)
+            name = f"generated (seed {seed})"
+        unique = len({block for chain in trace for block in chain})
+        total = sum(map(len, trace))
+        print(
+            f"trace: {name}, {len(trace)} requests, {total} pages, {unique} unique blocks; "
+            f"{args.engines} engines, L2 {args.l2_share:.0%} each",
+            file=sys.stderr,
+        )
+        for share in shares:
+            for policy in policies:
+                res = replay(trace, policy, share, args.engines, args.l2_share, seed, args.src)
+                rows.append((seed, res))
+                print(
+                    f"pool {share:>5.0%} ({res.pool_pages:>6} pages)  {policy:<7} "
+                    f"L3-served {res.l3_share:6.2%}  L2 {res.l2 / res.pages:6.2%}  "
+                    f"dead {res.dead_share:6.2%}  (server: {res.server_dead})",
+                    file=sys.stderr,
+                    flush=True,
+                )
+    if args.seeds > 1 and len(policies) > 1:
+        _summary(rows, policies, shares)
     if args.json:
         json.dump(
             [
                 {
+                    "seed": seed,
                     "policy": r.policy,
                     "pool_share": r.pool_share,
                     "pool_pages": r.pool_pages,
@@ -348,12 +360,36 @@ def main() -> None:
                     "dead_share": r.dead_share,
                     "server_dead": r.server_dead,
                 }
-                for r in rows
+                for seed, r in rows
             ],
             sys.stdout,
             indent=1,
         )
         print()
+
+
+def _summary(rows: list[tuple[int, Result]], policies: list[str], shares: list[float]) -> None:
+    """Each policy's served share over the first policy's, per pool size: the median over the
+    seeds and its range (the seeds change which engine serves each request, and so the
+    shares: one seed alone can mislead by several per cent)."""
+    served = {(seed, r.policy, r.pool_share): r.l3_share for seed, r in rows}
+    seeds = sorted({seed for seed, _ in rows})
+    base = policies[0]
+    for share in shares:
+        for policy in policies[1:]:
+            ratios = sorted(
+                served[(seed, policy, share)] / served[(seed, base, share)]
+                for seed in seeds
+                if served[(seed, base, share)]
+            )
+            if not ratios:
+                continue
+            print(
+                f"pool {share:>5.0%}  {policy}/{base} served: median "
+                f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}), "
+                f"{len(ratios)} seeds",
+                file=sys.stderr,
+            )
 
 
 if __name__ == "__main__":

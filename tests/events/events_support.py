@@ -126,14 +126,23 @@ class Subscriber:
             self._thread.join(10)
 
     def wait_for(self, server: ServerProcess, timeout: float = 60.0) -> None:
-        """Until the last batch the server published has arrived."""
+        """Until the last batch the server published has arrived and no other followed it for
+        a while: the publisher gathers a request's events for a few milliseconds before it
+        sends them, so a count read just after the last request can miss that request's
+        batch."""
         deadline = time.monotonic() + timeout
+        caught_up_at = -1
         while time.monotonic() < deadline:
             want = published(server)
             if self.messages and self.messages[-1][1] >= want - 1:
-                if self.replay is not None:
-                    self.fill_gaps()
-                return
+                if want == caught_up_at:
+                    if self.replay is not None:
+                        self.fill_gaps()
+                    return
+                caught_up_at = want
+                time.sleep(0.3)
+                continue
+            caught_up_at = -1
             time.sleep(0.1)
         raise AssertionError(f"got {len(self.messages)} messages, server published {want}")
 

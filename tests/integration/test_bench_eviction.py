@@ -1,0 +1,61 @@
+"""``benchmarks/bench_eviction.py``: a short replay through launched servers of both
+policies over two seeds, and its trace reader.
+
+No assertion on which policy serves more (a short trace says little): only that every cell
+was measured, the summary sums up the seeds, and the trace reader keys blocks by prefix.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from tests.support import child_env
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_eviction  # noqa: E402
+
+
+def test_a_short_replay_measures_each_policy_for_each_seed() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "bench_eviction.py"),
+            "--requests=150",
+            "--seeds=2",
+            "--pool-shares=0.05",
+            "--json",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    rows = json.loads(proc.stdout)
+    assert sorted((r["seed"], r["policy"]) for r in rows) == [
+        (1, "lru"),
+        (1, "prefix"),
+        (2, "lru"),
+        (2, "prefix"),
+    ]
+    for row in rows:
+        assert 0 < row["l3_share"] < 1 and 0 <= row["dead_share"] < 1
+        assert (row["server_dead"] is None) == (row["policy"] == "lru")
+    assert "prefix/lru served: median" in proc.stderr and "2 seeds" in proc.stderr
+
+
+def test_the_trace_reader_keys_a_block_by_its_prefix(tmp_path: Path) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [1, 2, 4]}, {"hash_ids": [9, 2, 3]}]
+    trace.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    first, second, third = bench_eviction.read_trace(trace)
+    assert second[:2] == first[:2] and second[2] != first[2]  # a shared prefix, then a branch
+    # Block 2 after block 9 is not block 2 after block 1 to a prefix cache.
+    assert not set(third) & set(first)
+    assert len({b for chain in (first, second, third) for b in chain}) == 7
