@@ -88,6 +88,10 @@ class EvictionPolicy(ABC):
         victims were taken; a policy that orders by position in a request (``core.prefix``)
         reads it, others need not."""
 
+    def unreserved(self, page: int) -> None:  # noqa: B027 - optional hook
+        """``page``'s reservation ended without a confirm (released or expired): whatever
+        ``reserved`` noted for it is void."""
+
     @abstractmethod
     def removed(self, page: int) -> None:
         """``page`` stopped being STORED for another reason than ``victim`` (a delete)."""

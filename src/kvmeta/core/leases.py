@@ -48,6 +48,8 @@ class LeaseTable(PageTable):
         return len(self._reserved)
 
     def _drop_reservation(self, page: int) -> None:
+        """A reservation ended unconfirmed (released or expired)."""
+        self._policy.unreserved(page)
         self._holders.pop(page, None)
         del self._res_deadline[page]
         self._page_key[page] = None

@@ -252,8 +252,6 @@ class PrefixPolicy(EvictionPolicy):
                     up = given  # no parent, none stored, or a live one
                 elif before < 0:
                     up = _GONE  # gone, or gone and stored again, since the reserve
-                # (else a flag left by a reservation that ended unconfirmed, naming some other
-                # page: inside a batch, the page before is the better guess)
             elif before < 0:
                 up = _NONE
             parent[page] = up
@@ -319,6 +317,9 @@ class PrefixPolicy(EvictionPolicy):
             elif kids[page] == 1 and page != tails[PROTECTED]:
                 self._unlink(PROTECTED, page)
                 self._link_tail(PROTECTED, page)
+
+    def unreserved(self, page: int) -> None:
+        self._flags[page] = 0  # not stored: no _HOT to keep
 
     def removed(self, page: int) -> None:
         self._drop(page)

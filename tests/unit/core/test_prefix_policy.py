@@ -163,3 +163,19 @@ def test_the_first_reserved_keys_parent_comes_from_the_exists_before_it() -> Non
     assert _policy(pool).parent_of(pool.page_of("B") or 0) == pool.page_of("A")
     assert _evict(pool, "x", 4.0) == "C"  # not A, the oldest: it has a stored child
     check_pool(pool)
+
+
+def test_a_reservation_that_ends_unconfirmed_leaves_no_parent_behind() -> None:
+    # Each reserve notes its first page's parent; a page whose reservation was released (or
+    # expired) and is handed out again inside another chain takes the page before it.
+    for end in ("release", "expire"):
+        pool = Pool(4, read_lease=0.0, reservation_ttl=10.0, policy=PrefixPolicy)
+        first = [pool.reserve([key], 1.0, [])[0][1] for key in ("W1", "W2")]  # roots, noted
+        if end == "release":
+            pool.confirm([], first, 1.0)
+        later = 100.0  # past the release grace and the reservation lease
+        _store(pool, ["B", "C"], later)  # both take the two pages given back
+        assert sorted([pool.page_of("B"), pool.page_of("C")]) == sorted(first)
+        assert _policy(pool).parent_of(pool.page_of("C") or 0) == pool.page_of("B"), end
+        assert _policy(pool).dead == 0
+        check_pool(pool)
