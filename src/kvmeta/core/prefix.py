@@ -37,7 +37,8 @@ Structures, one entry per page, in C arrays: three intrusive doubly linked lists
 ``_prev``/``_next`` (probation leaves, protected leaves, pages with stored children; each
 coldest first), ``_parent`` (the parent page, or ``_NONE``: a root; ``_GONE``: its parent was
 not stored when it was), ``_kids`` (0: not held; else 1 + stored children), ``_stamp`` and
-``_flags`` (protected; a parent given by a reserve): 21 bytes a page more than LRU. Every
+``_flags`` (protected; a parent given by a reserve): 17 bytes a page more than LRU (21 past
+2^31 pages). Every
 operation is O(pages it is handed) plus the scan budget; a reserve whose keys are all new costs
 O(1) here.
 """
@@ -101,7 +102,7 @@ class PrefixPolicy(EvictionPolicy):
         typecode = page_typecode(num_pages)
         self._prev = array(typecode)
         self._next = array(typecode)
-        self._parent = array("q")
+        self._parent = array(typecode)
         self._kids = array("i")
         self._stamp = array("q")
         self._flags = array("b")
