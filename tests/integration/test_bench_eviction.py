@@ -59,3 +59,26 @@ def test_the_trace_reader_keys_a_block_by_its_prefix(tmp_path: Path) -> None:
     # Block 2 after block 9 is not block 2 after block 1 to a prefix cache.
     assert not set(third) & set(first)
     assert len({b for chain in (first, second, third) for b in chain}) == 7
+
+
+def test_the_cycle_benchmark_measures_every_policy_and_request_kind() -> None:
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "benchmarks" / "eviction_cycle.py"),
+            "--rounds=2",
+            "--cycles=20",
+            "--pages=1024",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=child_env(),
+        cwd=ROOT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    lines = proc.stdout.splitlines()
+    assert [line.split()[0] for line in lines] == ["lru", "prefix"]
+    for line in lines:
+        for kind in ("exists", "reserve", "confirm", "get", "cycle"):
+            assert f" {kind} " in line
