@@ -20,16 +20,9 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_eviction  # noqa: E402
 
 
-def test_a_short_replay_measures_each_policy_for_each_seed() -> None:
+def _run(script: str, *args: str) -> subprocess.CompletedProcess[str]:
     proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "bench_eviction.py"),
-            "--requests=150",
-            "--seeds=2",
-            "--pool-shares=0.05",
-            "--json",
-        ],
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
         capture_output=True,
         text=True,
         timeout=300,
@@ -37,6 +30,11 @@ def test_a_short_replay_measures_each_policy_for_each_seed() -> None:
         cwd=ROOT,
     )
     assert proc.returncode == 0, proc.stderr
+    return proc
+
+
+def test_a_short_replay_measures_each_policy_for_each_seed() -> None:
+    proc = _run("bench_eviction.py", "--requests=150", "--seeds=2", "--pool-shares=0.05", "--json")
     rows = json.loads(proc.stdout)
     assert sorted((r["seed"], r["policy"]) for r in rows) == [
         (1, "lru"),
@@ -62,21 +60,7 @@ def test_the_trace_reader_keys_a_block_by_its_prefix(tmp_path: Path) -> None:
 
 
 def test_the_cycle_benchmark_measures_every_policy_and_request_kind() -> None:
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "benchmarks" / "eviction_cycle.py"),
-            "--rounds=2",
-            "--cycles=20",
-            "--pages=1024",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=child_env(),
-        cwd=ROOT,
-    )
-    assert proc.returncode == 0, proc.stderr
+    proc = _run("eviction_cycle.py", "--rounds=2", "--cycles=20", "--pages=1024")
     lines = proc.stdout.splitlines()
     assert [line.split()[0] for line in lines] == ["lru", "prefix"]
     for line in lines:

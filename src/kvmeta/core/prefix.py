@@ -272,14 +272,7 @@ class PrefixPolicy(EvictionPolicy):
                 tails[INNER] = up
             else:
                 if before >= 0:  # the page before has no child: a leaf
-                    tail = tails[PROBATION]
-                    prev[before] = tail
-                    nxt[before] = -1
-                    if tail == -1:
-                        heads[PROBATION] = before
-                    else:
-                        nxt[tail] = before
-                    tails[PROBATION] = before
+                    self._link_tail(PROBATION, before)
                 if up >= 0:
                     # Stored before this batch (a stamp of this batch never matches a hint).
                     kids[up] += 1
