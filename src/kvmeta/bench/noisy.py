@@ -72,7 +72,13 @@ def _tokens_file(directory: str, cfg: NoisyConfig) -> str:
 
 
 def _a_main(
-    url: str, cfg: NoisyConfig, active: Event, stop: Event, out: mp.Queue[dict[str, float]]
+    url: str,
+    cfg: NoisyConfig,
+    active: Event,
+    stop: Event,
+    out: mp.Queue[dict[str, float]],
+    ready: Event,
+    sent_now: Any,
 ) -> None:
     """Tenant A: while ``active``, writes at ``a_factor`` x its quota, paced; counts what got
     through. Its pool is made first (within its quota).
@@ -84,6 +90,7 @@ def _a_main(
         os.nice(19)
     client = HttpClient(url, auth_token=_A_TOKEN)
     client.post("/0/initialize", msgspec.json.encode({"num_pages": cfg.pool_pages}))
+    ready.set()
     chain = KeyChain(f"noisy-a-{os.getpid()}")
     interval = 1.0 / (cfg.a_quota * cfg.a_factor)
     sent = ok = limited = 0
@@ -111,6 +118,7 @@ def _a_main(
                         if not hit and p >= 0
                     ]
             sent += 1
+            sent_now.value = sent
             ok += 200 <= status < 300
             limited += status == 429
             next_at += interval
@@ -220,6 +228,20 @@ def _evictions(url: str) -> dict[str, int]:
     return {p["tenant"]: int(p["counters"].get("evictions", 0)) for p in pools}
 
 
+# How long A's client process may take to start, and, once told to write, to send.
+_A_START = 60.0
+
+
+def _until_sending(b: _TenantB, sent_now: Any) -> None:
+    """Run B until A has sent a request since it was told to write: on a busy host its
+    lowest-priority process may not have been scheduled yet, and a round without it measures
+    B alone twice."""
+    before = sent_now.value
+    deadline = time.monotonic() + _A_START
+    while sent_now.value == before and time.monotonic() < deadline:
+        b.run(0.05, None)
+
+
 def run_noisy(cfg: NoisyConfig) -> dict[str, Any]:
     """Launch a server with a two-tenant tokens file; measure B alone and with A in
     alternating rounds (so a slow drift of the machine's load falls on both alike)."""
@@ -231,19 +253,27 @@ def run_noisy(cfg: NoisyConfig) -> dict[str, Any]:
             b = _TenantB(server.url, cfg)
             b.setup()
             ctx = mp.get_context("spawn")
-            active, stop = ctx.Event(), ctx.Event()
+            active, stop, ready = ctx.Event(), ctx.Event(), ctx.Event()
+            sent_now = ctx.Value("q", 0, lock=False)
             out: mp.Queue[dict[str, float]] = ctx.Queue()
             proc = ctx.Process(
-                target=_a_main, args=(server.url, cfg, active, stop, out), daemon=True
+                target=_a_main,
+                args=(server.url, cfg, active, stop, out, ready, sent_now),
+                daemon=True,
             )
             proc.start()
             try:
+                # A's process starts in a second or more on a busy host (and runs at the
+                # lowest priority): the rounds begin once its pool is made.
+                if not ready.wait(_A_START):
+                    raise KvmetaError(f"tenant A's client did not start in {_A_START:.0f} s")
                 b.run(cfg.warmup, None)
                 for _ in range(cfg.rounds):
                     for phase, a_on in ((alone, False), (with_a, True)):
                         if a_on:
                             active.set()
                             b.run(0.2, None)  # A is up to speed
+                            _until_sending(b, sent_now)
                         before = _evictions(server.url).get("B", 0)
                         b.run(round_seconds, phase)
                         phase.evictions += _evictions(server.url).get("B", 0) - before
