@@ -356,8 +356,9 @@ class Pool(LeaseTable):
             self._queued += len(leased)
             if self._queued > 2 * len(res_deadline) + _QUEUE_SLACK:
                 self._compact_queue()
-        policy.reserved(keys, out, not refused and len(reserved) - reserved_before == len(keys))
-        counters.reservations += len(reserved) - reserved_before
+        new = len(reserved) - reserved_before
+        policy.reserved(keys, out, not refused and new == len(keys))
+        counters.reservations += new
         counters.reservations_refused += refused
         counters.evictions += evictions
         return out

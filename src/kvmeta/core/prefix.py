@@ -332,10 +332,6 @@ class PrefixPolicy(EvictionPolicy):
 
     # ------------------------------------------------------------------ choosing victims
 
-    def _order(self) -> tuple[int, int]:
-        """The leaf segment to take from first, and the other."""
-        return self._first, self._first ^ 1
-
     def victim(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         if now != self._now:
             self._now, self._moved, self._dry = now, [-1, -1, -1], [False, False, False]
@@ -405,7 +401,7 @@ class PrefixPolicy(EvictionPolicy):
 
     def _victim_scan(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         """``victim`` past pages that cannot go: each leaf segment in turn, then the parents."""
-        for which in (*self._order(), INNER):
+        for which in (self._first, self._first ^ 1, INNER):
             page = self._head[which]
             if page != -1 and read_until[page] <= now and page not in keep:
                 self._drop(page)
@@ -502,10 +498,6 @@ class PrefixPolicy(EvictionPolicy):
 
         return prefix_problem(self, capacity)
 
-    def held(self, page: int) -> bool:
-        """Whether ``page`` is STORED (for checks)."""
-        return page < len(self._kids) and self._kids[page] > 0
-
     def parent_of(self, page: int) -> int:
         """The live parent of a held page, or -1 (a root, or its parent is gone)."""
         up = self._parent[page]
@@ -571,14 +563,7 @@ class PrefixPolicy(EvictionPolicy):
         if self._flags[page] & _HOT:
             self._link_tail(PROTECTED, page)
         else:
-            head = self._head[PROBATION]
-            self._prev[page] = -1
-            self._next[page] = head
-            if head == -1:
-                self._tail[PROBATION] = page
-            else:
-                self._prev[head] = page
-            self._head[PROBATION] = page
+            self._link_head(PROBATION, page)
 
     def _unlink(self, which: int, page: int) -> None:
         prev, nxt = self._prev, self._next
@@ -591,6 +576,16 @@ class PrefixPolicy(EvictionPolicy):
             self._tail[which] = before
         else:
             prev[after] = before
+
+    def _link_head(self, which: int, page: int) -> None:
+        head = self._head[which]
+        self._prev[page] = -1
+        self._next[page] = head
+        if head == -1:
+            self._tail[which] = page
+        else:
+            self._prev[head] = page
+        self._head[which] = page
 
     def _link_tail(self, which: int, page: int) -> None:
         tail = self._tail[which]
