@@ -22,7 +22,8 @@ What a policy must guarantee, because the pool relies on it without checking:
 - Every method costs O(pages it is handed or returns) plus at most ``budget`` pages looked at
   and not taken: never O(pool) on a request path. ``load``, ``chain`` and ``copy`` are
   O(stored) and run at start-up, in snapshots and in checks only.
-- ``chain`` is the policy's order, first victim first: a snapshot writes the STORED keys in
+- ``chain`` is the policy's order, first victim first (an ``Order``: copies taken at memcpy
+  speed on the event loop, walked later in a thread): a snapshot writes the STORED keys in
   that order and recovery hands them back to ``load`` in the same order, so a restarted pool
   evicts in the order the old one would have.
 
@@ -34,9 +35,9 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from array import array
-from collections.abc import Callable, Container, Iterable, Mapping
+from collections.abc import Callable, Container, Iterable, Iterator, Mapping
 
-__all__ = ["EvictionPolicy", "PolicyFactory", "chain_order"]
+__all__ = ["EvictionPolicy", "Order", "PolicyFactory", "chain_order"]
 
 
 class EvictionPolicy(ABC):
@@ -64,7 +65,7 @@ class EvictionPolicy(ABC):
         """Hold exactly ``pages`` (distinct, in range), given first victim first: recovery."""
 
     @abstractmethod
-    def added(self, pages: Iterable[int]) -> None:
+    def added(self, pages: list[int]) -> None:
         """``pages`` became STORED, in this order (a confirm's commits)."""
 
     @abstractmethod
@@ -113,10 +114,10 @@ class EvictionPolicy(ABC):
         page; changes nothing."""
 
     @abstractmethod
-    def chain(self) -> tuple[array[int], int]:
-        """The held pages in order, first victim first, as next-links (``nxt[page]``, -1 after
-        the last) and the first page (-1: none): copies the caller may keep and walk later
-        (``chain_order``), so a snapshot takes them at memcpy speed and walks them elsewhere."""
+    def chain(self) -> Order:
+        """The held pages in order, first victim first, as copies the caller may keep and walk
+        later (``Order.pages``), so a snapshot takes them at memcpy speed and walks them
+        elsewhere."""
 
     @abstractmethod
     def copy(self) -> EvictionPolicy:
@@ -133,19 +134,38 @@ class EvictionPolicy(ABC):
 PolicyFactory = Callable[[int], EvictionPolicy]
 
 
-def chain_order(
-    page_key: list[str | None], nxt: array[int], head: int
-) -> tuple[list[str], array[int]]:
+class Order:
+    """A victim order copied out of a policy: next-links (``nxt[page]``, -1 after the last)
+    from ``head`` (-1: none). A policy whose order is not one list subclasses it."""
+
+    __slots__ = ("nxt", "head")
+
+    def __init__(self, nxt: array[int], head: int) -> None:
+        self.nxt, self.head = nxt, head
+
+    @property
+    def typecode(self) -> str:
+        """The page numbers' array typecode (``core.pages.page_typecode``)."""
+        return self.nxt.typecode
+
+    def pages(self) -> Iterator[int]:
+        """The pages, first victim first. O(held)."""
+        nxt = self.nxt
+        page = self.head
+        while page != -1:
+            yield page
+            page = nxt[page]
+
+
+def chain_order(page_key: list[str | None], order: Order) -> tuple[list[str], array[int]]:
     """STORED keys and their pages, first victim first, from copies of the page->key table and
     of a policy's ``chain``: what a snapshot writes and recovery loads."""
     keys: list[str] = []
-    pages = array(nxt.typecode)
+    pages = array(order.typecode)
     add_key, add_page = keys.append, pages.append
-    page = head
-    while page != -1:
+    for page in order.pages():
         key = page_key[page]
         assert key is not None
         add_key(key)
         add_page(page)
-        page = nxt[page]
     return keys, pages

@@ -143,12 +143,10 @@ def _check_policy(pool: Any) -> None:
     policy = pool._policy
     problem = policy.problem(len(pool._state))
     _expect(problem is None, f"eviction policy: {problem}")
-    nxt, page = policy.chain()
     seen: list[int] = []
-    while page != -1:
+    for page in policy.chain().pages():
         _expect(len(seen) <= len(pool._stored), "eviction order has a cycle or extra pages")
         seen.append(page)
-        page = nxt[page]
     _expect(sorted(seen) == sorted(pool._stored.values()), "eviction order != STORED pages")
 
 
@@ -159,10 +157,13 @@ def _expect(ok: bool, what: str) -> None:
 
 def prefix_problem(policy: Any, capacity: int) -> str | None:
     """What is wrong with a ``core.prefix.PrefixPolicy``'s structures (None: nothing): its three
-    lists are sound and hold each held page once (unused leaves, used leaves, parents), the
-    held and used counts match, every child count and the dead count match the parent links,
-    and every live link names a page stamped no later (so the links form a forest).
-    O(pages ever used)."""
+    lists are sound and hold each run's tail once (unused leaf runs, used ones, runs with
+    children), each run is a sound chain from its tail to its first page and every held page is
+    in one, the held and used counts match, every child count and the dead count match the
+    parent links, and every link to another run names an older page (so the links form a
+    forest). O(pages ever used)."""
+    from kvmeta.core import prefix as p
+
     arrays = (
         policy._prev,
         policy._next,
@@ -173,38 +174,59 @@ def prefix_problem(policy: Any, capacity: int) -> str | None:
     )
     if any(len(arr) != capacity for arr in arrays):
         return f"prefix arrays cover {[len(a) for a in arrays]} pages, not {capacity}"
-    kids, parent = policy._kids, policy._parent
-    listed = 0
-    for which in (0, 1, 2):
-        steps, page, before = 0, policy._head[which], -1
-        while page != -1:
+    kids, parent, flags, stamp = policy._kids, policy._parent, policy._flags, policy._stamp
+    in_run: set[int] = set()
+    for which in p._LISTS:
+        steps, tail, before = 0, policy._head[which], -1
+        while tail != -1:
             steps += 1
             if steps > capacity:
                 return f"prefix list {which} has a cycle"
-            if policy._prev[page] != before:
-                return f"prefix back link of page {page} is wrong"
-            leaf_list = 1 if policy.protected(page) else 0
-            if (
-                kids[page] <= 0
-                or (which == 2) != (kids[page] > 1)
-                or (which != 2 and which != leaf_list)
-            ):
-                return f"page {page} with child count {kids[page] - 1} is in list {which}"
-            before, page = page, policy._next[page]
+            if policy._prev[tail] != before:
+                return f"prefix back link of page {tail} is wrong"
+            bits = flags[tail]
+            if not bits & p._TAIL or (bits & p._WHERE) >> p._SHIFT != which:
+                return f"page {tail} in list {which} has flags {bits:#x}"
+            if (which == p.INNER) != (kids[tail] > 0):
+                return f"tail {tail} with child count {kids[tail]} is in list {which}"
+            if which == p.PROBATION and bits & p._HOT:
+                return f"used tail {tail} is in probation"
+            page, above = tail, -1
+            while True:
+                if page in in_run or not flags[page] & p._HELD:
+                    return f"page {page} is in two runs, or not held"
+                in_run.add(page)
+                if above != -1:
+                    if flags[page] & (p._TAIL | p._WHERE):
+                        return f"page {page} inside a run has flags {flags[page]:#x}"
+                    if policy._next[page] != above:
+                        return f"page {page}'s next page in its run is wrong"
+                    if stamp[page] != stamp[above]:
+                        return f"pages {page} and {above} of one run have different stamps"
+                if flags[page] & p._FIRST:
+                    break
+                above, page = page, parent[page]
+                if page < 0 or page >= capacity:
+                    return f"page {above} inside a run has parent {page}"
+            before, tail = tail, policy._next[tail]
         if policy._tail[which] != before:
             return f"prefix list {which} tail is wrong"
-        listed += steps
-    held = [page for page in range(capacity) if kids[page] > 0]
-    if listed != len(held) or policy._count != len(held):
-        return f"{listed} pages listed, {policy._count} counted, {len(held)} held"
+    held = [page for page in range(capacity) if flags[page] & p._HELD]
+    if any(kids[page] for page in range(capacity) if not flags[page] & p._HELD):
+        return "a page not held counts children"
+    counted = policy._hot + policy._cold
+    if len(in_run) != len(held) or counted != len(held):
+        return f"{len(in_run)} pages in runs, {counted} counted, {len(held)} held"
     hot = sum(1 for page in held if policy.protected(page))
     if hot != policy._hot:
         return f"{policy._hot} used pages counted, {hot} found"
-    children = Counter(up for page in held if (up := policy.parent_of(page)) >= 0)
+    children = Counter(
+        up for page in held if flags[page] & p._FIRST and (up := policy.parent_of(page)) >= 0
+    )
     dead = 0
     for page in held:
-        if kids[page] - 1 != children.get(page, 0):
-            return f"page {page} counts {kids[page] - 1} children, has {children.get(page, 0)}"
+        if kids[page] != children.get(page, 0) or bool(flags[page] & p._PARENT) != (kids[page] > 0):
+            return f"page {page} counts {kids[page]} children, has {children.get(page, 0)}"
         up = parent[page]
         if up == -2 or (up >= 0 and policy.parent_of(page) < 0):
             dead += 1
@@ -212,7 +234,7 @@ def prefix_problem(policy: Any, capacity: int) -> str | None:
             return f"held page {page} has parent {up}"
         if up >= 0 and up == page:
             return f"page {page} is its own parent"
-        if policy._stamp[page] > policy._clock:
+        if stamp[page] > policy._clock:
             return f"page {page} is stamped in the future"
     if dead != policy.dead:
         return f"{policy.dead} dead pages counted, {dead} found"

@@ -15,7 +15,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Container, Iterable
 
-from kvmeta.core.eviction import EvictionPolicy
+from kvmeta.core.eviction import EvictionPolicy, Order
 from kvmeta.core.pages import page_typecode
 
 __all__ = ["LruPolicy"]
@@ -62,7 +62,7 @@ class LruPolicy(EvictionPolicy):
         nxt[pages[-1]] = -1
         self._head, self._tail = pages[0], pages[-1]
 
-    def added(self, pages: Iterable[int]) -> None:
+    def added(self, pages: list[int]) -> None:
         prev, nxt = self._prev, self._next
         tail = self._tail
         for page in pages:
@@ -168,8 +168,8 @@ class LruPolicy(EvictionPolicy):
             page = nxt[page]
         return count <= 0
 
-    def chain(self) -> tuple[array[int], int]:
-        return self._next[:], self._head
+    def chain(self) -> Order:
+        return Order(self._next[:], self._head)
 
     def copy(self) -> LruPolicy:
         twin = LruPolicy.__new__(LruPolicy)

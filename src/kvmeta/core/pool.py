@@ -29,7 +29,7 @@ from collections.abc import Container, Hashable, Iterable
 from itertools import compress
 from operator import itemgetter
 
-from kvmeta.core.eviction import EvictionPolicy, PolicyFactory, chain_order
+from kvmeta.core.eviction import EvictionPolicy, Order, PolicyFactory, chain_order
 from kvmeta.core.leases import LeaseTable
 from kvmeta.core.lru import LruPolicy
 from kvmeta.core.pages import FREE, RESERVED, STORED, first_capacity, page_typecode
@@ -249,17 +249,17 @@ class Pool(LeaseTable):
 
     def stored_items(self) -> list[tuple[str, int]]:
         """STORED (key, page) pairs, first victim first. O(stored)."""
-        keys, pages = chain_order(self._page_key, *self._policy.chain())
+        keys, pages = chain_order(self._page_key, self._policy.chain())
         return list(zip(keys, pages, strict=True))
 
-    def lru_copy(self) -> tuple[list[str | None], array[int], int]:
+    def lru_copy(self) -> tuple[list[str | None], Order]:
         """Copies of the page->key table and of the policy's order (``EvictionPolicy.chain``).
 
         Memcpy-speed copies (milliseconds at 10^6 pages) for the LRU, so a snapshot can take
         them on the event loop and walk them (``lru_order``) in a thread while the pool keeps
         changing.
         """
-        return (self._page_key[:], *self._policy.chain())
+        return self._page_key[:], self._policy.chain()
 
     # ------------------------------------------------------------------ mutations
 
@@ -448,7 +448,7 @@ class Pool(LeaseTable):
             else:
                 outcome.refused.append((key, page))
         if committed:
-            self._policy.added(map(itemgetter(1), committed))
+            self._policy.added([page for _, page in committed])
         # A page named twice in one call is released once (dict.fromkeys keeps the order).
         for page in dict.fromkeys(release) if len(release) > 1 else release:
             if state[page] != RESERVED or page in holders:

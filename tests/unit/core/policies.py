@@ -6,7 +6,7 @@ from __future__ import annotations
 from array import array
 from collections.abc import Container, Iterable
 
-from kvmeta.core.eviction import EvictionPolicy
+from kvmeta.core.eviction import EvictionPolicy, Order
 from kvmeta.core.pool import page_typecode
 
 
@@ -28,7 +28,7 @@ class FifoPolicy(EvictionPolicy):
     def load(self, pages: list[int]) -> None:
         self._order = dict.fromkeys(pages)
 
-    def added(self, pages: Iterable[int]) -> None:
+    def added(self, pages: list[int]) -> None:
         for page in pages:
             self._order[page] = None
 
@@ -68,12 +68,12 @@ class FifoPolicy(EvictionPolicy):
                 skipped += 1
         return count <= 0
 
-    def chain(self) -> tuple[array[int], int]:
+    def chain(self) -> Order:
         nxt = array(self._typecode, [-1]) * self._capacity
         pages = list(self._order)
         for before, after in zip(pages, pages[1:]):  # noqa: B905 - one shorter on purpose
             nxt[before] = after
-        return nxt, pages[0] if pages else -1
+        return Order(nxt, pages[0] if pages else -1)
 
     def copy(self) -> FifoPolicy:
         twin = FifoPolicy(1)

@@ -4,7 +4,7 @@ pages whose parent is gone are counted as dead."""
 
 from __future__ import annotations
 
-from kvmeta.core.invariants import check_pool
+from kvmeta.core.invariants import check_copy, check_pool, copy_pool
 from kvmeta.core.pool import Pool
 from kvmeta.core.prefix import HOT_SHARE, PrefixPolicy
 
@@ -97,15 +97,28 @@ def test_an_unused_chain_goes_whole_from_its_tail() -> None:
     check_pool(pool)
 
 
-def test_a_used_chain_loses_its_tail_and_keeps_its_head_warm() -> None:
+def test_a_used_chain_goes_whole_before_the_next_used_one() -> None:
     pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
     _store(pool, ["A1", "A2"], 1.0)
     _store(pool, ["B1", "B2"], 1.0)
     pool.get(["A1", "A2"], 2.0)
+    pool.get(["B1", "B2"], 3.0)  # every page protected; A the coldest chain
+    # The pages of one request were used together: its head is no warmer than its tail.
+    assert [_evict(pool, k, 4.0) for k in ("w", "x", "y")] == ["A2", "A1", "B2"]
+    check_pool(pool)
+
+
+def test_a_used_parent_whose_last_child_went_becomes_the_warmest_leaf() -> None:
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A1"], 1.0)
+    _store(pool, ["A1", "A2"], 1.0)  # A2, stored by a later request, hangs off A1
+    _store(pool, ["B1", "B2"], 1.0)
+    pool.get(["A1", "A2"], 2.0)
     pool.get(["B1", "B2"], 3.0)  # every page protected; A2 the coldest leaf
     assert _evict(pool, "x", 4.0) == "A2"
-    # A1 lost its last child: a leaf at the warm end, after B2.
-    assert _evict(pool, "y", 5.0) == "B2"
+    # A1 lost its last child: an engine reading its chain reads A1 from its host cache, so it
+    # is as recent as A2 was, and goes after B.
+    assert [_evict(pool, k, 5.0) for k in ("y", "z")] == ["B2", "B1"]
     check_pool(pool)
 
 
@@ -144,8 +157,8 @@ def test_after_a_restart_parents_are_relearned_from_gets() -> None:
     _store(pool, ["A", "B", "C"], 1.0)
     again = Pool.from_lru(3, dict(pool.stored_items()), read_lease=0.0, policy=PrefixPolicy)
     check_pool(again)
-    # The order survives (the leaf C, then A and B); the parents do not: all three are leaves.
-    assert [k for k, _ in again.stored_items()] == ["C", "A", "B"]
+    # The order survives (the chain from its tail); the parents do not: all three are leaves.
+    assert [k for k, _ in again.stored_items()] == ["C", "B", "A"]
     again.get(["A", "B", "C"], 2.0)  # ...until a request reads the chain in order
     check_pool(again)
     assert _policy(again).parent_of(again.page_of("B") or 0) == again.page_of("A")
@@ -179,3 +192,35 @@ def test_a_reservation_that_ends_unconfirmed_leaves_no_parent_behind() -> None:
         assert _policy(pool).parent_of(pool.page_of("C") or 0) == pool.page_of("B"), end
         assert _policy(pool).dead == 0
         check_pool(pool)
+
+
+def test_a_delete_inside_a_chain_splits_it_and_the_rest_is_dead() -> None:
+    pool = Pool(6, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B", "C", "D"], 1.0)
+    pool.delete(["B"], 2.0)
+    assert _policy(pool).dead == 1  # C's parent is gone (D's, C, is stored)
+    assert _policy(pool).parent_of(pool.page_of("D") or 0) == pool.page_of("C")
+    assert _policy(pool).parent_of(pool.page_of("C") or 0) == -1
+    check_pool(pool)
+    # Both parts are leaves; the part after the gap keeps the chain's place.
+    assert [k for k, _ in pool.stored_items()] == ["D", "C", "A"]
+    pool.delete(["C"], 2.0)  # the first page of a part
+    assert _policy(pool).dead == 1  # D now
+    check_pool(pool)
+    pool.delete(["D"], 2.0)
+    assert _policy(pool).dead == 0
+    check_pool(pool)
+
+
+def test_pages_taken_ahead_of_need_are_settled_before_anything_reads_the_policy() -> None:
+    # ``victim`` leaves the list work of a run it is eating for later; a journaled store's
+    # ``evict_ahead`` ends with no other call, so every reader must see the pages gone.
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A", "B", "C"], 1.0)
+    _store(pool, ["D"], 1.0)
+    pool.withhold = True
+    assert [key for key, _ in pool.evict_ahead(2, 2.0)] == ["C", "B"]
+    check_copy(copy_pool(pool))  # through ``copy``
+    assert [key for key, _ in pool.stored_items()] == ["A", "D"]  # through ``chain``
+    assert _policy(pool).dead == 0
+    check_pool(pool)

@@ -55,6 +55,7 @@ from typing import Any
 import msgspec
 
 from kvmeta._types import PoolId
+from kvmeta.core.eviction import Order
 from kvmeta.core.pool import lru_order, page_typecode
 from kvmeta.store.disk.journal import write_durably
 from kvmeta.store.disk.memory import MemoryStore
@@ -93,13 +94,12 @@ class PoolImage:
     pid: PoolId
     num_pages: int
     page_key: list[str | None]
-    nxt: array[int]
-    head: int
+    chain: Order  # the policy's order, copied
     frontier: int = -1  # -1: not recorded
 
     def order(self) -> tuple[list[str], array[int]]:
         """Stored keys and pages, coldest first (O(stored): call it off the loop)."""
-        return lru_order(self.page_key, self.nxt, self.head)
+        return lru_order(self.page_key, self.chain)
 
     def items(self) -> list[tuple[str, int]]:
         keys, pages = self.order()
