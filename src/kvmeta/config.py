@@ -12,6 +12,7 @@ import argparse
 import difflib
 import os
 from collections.abc import Callable, Mapping
+import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -54,7 +55,7 @@ class Settings:
     port: int = 18000
     reservation_ttl: float = 300.0
     read_lease: float = 5.0
-    eviction: str = "lru"
+    eviction: str = "prefix"  # "lru" with a Redis backend (``settings_from_args``)
     # durability
     data_dir: str = "./kvmeta-data"
     in_memory: bool = False
@@ -153,9 +154,10 @@ OPTIONS: tuple[Option, ...] = (
     ),
     Option(
         "eviction",
-        "which stored page a full pool gives up: lru (least recently used) or prefix (pages "
-        "no stored page follows first, LRU among them; for pools behind engines' host caches; "
-        "not with a Redis --backend)",
+        "which stored page a full pool gives up: prefix (pages no stored page follows first, "
+        "a request's pages together, least recently used first; for pools behind engines' "
+        "host caches) or lru (least recently used; the only one, and the default, with a "
+        "Redis --backend)",
         str,
         ("lru", "prefix"),
     ),
@@ -527,13 +529,18 @@ def settings_from_args(
             "directory",
             "data_dir",
         )
-    if settings.eviction != "lru" and settings.backend:
-        raise ConfigError(
-            f"{_given('eviction', sources)} with `--backend`: the Redis backend evicts least "
-            "recently used pages only (its scripts keep no parent links). Drop "
-            "`--eviction` (or use `--eviction lru`), or drop `--backend` to keep state locally",
-            "eviction",
-        )
+    if settings.backend and settings.eviction != "lru":
+        if "eviction" not in values:
+            # The default names local state's policy; the Redis backend has LRU only.
+            settings = dataclasses.replace(settings, eviction="lru")
+        else:
+            raise ConfigError(
+                f"{_given('eviction', sources)} with `--backend`: the Redis backend evicts "
+                "least recently used pages only (its scripts keep no parent links). Drop "
+                "`--eviction` (or use `--eviction lru`), or drop `--backend` to keep state "
+                "locally",
+                "eviction",
+            )
     if settings.events and settings.workers > 1:
         raise ConfigError(
             "`--events` with `--workers` > 1: every worker process would bind the same events "

@@ -56,7 +56,7 @@ def test_prefix_eviction_keeps_the_chains_head(make_app: Callable[..., Server]) 
 
 
 def test_lru_evicts_the_head_and_reports_no_dead_pages(make_app: Callable[..., Server]) -> None:
-    server = make_app("--in-memory", "--read-lease", "0")
+    server = make_app("--in-memory", "--read-lease", "0", "--eviction", "lru")
     assert _chain_then_evict(server) == [False, True, True]  # B and C are dead now
     assert _dead_pages(server) == {}  # an LRU pool keeps no parents to count them by
 

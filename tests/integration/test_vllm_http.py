@@ -250,7 +250,7 @@ def test_failure14_world_size_pins_the_required_ranks(server: Server) -> None:
 def test_full_pool_evicts_lru_never_a_page_being_read(
     make_app: Callable[..., Server],
 ) -> None:
-    server = make_app("--in-memory", "--read-lease", "30")
+    server = make_app("--in-memory", "--read-lease", "30", "--eviction", "lru")
     init(server, 0, 4)
     save(server, 0, ["k0", "k1", "k2", "k3"])
     assert locations(server, 0, ["k0"]) == [0]  # k0 is being read: leased

@@ -77,6 +77,15 @@ def test_the_edges_of_the_ranges_are_accepted() -> None:
     assert settings.idle_timeout == 31536000 and settings.max_keys == 1 << 53
 
 
+def test_the_eviction_default_is_prefix_locally_and_lru_on_redis() -> None:
+    assert _settings([]).eviction == "prefix"
+    assert _settings(["--in-memory"]).eviction == "prefix"
+    assert _settings(["--backend", "redis://h:1/0"]).eviction == "lru"
+    assert _settings([], {"KVMETA_BACKEND": "redis://h:1/0"}).eviction == "lru"
+    assert _settings(["--eviction", "lru", "--backend", "redis://h:1/0"]).eviction == "lru"
+    assert _settings(["--eviction", "lru"]).eviction == "lru"
+
+
 def test_the_journal_budget_takes_bytes_with_a_unit() -> None:
     assert _settings(["--snapshot-journal-bytes", "64MiB"]).snapshot_journal_bytes == 64 << 20
     assert _settings(["--snapshot-journal-bytes", "1000"]).snapshot_journal_bytes == 1000
