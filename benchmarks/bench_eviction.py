@@ -2,7 +2,7 @@
 
     python benchmarks/bench_eviction.py [--trace FILE.jsonl] [--requests 4000] [--seed 1]
         [--seeds 1] [--policies lru,prefix] [--pool-shares 0.02,0.05,0.10] [--engines 4]
-        [--l2-share 0.02] [--src DIR] [--json]
+        [--l2-share 0.02] [--src DIR] [--in-process [--hot-share X]] [--json]
 
 Replays a trace of requests, each a chain of block ids, through a real ``kvmeta serve
 --in-memory --read-lease 0 --eviction X`` (one per policy and pool size, on a free port), as
@@ -24,6 +24,10 @@ The trace is ``--trace`` (JSON lines with chained ``hash_ids``, as Mooncake's FA
 or, without it, generated with the shape of LLM traffic (``generate``): conversations whose
 turns extend their earlier requests, shared system prompts and documents with Zipf
 popularity. Not a timed test: the numbers are shares of pages, not speeds.
+
+``--in-process`` replays the same requests on a ``core.pool.Pool`` of ``--src`` instead of a
+server, with the same results in a fraction of the time; with it, ``--hot-share`` sets
+``core.prefix.HOT_SHARE`` (the share of used pages ``prefix`` keeps), to try others.
 """
 
 from __future__ import annotations
@@ -222,6 +226,72 @@ def _serve(policy: str, src: Path) -> tuple[subprocess.Popen[bytes], str]:
     raise RuntimeError(f"kvmeta serve --eviction {policy} did not become ready on {url}")
 
 
+class _Server:
+    """The replay's requests to a real ``kvmeta serve``."""
+
+    def __init__(self, policy: str, pages: int, src: Path) -> None:
+        self.proc, self.url = _serve(policy, src)
+        self.http = requests.Session()
+        self.post("/0/initialize", {"num_pages": pages, "namespace": NS})
+
+    def post(self, path: str, body: object) -> requests.Response:
+        reply = self.http.post(self.url + path, json=body, timeout=60)
+        reply.raise_for_status()
+        return reply
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        found: list[bool] = self.post("/0/exists", {"keys": keys, "namespace": NS}).json()["exists"]
+        return found
+
+    def get(self, keys: list[str]) -> None:
+        self.post("/0/get_page_indices", {"keys": keys, "namespace": NS})
+
+    def store(self, keys: list[str]) -> None:
+        body = {"keys": [[k, None] for k in keys], "namespace": NS}
+        got = self.post("/0/reserve_and_allocate_page_indices", body).json()["indices"]
+        pairs = [[k, p] for k, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
+        self.post("/0/confirm_write", {"written_keys_to_confirm": pairs, "namespace": NS})
+
+    def dead(self) -> float | None:
+        return _server_dead(self.http, self.url)
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(30)
+
+
+class _Pool:
+    """The same requests on an in-process ``core.pool.Pool`` (``--in-process``)."""
+
+    def __init__(self, policy: str, pages: int, src: Path) -> None:
+        if str(src) not in sys.path:
+            sys.path.insert(0, str(src))
+        from kvmeta.core import EVICTION_POLICIES
+        from kvmeta.core.pool import Pool
+
+        self.pool = Pool(pages, read_lease=0.0, policy=EVICTION_POLICIES[policy])
+        self.now = 0.0
+
+    def exists(self, keys: list[str]) -> list[bool]:
+        return self.pool.exists(keys)
+
+    def get(self, keys: list[str]) -> None:
+        self.now += 0.001
+        self.pool.get(keys, self.now)
+
+    def store(self, keys: list[str]) -> None:
+        got = self.pool.reserve(keys, self.now, [])
+        pairs = [(k, p) for k, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
+        self.pool.confirm(pairs, [], self.now)
+
+    def dead(self) -> float | None:
+        dead = getattr(self.pool.policy, "dead", None)
+        return None if dead is None else float(dead)
+
+    def close(self) -> None:
+        pass
+
+
 def replay(
     trace: list[list[int]],
     policy: str,
@@ -230,6 +300,7 @@ def replay(
     l2_share: float,
     seed: int,
     src: Path,
+    in_process: bool = False,
 ) -> Result:
     unique = len({block for chain in trace for block in chain})
     pages = max(1, int(unique * pool_share))
@@ -237,16 +308,8 @@ def replay(
     caches = [_L2(max(1, int(unique * l2_share))) for _ in range(engines)]
     rng = random.Random(seed)
     parent: dict[int, int] = {}
-    proc, url = _serve(policy, src)
-    http = requests.Session()
-
-    def post(path: str, body: object) -> requests.Response:
-        reply = http.post(url + path, json=body, timeout=60)
-        reply.raise_for_status()
-        return reply
-
+    target = (_Pool if in_process else _Server)(policy, pages, src)
     try:
-        post("/0/initialize", {"num_pages": pages, "namespace": NS})
         every = max(1, len(trace) // 10)
         for n, chain in enumerate(trace, 1):
             for before, block in zip(chain, chain[1:]):  # noqa: B905 - one shorter
@@ -257,37 +320,29 @@ def replay(
             result.pages += len(chain)
             result.l2 += lead
             if rest:
-                found = post("/0/exists", {"keys": rest, "namespace": NS}).json()["exists"]
+                found = target.exists(rest)
                 hits = next((i for i, hit in enumerate(found) if not hit), len(found))
                 result.l3 += hits
                 if hits:
-                    post("/0/get_page_indices", {"keys": rest[:hits], "namespace": NS})
-                todo = rest[hits:]
-                if todo:
-                    body = {"keys": [[k, None] for k in todo], "namespace": NS}
-                    got = post("/0/reserve_and_allocate_page_indices", body).json()["indices"]
-                    pairs = [[k, p] for k, (hit, p) in zip(todo, got, strict=True) if not hit]
-                    pairs = [pair for pair in pairs if pair[1] >= 0]
-                    body = {"written_keys_to_confirm": pairs, "namespace": NS}
-                    post("/0/confirm_write", body)
+                    target.get(rest[:hits])
+                if hits < len(rest):
+                    target.store(rest[hits:])
             cache.add(chain)
             if n % every == 0:
-                result.dead_samples.append(_dead_share(post, parent))
-        result.server_dead = _server_dead(http, url)
+                result.dead_samples.append(_dead_share(target.exists, parent))
+        result.server_dead = target.dead()
     finally:
-        proc.terminate()
-        proc.wait(30)
+        target.close()
     return result
 
 
-def _dead_share(post: Callable[[str, object], requests.Response], parent: dict[int, int]) -> float:
+def _dead_share(exists: Callable[[list[str]], list[bool]], parent: dict[int, int]) -> float:
     """Stored blocks whose parent block is not stored, over stored blocks (asked by exists)."""
     blocks = list(parent.keys() | set(parent.values()))
     stored: set[int] = set()
     for i in range(0, len(blocks), _SAMPLE_BATCH):
         part = blocks[i : i + _SAMPLE_BATCH]
-        body = {"keys": [str(b) for b in part], "namespace": NS}
-        found = post("/0/exists", body).json()["exists"]
+        found = exists([str(b) for b in part])
         stored.update(b for b, hit in zip(part, found, strict=True) if hit)
     if not stored:
         return 0.0
@@ -315,8 +370,19 @@ def main() -> None:
     parser.add_argument("--engines", type=int, default=4)
     parser.add_argument("--l2-share", type=float, default=0.02)
     parser.add_argument("--src", type=Path, default=ROOT / "src", help="kvmeta to serve")
+    parser.add_argument(
+        "--in-process", action="store_true", help="replay on a Pool of --src, no server"
+    )
+    parser.add_argument("--hot-share", type=float, help="prefix's HOT_SHARE (--in-process)")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
+    if args.hot_share is not None:
+        if not args.in_process:
+            parser.error("--hot-share needs --in-process (a server keeps its own)")
+        sys.path.insert(0, str(args.src))
+        from kvmeta.core import prefix
+
+        prefix.HOT_SHARE = args.hot_share
     policies = args.policies.split(",")
     shares = [float(s) for s in args.pool_shares.split(",")]
     rows: list[tuple[int, Result]] = []
@@ -336,7 +402,16 @@ def main() -> None:
         )
         for share in shares:
             for policy in policies:
-                res = replay(trace, policy, share, args.engines, args.l2_share, seed, args.src)
+                res = replay(
+                    trace,
+                    policy,
+                    share,
+                    args.engines,
+                    args.l2_share,
+                    seed,
+                    args.src,
+                    args.in_process,
+                )
                 rows.append((seed, res))
                 print(
                     f"pool {share:>5.0%} ({res.pool_pages:>6} pages)  {policy:<7} "

@@ -5,6 +5,9 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}"  # this checkout, installed or not
+# The engine-cycle tables are LRU's (README, "The eviction policy"); every launched server
+# reads this, Redis ones included (LRU is their only policy).
+export KVMETA_EVICTION=${KVMETA_EVICTION:-lru}
 R=benchmarks/results
 REPEAT=${REPEAT:-3}
 mkdir -p "$R"

@@ -9,10 +9,10 @@ and ``settings_from_args`` does the merge and validation, naming both forms on e
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import difflib
 import os
 from collections.abc import Callable, Mapping
-import dataclasses
 from dataclasses import dataclass, fields
 from typing import Any
 

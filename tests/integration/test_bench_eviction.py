@@ -48,6 +48,18 @@ def test_a_short_replay_measures_each_policy_for_each_seed() -> None:
     assert "prefix/lru served: median" in proc.stderr and "2 seeds" in proc.stderr
 
 
+def test_the_in_process_replay_measures_what_the_servers_do() -> None:
+    args = ("--requests=300", "--pool-shares=0.05", "--json")
+    served = json.loads(_run("bench_eviction.py", *args).stdout)
+    pooled = json.loads(_run("bench_eviction.py", "--in-process", *args).stdout)
+    assert [(r["policy"], r["l3_share"], r["dead_share"]) for r in pooled] == [
+        (r["policy"], r["l3_share"], r["dead_share"]) for r in served
+    ]
+    # The share of used pages prefix keeps is the module's, and changes what it serves.
+    other = _run("bench_eviction.py", "--in-process", "--hot-share=0.9", "--policies=prefix", *args)
+    assert json.loads(other.stdout)[0]["l3_share"] != pooled[1]["l3_share"]
+
+
 def test_the_trace_reader_keys_a_block_by_its_prefix(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     lines = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [1, 2, 4]}, {"hash_ids": [9, 2, 3]}]
