@@ -56,7 +56,7 @@ reserve whose keys are all new costs O(1) here besides its victims.
 from __future__ import annotations
 
 from array import array
-from collections.abc import Container, Iterable, Iterator, Mapping
+from collections.abc import Container, Iterable, Mapping
 
 from kvmeta.core.eviction import EvictionPolicy, Order
 from kvmeta.core.pages import page_typecode
@@ -807,18 +807,16 @@ class RunOrder(Order):
         super().__init__(nxt, heads[0])
         self._parent, self._flags, self._heads = parent, flags, heads
 
-    @property
-    def typecode(self) -> str:
-        return self._parent.typecode
-
-    def pages(self) -> Iterator[int]:
-        parent, nxt, flags = self._parent, self.nxt, self._flags
+    def pages(self) -> array[int]:
+        out = array(self._parent.typecode)
+        add, parent, nxt, flags = out.append, self._parent, self.nxt, self._flags
         for tail in self._heads:
             while tail != -1:
                 page = tail
                 while True:
-                    yield page
+                    add(page)
                     if flags[page] & _FIRST:
                         break
                     page = parent[page]
                 tail = nxt[tail]
+        return out
