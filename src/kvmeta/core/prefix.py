@@ -369,10 +369,10 @@ class PrefixPolicy(EvictionPolicy):
             if page is None:
                 before = -1
                 continue
-            if before >= 0 and parent[page] == _NONE and before != page:
+            bits = flags[page]
+            if bits & _FIRST and before >= 0 and parent[page] == _NONE and before != page:
                 self._relink(page, before)  # may move ``before``'s run out of the leaves
             before = page
-            bits = flags[page]
             if not bits & _HOT:
                 flags[page] = bits = bits | _HOT
                 hot += 1
