@@ -111,8 +111,8 @@ class PrefixPolicy(EvictionPolicy):
         "_first",
         "_hints",
         "_orig",
+        "_cur",
         "_where",
-        "_taken",
         "_eat",
         "_stop",
         "_ended",
@@ -145,12 +145,13 @@ class PrefixPolicy(EvictionPolicy):
         self._first = PROBATION
         # key -> (page, its stamp) of the stored key before it in an ``exists`` (``asked``).
         self._hints: dict[str, tuple[int, int]] = {}
-        # The run ``victim`` is eating (``_settle``): its tail when it started (-1: none) and
-        # list, the last page taken, the next page to take (-1: none) and the flag that stops
-        # the eating (in probation, a used page).
+        # What ``victim`` is eating (``_settle``): the tail of the list's first run when it
+        # started (-1: nothing) and the list, the tail of the run it is in, the next page to
+        # take (or -2 - the last taken), whether that run is gone, and the flags that stop the
+        # eating (in probation, a used page).
         self._orig = -1
+        self._cur = -1
         self._where = PROBATION
-        self._taken = -1
         self._eat = -1
         self._stop = 0
         self._ended = False
@@ -428,11 +429,17 @@ class PrefixPolicy(EvictionPolicy):
             self._hot -= 1
         else:
             self._cold -= 1
-        if bits & _FIRST:
-            self._eat = -2 - page
-            self._ended = True  # the run is gone
-            return page
         up = self._parent[page]
+        if bits & _FIRST:
+            # The run is gone. A root run's going changes nothing else: the next run of its
+            # list follows (after a restart every page is such a run).
+            after = self._next[self._cur] if up == _NONE else -1
+            if after == -1:
+                self._eat = -2 - page
+                self._ended = True
+            else:
+                self._cur = self._eat = after
+            return page
         if flags[up] & self._stop:
             # Stop before a page with child runs, and in probation before a used one.
             self._eat = -2 - page
@@ -454,30 +461,37 @@ class PrefixPolicy(EvictionPolicy):
             page = heads[first]
         if page == -1 or read_until[page] > now or page in keep:
             return self._victim_scan(now, keep, read_until)
-        self._orig, self._where = page, first
+        self._orig = self._cur = page
+        self._where = first
         self._stop = _PARENT | _HOT if first == PROBATION else _PARENT
         self._eat = page
         return self.victim(now, keep, read_until)
 
     def _settle(self) -> None:
-        """Give up the pages ``victim`` took from the run whose tail was ``_orig``, from it down
-        to the last one taken: the run is gone, or the page before that is its tail now, in
-        the list it belongs in."""
-        orig, eat, which = self._orig, self._eat, self._where
+        """Give up the pages ``victim`` took: the root runs from the cold end of the list up to
+        the run it is in (``_cur``), whole, and that run's pages from its tail down to the last
+        one taken. That run is then gone, or the page before that is its tail, in the list it
+        belongs in."""
+        orig, cur, eat, which = self._orig, self._cur, self._eat, self._where
         self._orig = self._eat = -1
+        if cur != orig:  # the runs before ``cur`` went whole: ``cur`` heads the list
+            self._head[which] = cur
+            self._prev[cur] = -1
+            if eat == cur:
+                return  # nothing taken from it
         # ``_eat``: the next page to take (the last taken is the one after it in the run), or
         # -2 - the last taken, when the eating stopped there.
         last = -2 - eat if eat < -1 else self._next[eat]
         flags, parent = self._flags, self._parent
         up = parent[last]
         if eat < -1 and self._ended:  # the run's first page went
-            self._unlink(which, orig)
+            self._unlink(which, cur)
             if up >= 0:
                 self._lost_child(last, up)
             elif up == _GONE:
                 self._dead -= 1
             return
-        self._replace(which, orig, up)
+        self._replace(which, cur, up)
         flags[up] |= _TAILS[which]
         if flags[up] & _PARENT:
             self._move(up, INNER, False)
@@ -605,7 +619,7 @@ class PrefixPolicy(EvictionPolicy):
         twin._left, twin._moved, twin._dry = self._left, list(self._moved), list(self._dry)
         twin._scanned, twin._hints = self._scanned, dict(self._hints)
         twin._first = self._first
-        twin._orig, twin._where, twin._taken, twin._eat = -1, PROBATION, -1, -1
+        twin._orig, twin._cur, twin._where, twin._eat = -1, -1, PROBATION, -1
         twin._stop, twin._ended, twin._given = 0, False, set(self._given)
         return twin
 

@@ -224,3 +224,17 @@ def test_pages_taken_ahead_of_need_are_settled_before_anything_reads_the_policy(
     assert [key for key, _ in pool.stored_items()] == ["A", "D"]  # through ``chain``
     assert _policy(pool).dead == 0
     check_pool(pool)
+
+
+def test_after_a_restart_a_reserve_eats_one_page_chains_in_a_row() -> None:
+    pool = Pool(6, read_lease=0.0, policy=PrefixPolicy)
+    for key in "abcdef":
+        _store(pool, [key], 1.0)
+    again = Pool.from_lru(6, dict(pool.stored_items()), read_lease=0.0, policy=PrefixPolicy)
+    again.get(["c", "d"], 2.0)  # d hangs off c again; both used
+    evicted: list[tuple[str, int]] = []
+    again.reserve(["x", "y", "z"], 3.0, evicted)
+    # The unused one-page chains in order, past c (it has a child) and d (used).
+    assert [key for key, _ in evicted] == ["a", "b", "e"]
+    check_pool(again)
+    assert [key for key, _ in again.stored_items()] == ["f", "d", "c"]
