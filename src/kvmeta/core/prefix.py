@@ -431,9 +431,11 @@ class PrefixPolicy(EvictionPolicy):
             self._cold -= 1
         up = self._parent[page]
         if bits & _FIRST:
-            # The run is gone. A root run's going changes nothing else: the next run of its
-            # list follows (after a restart every page is such a run).
-            after = self._next[self._cur] if up == _NONE else -1
+            # The run is gone; the next run of its list follows, unless its going moves its
+            # parent's run (``_settle`` does that).
+            after = self._next[self._cur]
+            if after != -1 and up != _NONE and not self._gone_child(page, up):
+                after = -1
             if after == -1:
                 self._eat = -2 - page
                 self._ended = True
@@ -447,6 +449,21 @@ class PrefixPolicy(EvictionPolicy):
         else:
             self._eat = up
         return page
+
+    def _gone_child(self, first: int, up: int) -> bool:
+        """``_lost_child`` for a run ``victim`` ate whole, when that moves no run: False (and
+        nothing done) when it would."""
+        flags = self._flags
+        if up >= 0 and flags[up] & _HELD and self._stamp[up] < self._stamp[first]:
+            kids = self._kids
+            if kids[up] == 1 and flags[up] & _TAIL:
+                return False  # its parent's run becomes a leaf
+            kids[up] -= 1
+            if kids[up] == 0:
+                flags[up] &= ~_PARENT
+        else:
+            self._dead -= 1  # its parent was gone already
+        return True
 
     def _next_run(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         """``victim`` when the run being eaten has nothing left to give: settle it, then start
