@@ -162,7 +162,7 @@ def prefix_problem(policy: Any, capacity: int) -> str | None:
     in one, the held and used counts match, every child count and the dead count match the
     parent links, and every link to another run names an older page (so the links form a
     forest). O(pages ever used)."""
-    from kvmeta.core import prefix as p
+    from kvmeta.core import runs as p
 
     arrays = (
         policy._prev,
