@@ -58,7 +58,6 @@ from kvmeta.core.runs import (
     _GONE,
     _HELD,
     _HOT,
-    _LISTS,
     _NONE,
     _PARENT,
     _TAIL,
@@ -318,19 +317,10 @@ class PrefixPolicy(RunLists):
     def clear(self) -> None:
         if self._orig >= 0:
             self._settle()
-        kids, flags, parent = self._kids, self._flags, self._parent
-        for which in _LISTS:
-            tail = self._head[which]
-            while tail != -1:
-                page = tail
-                while True:
-                    kids[page] = 0
-                    bits = flags[page]
-                    flags[page] = 0
-                    if bits & _FIRST:
-                        break
-                    page = parent[page]
-                tail = self._next[tail]
+        kids, flags = self._kids, self._flags
+        for page in self.chain().pages():  # every held page
+            kids[page] = 0
+            flags[page] = 0
         self._head = [-1, -1, -1]
         self._tail = [-1, -1, -1]
         self._cold = self._hot = 0

@@ -150,8 +150,11 @@ class RunLists(EvictionPolicy):
         return page
 
     def _gone_child(self, first: int, up: int) -> bool:
-        """``_lost_child`` for a run ``victim`` ate whole, when that moves no run: False (and
-        nothing done) when it would."""
+        """Run ``first`` went; ``up`` is its ``_parent``: count one child run fewer, or one dead
+        page fewer when the link was already broken. False (and nothing done) when ``up``'s
+        run would become a leaf run: that moves it, which ``_lost_child`` does."""
+        if up == _NONE:
+            return True
         flags = self._flags
         if up >= 0 and flags[up] & _HELD and self._stamp[up] < self._stamp[first]:
             kids = self._kids
@@ -184,10 +187,10 @@ class RunLists(EvictionPolicy):
         return self.victim(now, keep, read_until)
 
     def _settle(self) -> None:
-        """Give up the pages ``victim`` took: the root runs from the cold end of the list up to
-        the run it is in (``_cur``), whole, and that run's pages from its tail down to the last
-        one taken. That run is then gone, or the page before that is its tail, in the list it
-        belongs in."""
+        """Give up the pages ``victim`` took: the runs it ate whole from the cold end of the
+        list up to the run it is in (``_cur``; their parents were told, ``_gone_child``), and
+        that run's pages from its tail down to the last one taken. That run is then gone, or
+        the page before that is its tail, in the list it belongs in."""
         orig, cur, eat, which = self._orig, self._cur, self._eat, self._where
         self._orig = self._eat = -1
         if cur != orig:  # the runs before ``cur`` went whole: ``cur`` heads the list
@@ -198,21 +201,12 @@ class RunLists(EvictionPolicy):
         # ``_eat``: the next page to take (the last taken is the one after it in the run), or
         # -2 - the last taken, when the eating stopped there.
         last = -2 - eat if eat < -1 else self._next[eat]
-        flags, parent = self._flags, self._parent
-        up = parent[last]
+        up = self._parent[last]
         if eat < -1 and self._ended:  # the run's first page went
             self._unlink(which, cur)
-            if up >= 0:
-                self._lost_child(last, up)
-            elif up == _GONE:
-                self._dead -= 1
-            return
-        self._replace(which, cur, up)
-        flags[up] |= _TAILS[which]
-        if flags[up] & _PARENT:
-            self._move(up, INNER, False)
-        elif which == PROBATION and flags[up] & _HOT:
-            self._move(up, PROTECTED, False)
+            self._lost_child(last, up)
+        else:
+            self._new_tail(which, cur, up)
 
     def _victim_scan(self, now: float, keep: Container[int], read_until: array[float]) -> int:
         """``victim`` past runs whose tail cannot go: each leaf segment in turn, then the runs
@@ -321,23 +315,25 @@ class RunLists(EvictionPolicy):
         return RunOrder(self._parent[:], self._next[:], self._flags[:], list(self._head))
 
     def _close(self, tail: int) -> None:
-        """``tail`` ends a run just stored: a leaf run, the warmest of probation."""
+        """``tail`` ends a run that is in no list (just stored, or split off by a delete): a
+        leaf run, the warmest of probation, unless ``_place`` moves it on."""
         self._flags[tail] |= _TAILS[PROBATION]
         self._link_tail(PROBATION, tail)
 
     def _lost_child(self, first: int, up: int) -> None:
-        """Run ``first`` (gone) hung off ``up``: ``up`` has one child run fewer, and when it
-        was its run's tail and that run's last child, the run is a leaf run again."""
-        if self._flags[up] & _HELD and self._stamp[up] < self._stamp[first]:
-            kids = self._kids
-            kids[up] -= 1
-            if kids[up] == 0:
-                flags = self._flags
-                flags[up] &= ~_PARENT
-                if flags[up] & _TAIL:
-                    self._to_leaf(up)
-        else:
-            self._dead -= 1
+        """``_gone_child``, and when ``first`` was the last child run of ``up``, the tail of
+        its run, that run is a leaf run again."""
+        if not self._gone_child(first, up):
+            self._kids[up] = 0
+            self._flags[up] &= ~_PARENT
+            self._to_leaf(up)
+
+    def _new_tail(self, which: int, old: int, new: int) -> None:
+        """``old``, a tail in list ``which``, went; ``new``, the page before it, ends the run
+        now, in the list it belongs in."""
+        self._replace(which, old, new)
+        self._flags[new] |= _TAILS[which]
+        self._place(new, which)
 
     def _add_child(self, up: int) -> None:
         """A run now hangs off ``up``; its run, when ``up`` is its tail, has children now."""
@@ -364,23 +360,17 @@ class RunLists(EvictionPolicy):
             if bits & _FIRST:
                 self._unlink(which, page)
             else:
-                self._replace(which, page, up)
-                flags[up] |= _TAILS[which]
-                self._place(up, which)
+                self._new_tail(which, page, up)
         else:
             after = self._next[page]  # the next page of its run
             parent[after] = _GONE
             flags[after] |= _FIRST
             self._dead += 1
             if not bits & _FIRST:
-                flags[up] |= _TAILS[PROBATION]
-                self._link_tail(PROBATION, up)
+                self._close(up)
                 self._place(up, PROBATION)
         if bits & _FIRST:
-            if up >= 0:
-                self._lost_child(page, up)
-            elif up == _GONE:
-                self._dead -= 1
+            self._lost_child(page, up)
         if bits & _HOT:
             self._hot -= 1
         else:
