@@ -2,7 +2,7 @@
 
     python benchmarks/bench_eviction.py [--trace FILE.jsonl] [--requests 4000] [--seed 1]
         [--seeds 1] [--policies lru,prefix] [--pool-shares 0.02,0.05,0.10] [--engines 4]
-        [--l2-share 0.02] [--src DIR] [--in-process [--hot-share X]] [--json]
+        [--l2-share 0.02] [--src DIR] [--in-process [--hot-share X]] [--send-prefix] [--json]
 
 Replays a trace of requests, each a chain of block ids, through a real ``kvmeta serve
 --in-memory --read-lease 0 --eviction X`` (one per policy and pool size, on a free port), as
@@ -28,6 +28,11 @@ popularity. Not a timed test: the numbers are shares of pages, not speeds.
 ``--in-process`` replays the same requests on a ``core.pool.Pool`` of ``--src`` instead of a
 server, with the same results in a fraction of the time; with it, ``--hot-share`` sets
 ``core.prefix.HOT_SHARE`` (the share of used pages ``prefix`` keeps), to try others.
+
+``--send-prefix`` names each reserve's first key's parent block as its prefix key (the wire's
+``[key, prefix_key]`` pairs), as an engine that passes prefix information through would; the
+released engines send ``""``, so without it kvmeta learns a parent only from the keys it is
+asked for, and the first new page after a request's host-cached blocks has none.
 """
 
 from __future__ import annotations
@@ -246,8 +251,11 @@ class _Server:
     def get(self, keys: list[str]) -> None:
         self.post("/0/get_page_indices", {"keys": keys, "namespace": NS})
 
-    def store(self, keys: list[str]) -> None:
-        body = {"keys": [[k, None] for k in keys], "namespace": NS}
+    def store(self, keys: list[str], parent: str | None) -> None:
+        body = {
+            "keys": [[k, parent if i == 0 else None] for i, k in enumerate(keys)],
+            "namespace": NS,
+        }
         got = self.post("/0/reserve_and_allocate_page_indices", body).json()["indices"]
         pairs = [[k, p] for k, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
         self.post("/0/confirm_write", {"written_keys_to_confirm": pairs, "namespace": NS})
@@ -279,8 +287,8 @@ class _Pool:
         self.now += 0.001
         self.pool.get(keys, self.now)
 
-    def store(self, keys: list[str]) -> None:
-        got = self.pool.reserve(keys, self.now, [])
+    def store(self, keys: list[str], parent: str | None) -> None:
+        got = self.pool.reserve(keys, self.now, [], parent=parent)
         pairs = [(k, p) for k, (hit, p) in zip(keys, got, strict=True) if not hit and p >= 0]
         self.pool.confirm(pairs, [], self.now)
 
@@ -301,6 +309,7 @@ def replay(
     seed: int,
     src: Path,
     in_process: bool = False,
+    send_prefix: bool = False,
 ) -> Result:
     unique = len({block for chain in trace for block in chain})
     pages = max(1, int(unique * pool_share))
@@ -326,7 +335,9 @@ def replay(
                 if hits:
                     target.get(rest[:hits])
                 if hits < len(rest):
-                    target.store(rest[hits:])
+                    before = lead + hits  # the blocks before the first one to store
+                    named = str(chain[before - 1]) if send_prefix and before else None
+                    target.store(rest[hits:], named)
             cache.add(chain)
             if n % every == 0:
                 result.dead_samples.append(_dead_share(target.exists, parent))
@@ -374,6 +385,9 @@ def main() -> None:
         "--in-process", action="store_true", help="replay on a Pool of --src, no server"
     )
     parser.add_argument("--hot-share", type=float, help="prefix's HOT_SHARE (--in-process)")
+    parser.add_argument(
+        "--send-prefix", action="store_true", help="name each reserve's first parent block"
+    )
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     if args.hot_share is not None:
@@ -411,6 +425,7 @@ def main() -> None:
                     seed,
                     args.src,
                     args.in_process,
+                    args.send_prefix,
                 )
                 rows.append((seed, res))
                 print(

@@ -60,6 +60,23 @@ def test_the_in_process_replay_measures_what_the_servers_do() -> None:
     assert json.loads(other.stdout)[0]["l3_share"] != pooled[1]["l3_share"]
 
 
+def test_naming_each_reserves_parent_leaves_prefix_fewer_dead_pages() -> None:
+    # The released engines send an empty prefix key; one that named the first key's parent
+    # would leave no first-new-page-after-a-host-cache-hit without a parent. Through a server
+    # and in process alike; LRU is blind to chains and serves exactly the same.
+    args = ("--requests=300", "--pool-shares=0.05", "--json")
+    plain = json.loads(_run("bench_eviction.py", "--in-process", *args).stdout)
+    named = json.loads(_run("bench_eviction.py", "--in-process", "--send-prefix", *args).stdout)
+    served = json.loads(_run("bench_eviction.py", "--send-prefix", *args).stdout)
+    assert [(r["l3_share"], r["dead_share"]) for r in named] == [
+        (r["l3_share"], r["dead_share"]) for r in served
+    ]
+    lru, prefix = plain
+    assert named[0]["l3_share"] == lru["l3_share"]
+    assert named[0]["dead_share"] == lru["dead_share"]
+    assert named[1]["dead_share"] < prefix["dead_share"]
+
+
 def test_the_trace_reader_keys_a_block_by_its_prefix(tmp_path: Path) -> None:
     trace = tmp_path / "trace.jsonl"
     lines = [{"hash_ids": [1, 2, 3]}, {"hash_ids": [1, 2, 4]}, {"hash_ids": [9, 2, 3]}]

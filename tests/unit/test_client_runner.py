@@ -40,9 +40,11 @@ class Pausing(LocalBackend):
         else:
             await asyncio.to_thread(lambda: 7)
 
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+    async def reserve(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> list[tuple[bool, int]]:
         await self._pause()
-        out = await super().reserve(pool, keys)
+        out = await super().reserve(pool, keys, parent)
         await self._pause()
         return out
 

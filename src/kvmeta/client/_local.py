@@ -28,7 +28,8 @@ import threading
 from collections.abc import Coroutine
 from typing import Any, TypeVar
 
-from kvmeta.errors import KvmetaError
+from kvmeta.core import EVICTION_POLICIES
+from kvmeta.errors import ConfigError, KvmetaError
 from kvmeta.lograte import warn_limited
 from kvmeta.service.limits import RequestLimits
 from kvmeta.service.ops import Service
@@ -87,8 +88,17 @@ class LocalState:
         reservation_ttl: float = 300.0,
         read_lease: float = 5.0,
         limits: RequestLimits | None = None,
+        eviction: str = "prefix",
     ) -> None:
-        self._store = MemoryStore(reservation_ttl=reservation_ttl, read_lease=read_lease)
+        # ``eviction``: as ``kvmeta serve --eviction`` for local state, leaf-first by default
+        # (an engine's own host cache sits in front of these pools too).
+        policy = EVICTION_POLICIES.get(eviction)
+        if policy is None:
+            choices = " or ".join(map(repr, EVICTION_POLICIES))
+            raise ConfigError(f"eviction={eviction!r} is not a policy; use {choices}", "eviction")
+        self._store = MemoryStore(
+            reservation_ttl=reservation_ttl, read_lease=read_lease, policy=policy
+        )
         self._service = Service(LocalBackend(self._store), limits)
         self._lock = threading.Lock()
         self._epoch = new_epoch()

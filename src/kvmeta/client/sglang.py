@@ -174,7 +174,8 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
         namespace: NamespaceLike = DEFAULT_NAMESPACE,
     ) -> list[tuple[bool, int]]:
         plain = [k[0] for k in keys]
-        return self._run(self._service.reserve(PoolId("s", rank, _ns(namespace)), plain))
+        parent = keys[0][1] if keys else None  # an eviction hint (``Service.reserve``)
+        return self._run(self._service.reserve(PoolId("s", rank, _ns(namespace)), plain, parent))
 
     def confirm_write(
         self,

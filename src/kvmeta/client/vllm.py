@@ -28,6 +28,14 @@ def _key(entry: KeyLike) -> str:
     return entry if isinstance(entry, str) else str(entry[0])
 
 
+def _first_prefix(keys: Sequence[KeyLike]) -> str | None:
+    """The first pair's prefix key (None: a bare key, none or empty): an eviction hint."""
+    if not keys or isinstance(keys[0], str) or len(keys[0]) < 2:
+        return None
+    prefix = keys[0][1]
+    return str(prefix) if prefix else None
+
+
 class Hf3fsMetadataInterface:
     """The methods vLLM's HF3FS connector calls; both clients implement all of them."""
 
@@ -183,7 +191,8 @@ class Hf3fsLocalMetadataClient(LocalState, Hf3fsMetadataInterface):
 
     def allocate_pages_for_keys(self, rank: int, keys: Sequence[KeyLike]) -> list[tuple[str, int]]:
         plain = [_key(k) for k in keys]
-        out = self._warned(self._service.v_allocate(PoolId("v", rank, ""), plain))
+        pool = PoolId("v", rank, "")
+        out = self._warned(self._service.v_allocate(pool, plain, _first_prefix(keys)))
         return [(key, page) for key, (_hit, page) in zip(plain, out, strict=True)]
 
     def confirm_write_for_keys(

@@ -45,6 +45,11 @@ class EvictionPolicy(ABC):
 
     __slots__ = ("budget",)
 
+    # Whether the order follows prefix chains: a reserve then keeps the page of the first
+    # key's named parent from its own victims (``Pool.reserve``), which an order blind to
+    # chains (LRU, here and in Redis) has no reason to.
+    follows_chains = False
+
     def __init__(self) -> None:
         # Pages the calls of ``victim`` may still look at and not take (read-leased or kept),
         # in all: the pool sets it at the start of each reserve and ``evict_ahead`` (an
@@ -81,13 +86,14 @@ class EvictionPolicy(ABC):
         reads it, others need not."""
 
     def reserved(  # noqa: B027 - optional hook
-        self, keys: list[str], out: list[tuple[bool, int]], plain: bool
+        self, keys: list[str], out: list[tuple[bool, int]], plain: bool, parent: int = -1
     ) -> None:
         """A reserve of ``keys`` answered ``out`` (per key, in the request's order: ``(True,
         page)`` for a STORED key, ``(False, page)`` for a page to write, ``(False, -1)`` for
-        none); ``plain``: every key got a new page of its own. One call per reserve, after its
-        victims were taken; a policy that orders by position in a request (``core.prefix``)
-        reads it, others need not."""
+        none); ``plain``: every key got a new page of its own; ``parent``: the held page of the
+        key the request named as the first key's prefix (-1: none named, or not stored). One
+        call per reserve, after its victims were taken; a policy that orders by position in a
+        request (``core.prefix``) reads it, others need not."""
 
     def unreserved(self, page: int) -> None:  # noqa: B027 - optional hook
         """``page``'s reservation ended without a confirm (released or expired): whatever

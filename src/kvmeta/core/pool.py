@@ -269,6 +269,7 @@ class Pool(LeaseTable):
         now: float,
         evicted: list[tuple[str, int]],
         whole: bool = False,
+        parent: str | None = None,
     ) -> list[tuple[bool, int]]:
         """Per key: ``(True, page)`` if STORED, ``(False, page)`` to write, ``(False, -1)`` if none.
 
@@ -282,9 +283,18 @@ class Pool(LeaseTable):
         got, so a partial grant only strands pages until their lease ends. When the pages are
         not there (``fits``), every key but the STORED ones answers -1 and nothing changes: no
         reservation, no eviction, no use, no joined lease.
+
+        ``parent``: the key the request names as the first key's prefix (the wire's
+        ``[key, prefix_key]`` pairs). When it is STORED and the policy follows chains, its
+        page is the first new page's parent for the policy, and no victim of this call:
+        evicting it to store its child would leave the child unreachable by a leading-hit
+        lookup.
         """
         self._expire(now)
-        if whole and not self.fits(keys, now):
+        up = -1
+        if parent and self._policy.follows_chains:
+            up = self._stored.get(parent, -1)
+        if whole and not self.fits(keys, now, up):
             return self._refuse_batch(keys)
         stored, reserved, state, page_key = (
             self._stored,
@@ -305,7 +315,8 @@ class Pool(LeaseTable):
         free = self._free
         leased: list[int] = []  # pages whose lease this call grants or renews
         seen: set[str] = set()  # keys this call reserved or joined: one holder per call
-        hits: set[int] = set()  # pages reported as stored by this call: never evicted by it
+        # Pages reported as stored by this call, and the named parent: never evicted by it.
+        hits: set[int] = set() if up < 0 else {up}
         refused = 0
         policy.budget = _SCAN_ALLOWANCE + 2 * len(keys)
         for key in keys:
@@ -357,18 +368,19 @@ class Pool(LeaseTable):
             if self._queued > 2 * len(res_deadline) + _QUEUE_SLACK:
                 self._compact_queue()
         new = len(reserved) - reserved_before
-        policy.reserved(keys, out, not refused and new == len(keys))
+        policy.reserved(keys, out, not refused and new == len(keys), up)
         counters.reservations += new
         counters.reservations_refused += refused
         counters.evictions += evictions
         return out
 
-    def fits(self, keys: list[str], now: float) -> bool:
+    def fits(self, keys: list[str], now: float, parent: int = -1) -> bool:
         """Whether a reserve of ``keys`` at ``now`` (leases expired) gets every new key a page.
 
         Counts the allocatable pages, then asks the policy whether it would find the rest
         within the scan allowance a reserve has, never giving up a page STORED for a key of
-        this batch (``EvictionPolicy.can_evict``). O(request).
+        this batch or the named parent's page (``parent``, -1: none), as ``reserve`` does not
+        (``EvictionPolicy.can_evict``). O(request).
         """
         free = self.allocatable_count
         if free >= len(keys):  # the common case, in O(1)
@@ -378,6 +390,8 @@ class Pool(LeaseTable):
             return True
         stored = self._stored
         batch = {page for key in keys if (page := stored.get(key)) is not None}
+        if parent >= 0:
+            batch.add(parent)
         steps = _SCAN_ALLOWANCE + 2 * len(keys)
         return self._policy.can_evict(short, steps, now, batch, self._read_until)
 

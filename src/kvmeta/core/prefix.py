@@ -33,16 +33,18 @@ benchmarks/README.md).
 
 Parents come from the order of a confirm's pages (the engines confirm a request's pages in its
 key order); for the first new page of a reserve, from the key before it in the reserve, or,
-when it is the reserve's first key, from the ``exists`` just before it (``asked``: the engines
-ask for the keys past their own host cache, then reserve the missing ones, so the last leading
-hit is the first missing key's parent); and, for pages stored without one (after a restart, or
-a request whose first pages were all in an engine's host cache), from the order of a get's
-hits (``used``). Every page of one confirm gets the same *stamp* (a counter of confirms), and a
-link to another run is valid only to a page stamped earlier, so the links form a forest and a
-stale link (its parent removed and the page reused) is recognised in O(1). A page whose parent
-is removed while it is stored (a delete, or a forced eviction) is *dead*: no leading-hit lookup
-can reach it (``dead``). Parents are not durable: after a restart every page is a run of its
-own, in the old order, until requests teach it parents again.
+when it is the reserve's first key, from the prefix key the request names for it (the wire's
+``[key, prefix_key]`` pairs; the released engines send ``""``), else from the ``exists`` just
+before it (``asked``: the engines ask for the keys past their own host cache, then reserve the
+missing ones, so the last leading hit is the first missing key's parent); and, for pages stored
+without one (after a restart, or a request whose first pages were all in an engine's host
+cache), from the order of a get's hits (``used``). Every page of one confirm gets the same
+*stamp* (a counter of confirms), and a link to another run is valid only to a page stamped
+earlier, so the links form a forest and a stale link (its parent removed and the page reused)
+is recognised in O(1). A page whose parent is removed while it is stored (a delete, or a
+forced eviction) is *dead*: no leading-hit lookup can reach it (``dead``). Parents are not
+durable: after a restart every page is a run of its own, in the old order, until requests
+teach it parents again.
 
 The lists, the per-page arrays and the taking of victims are ``core.runs.RunLists``'s: 17
 bytes a page more than LRU (21 past 2^31 pages). Every operation is O(pages it is handed) plus
@@ -82,6 +84,8 @@ class PrefixPolicy(RunLists):
     segments."""
 
     __slots__ = ("_clock", "_hints", "_given")
+
+    follows_chains = True
 
     def __init__(self, num_pages: int) -> None:
         self._clock = 0  # confirms counted: the stamps
@@ -178,31 +182,36 @@ class PrefixPolicy(RunLists):
         if len(hints) > _HINTS:
             del hints[next(iter(hints))]
 
-    def reserved(self, keys: list[str], out: list[tuple[bool, int]], plain: bool) -> None:
+    def reserved(
+        self, keys: list[str], out: list[tuple[bool, int]], plain: bool, parent: int = -1
+    ) -> None:
         """Give each new page that does not follow another new page of this reserve its parent
-        (the page of the key before it, or the ``exists`` hint for the first key); the others
-        get theirs from the confirm's order (module docstring). ``plain`` (every key got a new
-        page of its own): only the first page needs one, in O(1)."""
+        (the page of the key before it; for the first key, the page the request named as its
+        prefix, else the ``exists`` hint); the others get theirs from the confirm's order
+        (module docstring). ``plain`` (every key got a new page of its own): only the first
+        page needs one, in O(1)."""
         if self._orig >= 0:
             self._settle()
-        parent, stamp = self._parent, self._stamp
+        links, stamp = self._parent, self._stamp
         up, up_stamp = _NONE, 0
         if self._hints and keys:
             hint = self._hints.pop(keys[0], None)
             if hint is not None:
                 up, up_stamp = hint
+        if parent >= 0:
+            up, up_stamp = parent, stamp[parent]
         if plain:
             if not out:
                 return
             page = out[0][1]
-            parent[page] = up
+            links[page] = up
             stamp[page] = up_stamp
             self._given.add(page)
             return
         before_new = False
         for hit, page in out:
             if hit:
-                if up >= 0 and parent[page] == _NONE and up != page:
+                if up >= 0 and links[page] == _NONE and up != page:
                     self._relink(page, up)
                 up, up_stamp, before_new = page, stamp[page], False
                 continue
@@ -210,7 +219,7 @@ class PrefixPolicy(RunLists):
                 up, up_stamp, before_new = _GONE, 0, False
                 continue
             if not before_new:
-                parent[page] = up
+                links[page] = up
                 stamp[page] = up_stamp
                 self._given.add(page)
             up, up_stamp, before_new = page, 0, True

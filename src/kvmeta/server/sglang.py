@@ -31,7 +31,10 @@ _NAMESPACE = msgspec.Meta(
     description="SGLang pool name (kv, mamba, indexer, swa, ...); clients up to 0.5.10 omit it",
     extra_json_schema={"pattern": "^[A-Za-z0-9_.:-]+$"},
 )
-_KEY_PAIR = msgspec.Meta(description="[key, prefix key]; the prefix key is ignored")
+_KEY_PAIR = msgspec.Meta(
+    description="[key, prefix key]; the first pair's prefix key, when not empty or null, names "
+    "the key before it in its chain (an eviction hint); the others' are not read"
+)
 
 
 class NamespaceBody(msgspec.Struct, kw_only=True):
@@ -101,7 +104,7 @@ async def reserve(service: Service, req: Request, rank: int) -> Response:
     body, warnings = RESERVE.decode(req.body)
     keys = list(map(_first, body.keys))
     pool = sglang_pool(req, rank, body.namespace)
-    out = await service.reserve(pool, keys)
+    out = await service.reserve(pool, keys, body.keys[0][1] if keys else None)
     if service.reserve_observer is not None:
         service.reserve_observer(pool, body.keys, keys)
     return reply(json_response({"indices": out}), warnings)

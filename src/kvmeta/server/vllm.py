@@ -62,7 +62,10 @@ _RANK = msgspec.Meta(
     extra_json_schema={"format": "int64"},
 )
 Rank = Annotated[int, _RANK]
-_KEY = msgspec.Meta(description="a key, or [key, prefix key] (the prefix key is ignored)")
+_KEY = msgspec.Meta(
+    description="a key, or [key, prefix key]; the first key's prefix key, when not empty or null, "
+    "names the key before it in its chain (an eviction hint); the others' are not read"
+)
 
 
 class AllocateBody(msgspec.Struct):
@@ -285,9 +288,15 @@ async def initialize(service: Service, req: Request, rank: int) -> Response:
 async def batch_allocate(service: Service, req: Request, _: int) -> Response:
     body, warnings = ALLOCATE.decode(req.body)
     keys = body.keys
+    first = keys[0] if keys else None
+    parent = None if first is None or isinstance(first, str) else first[1]
     if not all(map(isinstance, keys, repeat(str))):  # checked in C: usually plain keys
         keys = [k if isinstance(k, str) else k[0] for k in keys]
-    done = await service.v_allocate(vllm_pool(req, body.rank), keys)  # type: ignore[arg-type]
+    done = await service.v_allocate(
+        vllm_pool(req, body.rank),
+        keys,  # type: ignore[arg-type]
+        parent,
+    )
     results = list(zip(keys, map(_second, done.value), strict=True))
     if done.warnings:
         REFUSED_BATCHES["v"] += 1

@@ -100,10 +100,15 @@ class Service:
         self.limits.check_keys(keys)
         return await self.backend.exists(pool, keys)
 
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+    async def reserve(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> list[tuple[bool, int]]:
+        """``parent``: the prefix key the request names for its first key (None or "": none),
+        which only orders eviction (``Backend.reserve``); it is looked up, never stored, so
+        it has no length limit of its own."""
         self.limits.check_rank(pool.rank)
         self.limits.check_keys(keys)
-        return await self.backend.reserve(pool, keys)
+        return await self.backend.reserve(pool, keys, parent or None)
 
     async def confirm(
         self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]
@@ -227,11 +232,13 @@ class Service:
             warn_limited(logger, "ignored_rank", "%s", warning)
         return Outcome(result, (size_conflict(pool, result),) if result.conflict else ())
 
-    async def v_allocate(self, pool: PoolId, keys: list[str]) -> Outcome[list[tuple[bool, int]]]:
+    async def v_allocate(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> Outcome[list[tuple[bool, int]]]:
         """vLLM's batch_allocate: a reserve on a vLLM pool, which every store grants whole or
         not at all (``core.pool.Pool.reserve``); a refused batch earns a caller warning, as
         its reply (-1 per new key) looks like the reference server's partial one."""
-        out = await self.reserve(pool, keys)
+        out = await self.reserve(pool, keys, parent)
         refused = sum(1 for _, page in out if page < 0)
         return Outcome(out, (batch_refused(refused, pool.rank),) if refused else ())
 

@@ -235,7 +235,13 @@ class Backend(Protocol):
 
     async def exists(self, pool: PoolId, keys: list[str]) -> list[bool]: ...
 
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]: ...
+    async def reserve(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> list[tuple[bool, int]]:
+        """``parent``: the prefix key the request names for its first key (the wire's ``[key,
+        prefix_key]`` pairs; None: none). A hint for the eviction order (``Pool.reserve``); a
+        store whose order does not follow chains ignores it."""
+        ...
 
     async def confirm(
         self, pool: PoolId, pairs: list[tuple[str, int]], release: list[int]

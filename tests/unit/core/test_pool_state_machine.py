@@ -19,6 +19,8 @@ from kvmeta.errors import InvalidRequest
 from tests.unit.core.policies import FifoPolicy
 
 KEYS = st.sampled_from([f"k{i}" for i in range(12)])
+# What a reserve may name as its first key's prefix key: nothing, "", or any key, stored or not.
+PARENTS = st.none() | st.just("") | KEYS
 N = 6
 
 
@@ -43,15 +45,17 @@ class PoolMachine(RuleBasedStateMachine):
         until = self.pool._read_until
         return {page for page in range(len(until)) if until[page] > self.now}
 
-    @rule(keys=st.lists(KEYS, max_size=8))
-    def reserve(self, keys: list[str]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=8), parent=PARENTS)
+    def reserve(self, keys: list[str], parent: str | None = None) -> None:
         evicted: list[tuple[str, int]] = []
         leased = self.read_leased()
-        got = self.pool.reserve(keys, self.now, evicted)
+        got = self.pool.reserve(keys, self.now, evicted, parent=parent)
         assert len(got) == len(keys)
         for key, page in evicted:
             assert self.written.pop(key) == page  # (and a key reported STORED stays)
             assert page not in leased, f"page {page} evicted under a read lease"
+            if self.pool.policy.follows_chains:
+                assert key != parent, "the named parent was evicted for its child"
         pages: dict[str, int] = {}
         for key, (hit, page) in zip(keys, got, strict=True):
             if hit:
@@ -153,12 +157,12 @@ class WithholdingPoolMachine(PoolMachine):
         self.pool.release_withheld(self.unreleased, self.now)
         self.unreleased = []
 
-    @rule(keys=st.lists(KEYS, max_size=8))
-    def reserve(self, keys: list[str]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=8), parent=PARENTS)
+    def reserve(self, keys: list[str], parent: str | None = None) -> None:
         withheld = set(self.unreleased) | set(self.pool._withheld_new)
         assert len(withheld) == self.pool.withheld_count
         before = len(self.handed)
-        super().reserve(keys)
+        super().reserve(keys, parent)
         got = {page for _, page in self.handed[before:]}
         assert not (got & withheld)
 
@@ -183,10 +187,10 @@ class CompactingPoolMachine(PoolMachine):
     def teardown(self) -> None:
         pool_module._QUEUE_SLACK = self._slack
 
-    @rule(keys=st.lists(KEYS, max_size=8))
-    def reserve(self, keys: list[str]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=8), parent=PARENTS)
+    def reserve(self, keys: list[str], parent: str | None = None) -> None:
         queued = self.pool._queued
-        super().reserve(keys)
+        super().reserve(keys, parent)
         if self.pool._queued != queued:  # leases granted: the queue was compacted if too long
             assert self.pool._queued <= 2 * len(self.pool._res_deadline)
         self.queue_bound = self.pool._queued
@@ -234,11 +238,11 @@ class RestartingPoolMachine(PoolMachine):
             if page is not None:
                 self.reads[page] = self.now + self.pool.read_lease
 
-    @rule(keys=st.lists(KEYS, max_size=8))
-    def reserve(self, keys: list[str]) -> None:
+    @rule(keys=st.lists(KEYS, max_size=8), parent=PARENTS)
+    def reserve(self, keys: list[str], parent: str | None = None) -> None:
         stored_before = dict(self.pool._stored)
         before = len(self.handed)
-        super().reserve(keys)
+        super().reserve(keys, parent)
         for key, page in self.handed[before:]:
             until = self.protected.get(page, 0.0)
             assert until <= self.now, f"page {page} handed to {key!r} {until - self.now}s early"

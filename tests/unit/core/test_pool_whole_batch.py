@@ -59,11 +59,17 @@ def test_a_whole_batch_is_placed_whole_or_refused_without_a_change(seed: int, po
     now = 1.0
     pool, names = _random_pool(rng, now, POLICIES[policy])
     batch = [rng.choice(names + ["n1", "n2", "n3"]) for _ in range(rng.randint(1, 8))]
-    fits = pool.fits(batch, now)
+    # Half the batches name a prefix key (stored or not): a policy that follows chains keeps
+    # its page, and ``fits`` must count that.
+    parent = rng.choice(names) if rng.random() < 0.5 else None
+    named = pool.page_of(parent) if parent and pool.policy.follows_chains else None
+    fits = pool.fits(batch, now, -1 if named is None else named)
     before = _state(pool)
     stored = {key: pool.page_of(key) for key in batch if pool.exists([key])[0]}
-    out = pool.reserve(batch, now, [], whole=True)
+    evicted: list[tuple[str, int]] = []
+    out = pool.reserve(batch, now, evicted, whole=True, parent=parent)
     check_pool(pool)
+    assert named is None or named not in [page for _, page in evicted]
     if fits:
         assert all(page >= 0 for _, page in out), (batch, out)
     else:

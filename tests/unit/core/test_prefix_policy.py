@@ -178,6 +178,62 @@ def test_the_first_reserved_keys_parent_comes_from_the_exists_before_it() -> Non
     check_pool(pool)
 
 
+def test_the_prefix_key_a_request_names_is_its_first_keys_parent() -> None:
+    # No exists before the reserve: only the named prefix key tells that A comes before B.
+    pool = Pool(4, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A"], 1.0)
+    out = pool.reserve(["B", "C"], 2.0, [], parent="A")
+    pool.confirm([("B", out[0][1]), ("C", out[1][1])], [], 2.0)
+    _store(pool, ["D"], 3.0)
+    assert _policy(pool).parent_of(pool.page_of("B") or 0) == pool.page_of("A")
+    assert _evict(pool, "x", 4.0) == "C"  # not A, the oldest: it has a stored child
+    check_pool(pool)
+    # A named prefix key that is not stored, or empty, gives no parent (and is no error).
+    for named in ("nowhere", ""):
+        key = f"E{named}"
+        out = pool.reserve([key], 5.0, [], parent=named)
+        pool.confirm([(key, out[0][1])], [], 5.0)
+        assert _policy(pool).parent_of(out[0][1]) == -1
+    check_pool(pool)
+
+
+def test_the_named_prefix_key_overrides_the_exists_hint_and_relinks_a_stored_root() -> None:
+    pool = Pool(6, read_lease=0.0, policy=PrefixPolicy)
+    _store(pool, ["A"], 1.0)
+    _store(pool, ["P"], 1.0)
+    _store(pool, ["R"], 1.0)  # a root: its parent was never told
+    assert pool.exists(["A", "B"]) == [True, False]  # hints A as B's parent...
+    out = pool.reserve(["B"], 2.0, [], parent="P")  # ...but the request names P
+    pool.confirm([("B", out[0][1])], [], 2.0)
+    assert _policy(pool).parent_of(pool.page_of("B") or 0) == pool.page_of("P")
+    # A stored first key learns its parent from the named prefix key too.
+    out = pool.reserve(["R", "S"], 3.0, [], parent="A")
+    pool.confirm([("S", out[1][1])], [], 3.0)
+    assert _policy(pool).parent_of(pool.page_of("R") or 0) == pool.page_of("A")
+    assert _policy(pool).parent_of(pool.page_of("S") or 0) == pool.page_of("R")
+    check_pool(pool)
+
+
+def test_the_named_parent_is_not_evicted_for_its_own_child() -> None:
+    # A is the only leaf and the coldest page; without the named parent it would be the victim
+    # for B, and B would be dead the moment it is stored.
+    for whole in (False, True):
+        pool = Pool(2, read_lease=0.0, policy=PrefixPolicy)
+        _store(pool, ["A"], 1.0)
+        _store(pool, ["Z"], 2.0)
+        evicted: list[tuple[str, int]] = []
+        assert pool.fits(["B"], 3.0, pool.page_of("A") or 0) is True
+        out = pool.reserve(["B"], 3.0, evicted, whole, parent="A")
+        assert evicted == [("Z", out[0][1])], whole
+        pool.confirm([("B", out[0][1])], [], 3.0)
+        assert _policy(pool).dead == 0
+        check_pool(pool)
+        # With every other page kept as well, the reserve finds none, whole or not.
+        out = pool.reserve(["B", "C"], 4.0, [], whole, parent="A")
+        assert out[1] == (False, -1), whole
+        check_pool(pool)
+
+
 def test_a_reservation_that_ends_unconfirmed_leaves_no_parent_behind() -> None:
     # Each reserve notes its first page's parent; a page whose reservation was released (or
     # expired) and is handed out again inside another chain takes the page before it.

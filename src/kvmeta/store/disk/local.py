@@ -178,12 +178,14 @@ class LocalBackend:
         await self._durable()
         return result
 
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+    async def reserve(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> list[tuple[bool, int]]:
         """A reserve, with the waits of the write-ahead rule (``store.disk.writeahead``)."""
         self._writable()
         store, rule = self.store, self.rule
         if rule is None:  # no journal, or ``--fsync never``
-            out = store.reserve(pool, keys)
+            out = store.reserve(pool, keys, None, parent)
             if store.changes:
                 self._publish()
             return out
@@ -195,7 +197,7 @@ class LocalBackend:
             await self._wait_for_disk(removal.wait)
             target = store.pool(pool)  # a vLLM rank may have been removed and registered again
             rule.waited(target, removal)
-        out = store.reserve(pool, keys, removal)
+        out = store.reserve(pool, keys, removal, parent)
         seq = rule.after(target, out, removal)
         if store.changes:
             self._publish()

@@ -245,16 +245,21 @@ class MemoryStore:
         return self.pool(pid).exists(keys)
 
     def reserve(
-        self, pid: PoolId, keys: list[str], removal: Removal | None = None
+        self,
+        pid: PoolId,
+        keys: list[str],
+        removal: Removal | None = None,
+        parent: str | None = None,
     ) -> list[tuple[bool, int]]:
         """Reserve ``keys``; with ``removal``, report what was removed for them into it and
-        keep its spare (module docstring)."""
+        keep its spare (module docstring). ``parent``: the first key's named prefix key
+        (``Pool.reserve``)."""
         pool = self.pool(pid)
         evicted = [] if removal is None else removal.evicted
         refused = pool.counters.reservations_refused
         # vLLM's batches are all or nothing (``Pool.reserve``, docs/guarantees.md); SGLang writes
         # the pages it gets, so its batches are per key.
-        out = pool.reserve(keys, self.clock(), evicted, pid.dialect == "v")
+        out = pool.reserve(keys, self.clock(), evicted, pid.dialect == "v", parent)
         if pool.frontier_raised:
             # Pages past the recorded frontier go out only once its new place is journaled
             # (the reply waits for it: ``WriteAhead.after``).

@@ -411,8 +411,11 @@ class RedisBackend(HashIndexBuilds, PoolReports, StartUpProbes):
         reply = await self._pool_op("exists", pool, keys)
         return [bool(x) for x in reply[1:]]
 
-    async def reserve(self, pool: PoolId, keys: list[str]) -> list[tuple[bool, int]]:
+    async def reserve(
+        self, pool: PoolId, keys: list[str], parent: str | None = None
+    ) -> list[tuple[bool, int]]:
         # vLLM's batches are all or nothing (reserve.lua, as ``core.pool.Pool.reserve``).
+        # ``parent`` is not used: the only order kept in Redis is LRU, which ignores chains.
         request = (self.reservation_ttl, keys, 1 if pool.dialect == "v" else 0)
         reply = await self._changing_op("reserve", pool, request, REMOVED, REASON_CAPACITY)
         return [(bool(reply[i]), reply[i + 1]) for i in range(1, len(reply), 2)]
