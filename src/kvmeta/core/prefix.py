@@ -18,7 +18,7 @@ as much. Other runs hang off a page of a run as its children (``_kids``).
 
 Leaf runs are in two segments, each least recently used first: *probation* (the tail not used
 since it was stored) and *protected* (used since). A victim comes from probation while used
-pages are at most ``HOT_SHARE`` of the stored ones, else from protected: a one-off chain,
+pages are at most ``HOT_SHARE`` of the pool's pages, else from protected: a one-off chain,
 however long, then cannot push out the pages requests come back for, and protected pages still
 age out when the working set moves. A run eaten in probation down to a used page moves to the
 warm end of protected; a run eaten in protected goes whole (its pages were used together, so
@@ -83,7 +83,7 @@ class PrefixPolicy(RunLists):
     """Evicts leaves first (pages no stored page names as parent), by runs, in two LRU
     segments."""
 
-    __slots__ = ("_clock", "_hints", "_given")
+    __slots__ = ("_clock", "_hints", "_given", "_hot_limit")
 
     follows_chains = True
 
@@ -94,6 +94,8 @@ class PrefixPolicy(RunLists):
         # RESERVED pages a reserve gave a parent (``reserved``): ``_parent`` and ``_stamp``
         # hold it and its stamp until the confirm.
         self._given: set[int] = set()
+        # The used pages protected runs may hold before they are taken from (``HOT_SHARE``).
+        self._hot_limit = num_pages * HOT_SHARE
         super().__init__(num_pages)
 
     # The pool sets ``budget`` at the start of each reserve and ``evict_ahead``: that is when
@@ -112,8 +114,10 @@ class PrefixPolicy(RunLists):
             self._dry = [False, False, False]
             self._scanned = False
         # The segment to take from, chosen once a reserve: the share moves slowly.
-        hot = self._hot
-        self._first = PROTECTED if hot > (hot + self._cold) * HOT_SHARE else PROBATION
+        # (Of the pool's pages, not of those stored: victims are taken only when every page
+        # is in use, so the two differ by the pages being written, and counting the stored
+        # ones would cost a counter per victim.)
+        self._first = PROTECTED if self._hot > self._hot_limit else PROBATION
 
     def resize(self, capacity: int) -> None:
         if self._orig >= 0:
@@ -161,7 +165,6 @@ class PrefixPolicy(RunLists):
         if pages:
             nxt[before] = -1
             self._head[PROBATION], self._tail[PROBATION] = pages[0], before
-        self._cold = len(pages)
 
     def asked(self, keys: list[str], found: list[bool], stored: Mapping[str, int]) -> None:
         """Remember the first missing key's parent: the engines ask for a request's keys past
@@ -258,7 +261,6 @@ class PrefixPolicy(RunLists):
             else:
                 nxt[tail] = before
             tails[PROBATION] = before
-        self._cold += len(pages)
 
     def _start(self, page: int, before: int, clock: int) -> int:
         """``added`` for a batch's first page or one its reserve gave a parent: it continues
@@ -311,7 +313,6 @@ class PrefixPolicy(RunLists):
             if bits & (_TAIL | _PARENT) == _TAIL and page != tails[PROTECTED]:
                 self._move(page, PROTECTED, False)
         self._hot += hot
-        self._cold -= hot
 
     def unreserved(self, page: int) -> None:
         if self._orig >= 0:
@@ -332,7 +333,7 @@ class PrefixPolicy(RunLists):
             flags[page] = 0
         self._head = [-1, -1, -1]
         self._tail = [-1, -1, -1]
-        self._cold = self._hot = 0
+        self._hot = 0
         self._dead = 0
 
     def copy(self) -> PrefixPolicy:
@@ -344,7 +345,7 @@ class PrefixPolicy(RunLists):
         twin._flags = self._flags[:]
         twin._head, twin._tail = list(self._head), list(self._tail)
         twin._clock, twin._dead = self._clock, self._dead
-        twin._cold, twin._hot = self._cold, self._hot
+        twin._hot, twin._hot_limit = self._hot, self._hot_limit
         twin._left, twin._moved, twin._dry = self._left, list(self._moved), list(self._dry)
         twin._scanned, twin._hints = self._scanned, dict(self._hints)
         twin._first = self._first

@@ -57,7 +57,6 @@ class RunLists(EvictionPolicy):
         "_flags",
         "_head",
         "_tail",
-        "_cold",
         "_hot",
         "_dead",
         "_left",
@@ -77,7 +76,6 @@ class RunLists(EvictionPolicy):
         # Read by a subclass's ``budget`` setter, which ``EvictionPolicy.__init__`` calls.
         self._orig = -1
         self._scanned = False
-        self._cold = 0  # held pages not flagged _HOT
         self._hot = 0  # held pages flagged _HOT
         super().__init__()
         typecode = page_typecode(num_pages)
@@ -126,8 +124,6 @@ class RunLists(EvictionPolicy):
         flags[page] = 0
         if bits & _HOT:
             self._hot -= 1
-        else:
-            self._cold -= 1
         up = self._parent[page]
         if bits & _FIRST:
             # The run is gone; the next run of its list follows, unless its going moves its
@@ -373,8 +369,6 @@ class RunLists(EvictionPolicy):
             self._lost_child(page, up)
         if bits & _HOT:
             self._hot -= 1
-        else:
-            self._cold -= 1
 
     def _place(self, tail: int, which: int) -> None:
         """Move the run of ``tail`` (in list ``which``, its tail just changed) to the list its
