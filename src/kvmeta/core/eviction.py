@@ -71,7 +71,7 @@ class EvictionPolicy(ABC):
 
     @abstractmethod
     def added(self, pages: list[int]) -> None:
-        """``pages`` became STORED, in this order (a confirm's commits)."""
+        """``pages`` (one or more) became STORED, in this order (a confirm's commits)."""
 
     @abstractmethod
     def used(self, pages: Iterable[int | None]) -> None:

@@ -229,8 +229,9 @@ class PrefixPolicy(RunLists):
 
     def added(self, pages: list[int]) -> None:
         """Each page's parent is the page before it in the batch, or the one its reserve gave:
-        the batch is one run, or a few where a reserve named another parent. Inlined: it runs
-        for every page stored."""
+        the batch is one run, or a few where a reserve named another parent. Inlined, with a
+        loop of its own for the common batch (no page but the first was given a parent): it
+        runs for every page stored."""
         if self._orig >= 0:
             self._settle()
         parent, stamp, flags, nxt = self._parent, self._stamp, self._flags, self._next
@@ -238,29 +239,35 @@ class PrefixPolicy(RunLists):
         clock = self._clock
         held = _HELD
         given = self._given
-        before = -1
-        for page in pages:
-            if before < 0 or (given and page in given):
-                before = self._start(page, before, clock)
-                continue
-            # The common case: the next page of the run.
-            parent[page] = before
-            stamp[page] = clock
-            flags[page] = held
-            nxt[before] = page
-            before = page
-        if before >= 0:
-            # The batch's last run ends: a leaf run, the warmest of probation (``_close``).
-            flags[before] |= _TAIL  # (probation: the list bits are 0)
-            tails = self._tail
-            tail = tails[PROBATION]
-            self._prev[before] = tail
-            nxt[before] = -1
-            if tail == -1:
-                self._head[PROBATION] = before
-            else:
-                nxt[tail] = before
-            tails[PROBATION] = before
+        before = self._start(pages[0], -1, clock)
+        if given:  # another page of the batch may have been given a parent by its reserve
+            for page in pages[1:]:
+                if page in given:
+                    before = self._start(page, before, clock)
+                    continue
+                parent[page] = before
+                stamp[page] = clock
+                flags[page] = held
+                nxt[before] = page
+                before = page
+        else:  # the common case: every page after the first continues the run
+            for page in pages[1:]:
+                parent[page] = before
+                stamp[page] = clock
+                flags[page] = held
+                nxt[before] = page
+                before = page
+        # The batch's last run ends: a leaf run, the warmest of probation (``_close``).
+        flags[before] |= _TAIL  # (probation: the list bits are 0)
+        tails = self._tail
+        tail = tails[PROBATION]
+        self._prev[before] = tail
+        nxt[before] = -1
+        if tail == -1:
+            self._head[PROBATION] = before
+        else:
+            nxt[tail] = before
+        tails[PROBATION] = before
 
     def _start(self, page: int, before: int, clock: int) -> int:
         """``added`` for a batch's first page or one its reserve gave a parent: it continues
