@@ -114,10 +114,13 @@ class PrefixPolicy(RunLists):
             self._dry = [False, False, False]
             self._scanned = False
         # The segment to take from, chosen once a reserve: the share moves slowly.
+        self._first = self._first_segment()
+
+    def _first_segment(self) -> int:
         # (Of the pool's pages, not of those stored: victims are taken only when every page
         # is in use, so the two differ by the pages being written, and counting the stored
         # ones would cost a counter per victim.)
-        self._first = PROTECTED if self._hot > self._hot_limit else PROBATION
+        return PROTECTED if self._hot > self._hot_limit else PROBATION
 
     def resize(self, capacity: int) -> None:
         if self._orig >= 0:

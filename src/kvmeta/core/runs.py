@@ -273,36 +273,52 @@ class RunLists(EvictionPolicy):
     def can_evict(
         self, count: int, steps: int, now: float, keep: Container[int], read_until: array[float]
     ) -> bool:
-        """Walks the leaf segments, then the runs with children, from their cold ends, and
-        each run from its tail while its pages can go. ``victim`` steps over each run whose
-        tail cannot go at most once a list a reserve, and a run stopped partway is found again
-        in another list: so ``count`` pages found with ``3 * skipped + count <= steps`` are
-        kept."""
+        """Walks the lists in ``victim``'s order (the segment a reserve starts with, the other,
+        then the runs with children), each from its cold end, and each run from its tail while
+        ``victim`` would eat on: not past a read-leased or kept page, a page with child runs,
+        or, in probation, a used one; among the runs with children, not past a page without
+        (the rest is a leaf run then). Eating costs ``victim`` no step; stepping over a run
+        whose tail cannot go costs one, once a list. So each run met that cannot go costs one,
+        and so does each that can: what it leaves (its rest, or a parent's run that becomes a
+        leaf) may move to a list ``victim`` looks at later, where it may have to be stepped
+        over once more; a kept page two (a hit moves its run). ``count`` pages found at a cost
+        within ``steps`` are kept."""
         if self._orig >= 0:
             self._settle()
-        found = skipped = 0
-        walked = 0
+        found = cost = walked = 0
         flags, parent = self._flags, self._parent
-        for which in _LISTS:
+        first = self._first_segment()
+        for which in (first, first ^ 1, INNER):
+            stop = _PARENT | _HOT if which == PROBATION else _PARENT
             tail = self._head[which]
             while tail != -1 and walked < steps:
                 walked += 1
                 page = tail
                 while True:
-                    if read_until[page] > now or page in keep:
-                        skipped += 1
+                    if page in keep:
+                        cost += 2
+                        break
+                    if read_until[page] > now:
+                        cost += 1
                         break
                     found += 1
                     if found >= count:
-                        return 3 * skipped + count <= steps
+                        return cost <= steps
                     if flags[page] & _FIRST:
+                        if parent[page] >= 0:
+                            cost += 1  # its parent's run may become a leaf and move
                         break
                     page = parent[page]
-                    if flags[page] & _PARENT and which != INNER:
-                        skipped += 1  # found again among the runs with children
+                    if bool(flags[page] & stop) != (which == INNER):
+                        cost += 1  # the rest moves to another list
                         break
                 tail = self._next[tail]
         return count <= 0
+
+    def _first_segment(self) -> int:
+        """The leaf segment a reserve starting now takes victims from first (a subclass's
+        ``budget`` setter chooses it)."""
+        return self._first
 
     def chain(self) -> Order:
         """Copies of the links; the victim order is walked from them later (``RunOrder``)."""

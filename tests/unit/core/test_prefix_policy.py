@@ -294,3 +294,45 @@ def test_after_a_restart_a_reserve_eats_one_page_chains_in_a_row() -> None:
     assert [key for key, _ in evicted] == ["a", "b", "e"]
     check_pool(again)
     assert [key for key, _ in again.stored_items()] == ["f", "d", "c"]
+
+
+def test_a_whole_batch_is_counted_in_the_order_victims_are_taken() -> None:
+    # 100 used pages (each a chain of its own, read-leased) are more than HOT_SHARE of the
+    # pool, so a reserve takes victims from the used runs first and spends its allowance
+    # (64 + 2 per key) stepping over their leased tails: the unused pages are out of its
+    # reach. The count must say so, or a whole batch is placed in part.
+    pool = Pool(111, read_lease=60.0, policy=PrefixPolicy)
+    for i in range(110):
+        _store(pool, [f"k{i}"], 1.0)
+    for i in range(100):
+        pool.get([f"k{i}"], 2.0)  # one get each: no get order links them
+    assert 100 > 111 * HOT_SHARE
+    before = pool.stored_items()
+    assert pool.fits(["x", "y"], 3.0) is False
+    out = pool.reserve(["x", "y"], 3.0, [], whole=True)
+    assert out == [(False, -1), (False, -1)]
+    assert pool.stored_items() == before and pool.reserved_count == 0
+    check_pool(pool)
+
+
+def test_a_whole_batch_is_not_counted_past_a_used_page_of_an_unused_chain() -> None:
+    # A reserve eats an unused chain from its tail down to its first used page; the pages
+    # before that join the used chains, here out of reach behind 110 read-leased tails (more
+    # than the allowance of 64 + 2 per key). The count must not include them.
+    pool = Pool(281, read_lease=60.0, policy=PrefixPolicy)
+    _store(pool, [f"c{i}" for i in range(10)], 1.0)  # c0 <- ... <- c9, unused
+    for i in range(110):
+        _store(pool, [f"k{i}"], 1.0)
+    for i in range(9):
+        _store(pool, [f"z{i}"], 1.0)
+    pool.reserve([f"w{i}" for i in range(150)], 1.0, [])  # being written: not the policy's
+    pool.get(["c3"], 2.0)  # used inside the unused chain; its read lease ends at 62
+    for i in range(110):
+        pool.get([f"k{i}"], 65.0)  # used and read-leased
+    assert 111 <= 281 * HOT_SHARE  # the unused chains are still the segment taken first
+    keys = [f"n{i}" for i in range(20)]  # one free page, 19 to evict: c9..c4, z0..z8 and 4
+    before = pool.stored_items()
+    assert pool.fits(keys, 70.0) is False
+    assert pool.reserve(keys, 70.0, [], whole=True) == [(False, -1)] * 20
+    assert pool.stored_items() == before
+    check_pool(pool)
