@@ -1,5 +1,6 @@
 """``benchmarks/bench_eviction.py``: a short replay through launched servers of both
-policies over two seeds, and its trace reader.
+policies over two seeds, and its trace reader; ``eviction_cycle.py`` and
+``bench_vllm_batches.py`` run short.
 
 No assertion on which policy serves more (a short trace says little): only that every cell
 was measured, the summary sums up the seeds, and the trace reader keys blocks by prefix.
@@ -95,3 +96,14 @@ def test_the_cycle_benchmark_measures_every_policy_and_request_kind() -> None:
     for line in lines:
         for kind in ("exists", "reserve", "confirm", "get", "cycle"):
             assert f" {kind} " in line
+
+
+def test_the_vllm_batch_benchmark_strands_pages_only_per_key() -> None:
+    # Scattered reads under prefix eviction: per-key grants strand pages in given-up saves,
+    # whole batches none; both rules are measured on the same seeded load.
+    args = ("--seconds=60", "--scattered=64", "--json")
+    whole, per_key = json.loads(_run("bench_vllm_batches.py", *args).stdout)
+    assert (whole["rule"], per_key["rule"]) == ("whole", "per-key")
+    assert whole["tasks"] == per_key["tasks"] > 1000
+    assert max(whole["stranded"]) == 0 and whole["stored"] == 8192
+    assert max(per_key["stranded"]) > 0 and per_key["failed"] > whole["failed"]

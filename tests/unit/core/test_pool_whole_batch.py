@@ -116,7 +116,8 @@ def _loaded_pool_run(seed: int, policy: PolicyFactory) -> int:
             assert all(placed) or not fits, (seed, step, sum(placed), len(placed))
             if fits:
                 admitted += 1
-                pool.confirm([(k, p) for k, (hit, p) in zip(keys, out) if not hit], [], now)
+                pairs = zip(keys, out, strict=True)
+                pool.confirm([(k, p) for k, (hit, p) in pairs if not hit], [], now)
                 saved.append(keys)
         elif kind < 0.85 and saved:
             if rng.random() < 0.7:
