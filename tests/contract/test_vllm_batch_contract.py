@@ -135,6 +135,41 @@ def test_pages_being_read_do_not_count_as_room(make: Callable[..., Sync]) -> Non
     assert b.exists(V0, ["a", "b", "c", "d"]) == [True, True, False, False]
 
 
+@pytest.mark.parametrize("leased", [143, 144])
+def test_the_count_pays_for_leased_pages_as_the_reserve_does(
+    make: Callable[..., Sync], leased: int
+) -> None:
+    # The reserve steps over the leased pages at the cold end once (a step each, one more for
+    # the page it then takes) and takes the pages after them for nothing. 40 keys have
+    # 64 + 2 * 40 = 144 steps: 143 leased pages can be stepped over, 144 cannot. Memory and
+    # Redis answer alike, and leave the LRU alike after a refusal.
+    b = make(lease=LEASE)
+    b.v_register(0, leased + 50, None)
+    for i in range(leased + 50):
+        _store(b, V0, [f"k{i}"])
+    b.get(V0, [f"k{i}" for i in range(leased)])  # leased, and moved warm...
+    cold = [f"k{i}" for i in range(leased, leased + 50)]
+    assert all(hit for hit, _ in b.reserve(V0, cold))  # ...then these, not read
+    keys = [f"n{i}" for i in range(40)]
+    out = b.reserve(V0, keys)
+    placed = [page >= 0 for _, page in out]
+    assert all(placed) or not any(placed)
+    if b.kind == "durable":
+        return  # (it evicts ahead of need to keep pages spare, so its counts differ)
+    if leased == 143:
+        assert all(placed)
+        assert b.exists(V0, cold) == [False] * 40 + [True] * 10
+    else:
+        assert not any(placed)
+        st = _stats(b, V0)
+        assert (st.reserved, st.counters["evictions"]) == (0, 0)
+        # The refusal moved the leased pages it would have stepped over warm, as a reserve's
+        # scan does, so the batch sent again finds the pages after them.
+        out = b.reserve(V0, keys)
+        assert -1 not in [page for _, page in out]
+        assert b.exists(V0, cold) == [False] * 40 + [True] * 10
+
+
 def test_a_key_reserved_by_another_writer_is_not_joined_by_a_refused_batch(
     make: Callable[..., Sync],
 ) -> None:

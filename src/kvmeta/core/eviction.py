@@ -95,6 +95,14 @@ class EvictionPolicy(ABC):
         call per reserve, after its victims were taken; a policy that orders by position in a
         request (``core.prefix``) reads it, others need not."""
 
+    def stepped_over(  # noqa: B027 - optional hook
+        self, steps: int, now: float, keep: Container[int], read_until: array[float]
+    ) -> None:
+        """A whole batch was refused (``can_evict`` said no): treat the read-leased pages its
+        victims would have stepped over first, at most ``steps``, as a reserve's would be
+        (moved warm: they are being read), and nothing else. A policy whose victims step
+        over nothing need not."""
+
     def unreserved(self, page: int) -> None:  # noqa: B027 - optional hook
         """``page``'s reservation ended without a confirm (released or expired): whatever
         ``reserved`` noted for it is void."""

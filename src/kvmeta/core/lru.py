@@ -154,19 +154,49 @@ class LruPolicy(EvictionPolicy):
     def can_evict(
         self, count: int, steps: int, now: float, keep: Container[int], read_until: array[float]
     ) -> bool:
-        """Walks from the cold end, each page looked at using one step: ``victim`` spends no
-        more steps than this walk (its common case spends none) and takes pages in the same
-        order, so a True here is kept."""
+        """Walks from the cold end as ``victim`` takes pages: a page that can go at the cold
+        end costs no step; one it cannot take costs one (``_scan`` moves it warm, once a
+        reserve), and so does the page a scan then takes. So a True here is kept. A kept page
+        counts as one that cannot go: a hit moves it warm before a later victim, and a page of
+        a later key of the batch that goes instead frees as many pages as it then needs."""
         nxt = self._next
         page = self._head
-        while page != -1 and steps > 0:
-            steps -= 1
+        cost = 0
+        scanning = False  # a page was stepped over since the last page taken
+        while page != -1:
             if page not in keep and read_until[page] <= now:
+                if scanning:
+                    cost += 1
+                    scanning = False
+                    if cost > steps:
+                        return False
                 count -= 1
                 if count <= 0:
                     return True
+            else:
+                cost += 1
+                scanning = True
+                if cost >= steps:
+                    return False  # the scan's take would not be paid for
             page = nxt[page]
         return count <= 0
+
+    def stepped_over(
+        self, steps: int, now: float, keep: Container[int], read_until: array[float]
+    ) -> None:
+        """Moves the read-leased pages at the cold end to the warm end, as ``_scan`` does,
+        up to the first page that can go or is kept."""
+        page = self._head
+        first = -1  # the first page moved: reaching it again, every page has been looked at
+        while steps > 0 and page not in (-1, first) and page not in keep:
+            after = self._next[page]
+            if read_until[page] <= now or after == -1:
+                break  # one that can go, or the only page left
+            steps -= 1
+            self.used((page,))
+            if first == -1:
+                first = page
+            page = after
 
     def chain(self) -> Order:
         return Order(self._next[:], self._head)

@@ -295,7 +295,7 @@ class Pool(LeaseTable):
         if parent and self._policy.follows_chains:
             up = self._stored.get(parent, -1)
         if whole and not self.fits(keys, now, up):
-            return self._refuse_batch(keys)
+            return self._refuse_batch(keys, now, up)
         stored, reserved, state, page_key = (
             self._stored,
             self._reserved,
@@ -388,21 +388,32 @@ class Pool(LeaseTable):
         short = self.new_keys(keys) - free
         if short <= 0:
             return True
+        steps = _SCAN_ALLOWANCE + 2 * len(keys)
+        keep = self._batch_pages(keys, parent)
+        return self._policy.can_evict(short, steps, now, keep, self._read_until)
+
+    def _batch_pages(self, keys: list[str], parent: int) -> set[int]:
+        """The pages a whole batch's victims never take: its STORED keys' and ``parent``."""
         stored = self._stored
         batch = {page for key in keys if (page := stored.get(key)) is not None}
         if parent >= 0:
             batch.add(parent)
-        steps = _SCAN_ALLOWANCE + 2 * len(keys)
-        return self._policy.can_evict(short, steps, now, batch, self._read_until)
+        return batch
 
     def new_keys(self, keys: list[str]) -> int:
         """How many distinct keys are neither STORED nor RESERVED (a reserve needs a page each)."""
         stored, reserved = self._stored, self._reserved
         return len({k for k in keys if k not in stored and k not in reserved})
 
-    def _refuse_batch(self, keys: list[str]) -> list[tuple[bool, int]]:
+    def _refuse_batch(self, keys: list[str], now: float, parent: int) -> list[tuple[bool, int]]:
         """The answer to a whole batch that does not fit: STORED keys keep their pages (the
-        engine may write them again: a confirm of a STORED key succeeds), every other key -1."""
+        engine may write them again: a confirm of a STORED key succeeds), every other key -1.
+        The read-leased pages its reserve would have stepped over move warm, as any reserve's
+        do (``EvictionPolicy.stepped_over``): otherwise the next batch would find them in its
+        way again, and be refused again, until their leases end."""
+        steps = _SCAN_ALLOWANCE + 2 * len(keys)
+        keep = self._batch_pages(keys, parent)
+        self._policy.stepped_over(steps, now, keep, self._read_until)
         stored = self._stored
         out = [
             (True, page) if (page := stored.get(key)) is not None else (False, -1) for key in keys

@@ -23,7 +23,11 @@ POLICIES = {"lru": LruPolicy, "fifo": FifoPolicy, "prefix": PrefixPolicy}
 
 
 def _state(pool: Pool) -> tuple[object, ...]:
-    return (pool.stored_items(), pool.reserved_count, pool.free_count, pool.frontier)
+    """What a refused batch must leave as it was. The order of the STORED pages but the
+    read-leased ones: those a reserve would step over move warm (``stepped_over``)."""
+    until, now = pool._read_until, 1.0
+    order = [page for _, page in pool.stored_items() if until[page] <= now]
+    return (sorted(pool.stored_items()), order, pool.reserved_count, pool.free_count, pool.frontier)
 
 
 def _random_pool(
@@ -138,3 +142,38 @@ def _loaded_pool_run(seed: int, policy: PolicyFactory) -> int:
 def test_a_batch_the_count_admits_is_placed_whole_in_a_loaded_pool(policy: str) -> None:
     admitted = sum(_loaded_pool_run(seed, POLICIES[policy]) for seed in range(40))
     assert admitted > 400  # most batches fit: the check is not vacuous
+
+
+def _cold_leased(leased: int, free: int) -> Pool:
+    """An LRU pool whose ``leased`` coldest pages are read-leased and the ``free`` after them
+    are not."""
+    pool = Pool(leased + free, read_lease=60.0)
+    for i in range(leased + free):
+        out = pool.reserve([f"k{i}"], 1.0, [])
+        pool.confirm([(f"k{i}", out[0][1])], [], 1.0)
+    pool.get([f"k{i}" for i in range(leased)], 2.0)  # leased until 62, and moved warm...
+    pool.reserve([f"k{i}" for i in range(leased, leased + free)], 3.0, [])  # ...then these
+    return pool
+
+
+def test_lru_counts_a_whole_batch_as_its_reserve_pays_for_it() -> None:
+    # The reserve steps over the leased pages once (a step each, and one for the page it then
+    # takes) and takes the next pages at the cold end for nothing. 40 keys: 64 + 2 * 40 = 144
+    # steps, so 143 leased pages can be stepped over and 144 cannot.
+    keys = [f"n{i}" for i in range(40)]
+    pool = _cold_leased(143, 50)
+    assert pool.fits(keys, 4.0) is True
+    evicted: list[tuple[str, int]] = []
+    out = pool.reserve(keys, 4.0, evicted, whole=True)
+    assert all(page >= 0 for _, page in out)
+    assert [key for key, _ in evicted] == [f"k{i}" for i in range(143, 183)]
+    check_pool(pool)
+    pool = _cold_leased(144, 50)
+    assert pool.fits(keys, 4.0) is False
+    assert pool.reserve(keys, 4.0, [], whole=True) == [(False, -1)] * 40
+    # The refusal moved the leased pages it would have stepped over warm, as a reserve's
+    # scan does: the batch, sent again, is placed (per key, the first key's scan would have
+    # found nothing and the others pages: the part vLLM's connector gives up and strands).
+    out = pool.reserve(keys, 4.0, [], whole=True)
+    assert all(page >= 0 for _, page in out)
+    check_pool(pool)

@@ -150,8 +150,10 @@ if req[3] == 1 and need > 0 then
       batch[stored_p[i]] = true
     end
   end
-  local steps, at = scan_left, 1
-  while short > 0 and steps > 0 do
+  -- As the loop below takes pages: one at the cold end that can go costs nothing, one that
+  -- cannot costs a step (moved warm), and so does the page a scan then takes.
+  local cost, at, scanning = 0, 1, false
+  while short > 0 do
     if at > #cand and not cand_done then
       read_cold(math.max(short, 16))
     end
@@ -159,12 +161,40 @@ if req[3] == 1 and need > 0 then
       break
     end
     local page = cand[at]
-    at, steps = at + 1, steps - 1
+    at = at + 1
     if not batch[page] and not leased(page) then
+      if scanning then
+        cost, scanning = cost + 1, false
+        if cost > scan_left then
+          break
+        end
+      end
       short = short - 1
+    else
+      cost, scanning = cost + 1, true
+      if cost >= scan_left then
+        break
+      end
     end
   end
   if short > 0 then
+    -- As a reserve's scan would (core.lru stepped_over): the read-leased pages at the cold
+    -- end move warm, being read, up to the first that can go or is a key of the batch.
+    local i = 1
+    while i <= scan_left do
+      if i + 1 > #cand and not cand_done then
+        read_cold(16)
+      end
+      local page = cand[i]
+      if page == nil or batch[page] or not leased(page) or i == #cand then
+        break -- (the last page is the only one left: Python leaves it)
+      end
+      move(page)
+      i = i + 1
+    end
+    if #lru_w > 0 then
+      call_many('ZADD', k.lru, lru_w)
+    end
     local out, refused = {}, 0
     for i = 1, #keys do
       if stored_p[i] then
