@@ -282,7 +282,8 @@ class Pool(LeaseTable):
         gives up a whole batch when one key gets -1 and never releases the pages the others
         got, so a partial grant only strands pages until their lease ends. When the pages are
         not there (``fits``), every key but the STORED ones answers -1 and nothing changes: no
-        reservation, no eviction, no use, no joined lease.
+        reservation, no eviction, no use, no joined lease (``_refuse_batch``: only read-leased
+        pages its victims would have stepped over move, as under any reserve).
 
         ``parent``: the key the request names as the first key's prefix (the wire's
         ``[key, prefix_key]`` pairs). When it is STORED and the policy follows chains, its
