@@ -12,9 +12,9 @@ in-process ``core.pool.Pool`` with the server's default leases and ``--eviction`
 rank under a steady load: every ``--step`` seconds a save task of ``--batch`` new keys (the
 connector's logic: confirm every page, or on any ``-1`` do nothing more) and ``--loads`` load
 tasks, each reading the keys of one of the saves a full pool can still hold, in order, as the
-connector loads a request's blocks; or, with ``--scattered N``, one get of N stored keys drawn
-at random. Each read holds its page for the 5 s read lease, so under enough loads some batches
-cannot be placed.
+connector loads a request's blocks; or, with ``--scattered N``, one get of N keys of those
+saves drawn at random. Each read holds its page for the 5 s read lease, so under enough loads
+some batches cannot be placed.
 
 Printed per grant rule: the save tasks that failed, the pages stranded in reservations no
 writer will confirm (sampled every simulated second: median and maximum), and the pages
@@ -34,7 +34,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "src"))
 
-from kvmeta.core import EVICTION_POLICIES  # noqa: E402
+from kvmeta.core import EVICTION_POLICIES, RESERVED  # noqa: E402
 from kvmeta.core.pool import Pool  # noqa: E402
 
 RESERVATION_TTL = 300.0  # kvmeta serve's defaults
@@ -74,7 +74,6 @@ def replay(
     pool = Pool(pages, reservation_ttl=RESERVATION_TTL, read_lease=READ_LEASE, policy=policy)
     result = Result("whole" if whole else "per-key")
     abandoned: set[int] = set()  # pages of failed tasks, reserved until their lease ends
-    stored: list[str] = []
     saves: list[list[str]] = []
     window = max(1, pages // batch)
     sample = 0.0
@@ -90,16 +89,15 @@ def replay(
             abandoned.update(page for hit, page in got if not hit and page >= 0)
         else:
             pool.confirm([(k, p) for k, (_, p) in zip(keys, got, strict=True)], [], now)
-            stored.extend(keys)
             saves.append(keys)
-        if scattered and stored:
-            pool.get([rng.choice(stored) for _ in range(scattered)], now)
-        elif saves:
-            recent = saves[-window:]  # the saves a full pool can still hold
+        recent = saves[-window:]  # the saves a full pool can still hold
+        if scattered and recent:
+            pool.get([rng.choice(rng.choice(recent)) for _ in range(scattered)], now)
+        elif recent:
             for _ in range(loads):
                 pool.get(rng.choice(recent), now)
         if now >= sample:
-            abandoned = {page for page in abandoned if pool.state_of(page) == 1}
+            abandoned = {page for page in abandoned if pool.state_of(page) == RESERVED}
             result.stranded.append(len(abandoned))
             sample += 1.0
         now += step

@@ -96,12 +96,17 @@ class EvictionPolicy(ABC):
         request (``core.prefix``) reads it, others need not."""
 
     def stepped_over(  # noqa: B027 - optional hook
-        self, steps: int, now: float, keep: Container[int], read_until: array[float]
+        self,
+        count: int,
+        steps: int,
+        now: float,
+        keep: Container[int],
+        read_until: array[float],
     ) -> None:
-        """A whole batch was refused (``can_evict`` said no): treat the read-leased pages its
-        victims would have stepped over first, at most ``steps``, as a reserve's would be
-        (moved warm: they are being read), and nothing else. A policy whose victims step
-        over nothing need not."""
+        """A whole batch short of ``count`` pages was refused (``can_evict`` said no): treat
+        the read-leased pages its victims would have stepped over with ``steps``, as they
+        would (moved warm: they are being read), and take nothing. A policy whose victims
+        step over nothing need not."""
 
     def unreserved(self, page: int) -> None:  # noqa: B027 - optional hook
         """``page``'s reservation ended without a confirm (released or expired): whatever

@@ -182,20 +182,38 @@ class LruPolicy(EvictionPolicy):
         return count <= 0
 
     def stepped_over(
-        self, steps: int, now: float, keep: Container[int], read_until: array[float]
+        self,
+        count: int,
+        steps: int,
+        now: float,
+        keep: Container[int],
+        read_until: array[float],
     ) -> None:
-        """Moves the read-leased pages at the cold end to the warm end, as ``_scan`` does,
-        up to the first page that can go or is kept."""
+        """Walks from the cold end as ``can_evict`` does, moving each read-leased page to the
+        warm end (``_scan``'s move) and passing over the pages victims would have taken, until
+        the steps or ``count`` such pages run out, or a kept page (``_scan`` stops there)."""
+        nxt = self._next
         page = self._head
         first = -1  # the first page moved: reaching it again, every page has been looked at
-        while steps > 0 and page not in (-1, first) and page not in keep:
-            after = self._next[page]
-            if read_until[page] <= now or after == -1:
-                break  # one that can go, or the only page left
-            steps -= 1
-            self.used((page,))
-            if first == -1:
-                first = page
+        cost = 0
+        scanning = False
+        while page not in (-1, first) and page not in keep:
+            after = nxt[page]
+            if read_until[page] > now:
+                if cost >= steps:
+                    break
+                cost += 1
+                scanning = True
+                self.used((page,))
+                if first == -1:
+                    first = page
+            else:
+                if count <= 0:
+                    break
+                count -= 1
+                if scanning:
+                    cost += 1
+                    scanning = False
             page = after
 
     def chain(self) -> Order:

@@ -413,8 +413,9 @@ class Pool(LeaseTable):
         do (``EvictionPolicy.stepped_over``): otherwise the next batch would find them in its
         way again, and be refused again, until their leases end."""
         steps = _SCAN_ALLOWANCE + 2 * len(keys)
+        short = self.new_keys(keys) - self.allocatable_count
         keep = self._batch_pages(keys, parent)
-        self._policy.stepped_over(steps, now, keep, self._read_until)
+        self._policy.stepped_over(short, steps, now, keep, self._read_until)
         stored = self._stored
         out = [
             (True, page) if (page := stored.get(key)) is not None else (False, -1) for key in keys

@@ -144,6 +144,7 @@ if req[3] == 1 and need > 0 then
   if st.next < st.n and not (st.hold and now < st.hold) then
     short = short - (st.n - st.next)
   end
+  local wanted = short
   local batch = {}
   for i = 1, #keys do
     if stored_p[i] then
@@ -178,18 +179,33 @@ if req[3] == 1 and need > 0 then
     end
   end
   if short > 0 then
-    -- As a reserve's scan would (core.lru stepped_over): the read-leased pages at the cold
-    -- end move warm, being read, up to the first that can go or is a key of the batch.
-    local i = 1
-    while i <= scan_left do
-      if i + 1 > #cand and not cand_done then
+    -- As the reserve's scans would have (core.lru stepped_over): walking as the count
+    -- does, the read-leased pages move warm, being read, and the `short` pages victims would
+    -- have taken are passed over, until the steps run out or a key of the batch is met.
+    local i, cost, scanning, left = 1, 0, false, wanted
+    while true do
+      if i > #cand and not cand_done then
         read_cold(16)
       end
       local page = cand[i]
-      if page == nil or batch[page] or not leased(page) or i == #cand then
-        break -- (the last page is the only one left: Python leaves it)
+      if page == nil or batch[page] then
+        break
       end
-      move(page)
+      if leased(page) then
+        if cost >= scan_left then
+          break
+        end
+        cost, scanning = cost + 1, true
+        move(page)
+      else
+        if left <= 0 then
+          break
+        end
+        left = left - 1
+        if scanning then
+          cost, scanning = cost + 1, false
+        end
+      end
       i = i + 1
     end
     if #lru_w > 0 then
