@@ -154,16 +154,43 @@ class LruPolicy(EvictionPolicy):
     def can_evict(
         self, count: int, steps: int, now: float, keep: Container[int], read_until: array[float]
     ) -> bool:
-        """Walks from the cold end as ``victim`` takes pages: a page that can go at the cold
-        end costs no step; one it cannot take costs one (``_scan`` moves it warm, once a
-        reserve), and so does the page a scan then takes. So a True here is kept. A kept page
-        counts as one that cannot go: a hit moves it warm before a later victim, and a page of
-        a later key of the batch that goes instead frees as many pages as it then needs."""
+        """Walks from the cold end as ``victim`` takes pages (``_walk``). A kept page counts
+        as one that cannot go: a hit moves it warm before a later victim, and a page of a
+        later key of the batch that goes instead frees as many pages as it then needs."""
+        return self._walk(count, steps, now, keep, read_until, False)
+
+    def stepped_over(
+        self,
+        count: int,
+        steps: int,
+        now: float,
+        keep: Container[int],
+        read_until: array[float],
+    ) -> None:
+        """The same walk as ``can_evict``, moving each read-leased page it steps over to the
+        warm end, as ``_scan`` does."""
+        self._walk(count, steps, now, keep, read_until, True)
+
+    def _walk(
+        self,
+        count: int,
+        steps: int,
+        now: float,
+        keep: Container[int],
+        read_until: array[float],
+        move: bool,
+    ) -> bool:
+        """Whether ``count`` pages can be taken from the cold end within ``steps``, paying as
+        ``victim`` does: a page that can go at the cold end costs no step; one it cannot take
+        costs one (``_scan`` moves it warm, once a reserve), and so does the page a scan then
+        takes. ``move``: move the read-leased pages stepped over warm on the way."""
         nxt = self._next
         page = self._head
+        first = -1  # the first page moved: reaching it again, every page has been looked at
         cost = 0
         scanning = False  # a page was stepped over since the last page taken
-        while page != -1:
+        while page not in (-1, first):
+            after = nxt[page]
             if page not in keep and read_until[page] <= now:
                 if scanning:
                     cost += 1
@@ -176,45 +203,14 @@ class LruPolicy(EvictionPolicy):
             else:
                 cost += 1
                 scanning = True
+                if move and page not in keep:
+                    self.used((page,))
+                    if first == -1:
+                        first = page
                 if cost >= steps:
                     return False  # the scan's take would not be paid for
-            page = nxt[page]
-        return count <= 0
-
-    def stepped_over(
-        self,
-        count: int,
-        steps: int,
-        now: float,
-        keep: Container[int],
-        read_until: array[float],
-    ) -> None:
-        """Walks from the cold end as ``can_evict`` does, moving each read-leased page to the
-        warm end (``_scan``'s move) and passing over the pages victims would have taken, until
-        the steps or ``count`` such pages run out, or a kept page (``_scan`` stops there)."""
-        nxt = self._next
-        page = self._head
-        first = -1  # the first page moved: reaching it again, every page has been looked at
-        cost = 0
-        scanning = False
-        while page not in (-1, first) and page not in keep:
-            after = nxt[page]
-            if read_until[page] > now:
-                if cost >= steps:
-                    break
-                cost += 1
-                scanning = True
-                self.used((page,))
-                if first == -1:
-                    first = page
-            else:
-                if count <= 0:
-                    break
-                count -= 1
-                if scanning:
-                    cost += 1
-                    scanning = False
             page = after
+        return count <= 0
 
     def chain(self) -> Order:
         return Order(self._next[:], self._head)

@@ -144,7 +144,6 @@ if req[3] == 1 and need > 0 then
   if st.next < st.n and not (st.hold and now < st.hold) then
     short = short - (st.n - st.next)
   end
-  local wanted = short
   local batch = {}
   for i = 1, #keys do
     if stored_p[i] then
@@ -152,8 +151,9 @@ if req[3] == 1 and need > 0 then
     end
   end
   -- As the loop below takes pages: one at the cold end that can go costs nothing, one that
-  -- cannot costs a step (moved warm), and so does the page a scan then takes.
-  local cost, at, scanning = 0, 1, false
+  -- cannot costs a step (moved warm), and so does the page a scan then takes. The read-leased
+  -- pages stepped over are noted: a refusal moves them warm, as the scans would have.
+  local cost, at, scanning, over = 0, 1, false, {}
   while short > 0 do
     if at > #cand and not cand_done then
       read_cold(math.max(short, 16))
@@ -173,40 +173,18 @@ if req[3] == 1 and need > 0 then
       short = short - 1
     else
       cost, scanning = cost + 1, true
+      if not batch[page] then
+        over[#over + 1] = page
+      end
       if cost >= scan_left then
         break
       end
     end
   end
   if short > 0 then
-    -- As the reserve's scans would have (core.lru stepped_over): walking as the count
-    -- does, the read-leased pages move warm, being read, and the `short` pages victims would
-    -- have taken are passed over, until the steps run out or a key of the batch is met.
-    local i, cost, scanning, left = 1, 0, false, wanted
-    while true do
-      if i > #cand and not cand_done then
-        read_cold(16)
-      end
-      local page = cand[i]
-      if page == nil or batch[page] then
-        break
-      end
-      if leased(page) then
-        if cost >= scan_left then
-          break
-        end
-        cost, scanning = cost + 1, true
-        move(page)
-      else
-        if left <= 0 then
-          break
-        end
-        left = left - 1
-        if scanning then
-          cost, scanning = cost + 1, false
-        end
-      end
-      i = i + 1
+    -- (core.lru stepped_over: the same walk, moving them)
+    for _, page in ipairs(over) do
+      move(page)
     end
     if #lru_w > 0 then
       call_many('ZADD', k.lru, lru_w)
